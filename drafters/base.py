@@ -1,0 +1,132 @@
+"""The `Drafter` protocol, what crosses between the engine and a drafter, and the drafter registry.
+
+The engine never asks *which* drafter it runs: it calls `propose` once per step for the whole
+running batch, and `on_commit` once the verifier has decided what each request accepted. A new
+drafter is one file with a class decorated by ``@register("name")``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
+
+import numpy as np
+import torch
+
+from specserve.verify import DraftTree, VerifyResult
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What a drafter may know about the target it drafts for.
+
+    model: the target `specserve.model.LlamaModel` (drafter heads reuse its embeddings and LM head);
+           None for drafters that need no weights (n-gram).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    device: torch.device
+    dtype: torch.dtype
+    model_dir: str | None = None
+    model: Any = None
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """Read-only view of one running request, handed to `Drafter.propose`.
+
+    token_ids: int64[L] numpy array, prompt + every emitted token; the last entry is the root (the
+               pending token whose KV is not cached yet), the token the tree's depth-1 nodes follow.
+    hidden_states: for drafters with `needs_hidden_states`: {layer: float[rows, hidden]} of the
+               target's features for the tokens committed by the last step (None otherwise).
+    """
+
+    request_id: str
+    token_ids: np.ndarray
+    temperature: float
+    hidden_states: dict[int, torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class CommitInfo:
+    """What one request committed this step: the verifier's result and the request's new length."""
+
+    request_id: str
+    result: VerifyResult
+    num_tokens: int  # len(token_ids) after the step, the new root included
+
+
+class Drafter(ABC):
+    """Proposes one `DraftTree` per request per step.
+
+    Capability flags (class attributes) tell the engine what to hand over:
+      needs_hidden_states: the verify forward must return target hidden states of `hidden_layers`.
+      gives_probs:         trees carry `probs`, so stochastic verification uses them as q.
+    `max_budget` is the most nodes one tree may have; the engine's budgets never exceed it.
+    """
+
+    name: ClassVar[str] = ""
+    needs_hidden_states: ClassVar[bool] = False
+    hidden_layers: tuple[int, ...] = ()
+    gives_probs: ClassVar[bool] = False
+    max_budget: int = 0
+
+    @abstractmethod
+    def propose(self, requests: list[DraftRequest], budgets: list[int]) -> list[DraftTree]:
+        """One tree per request with at most ``budgets[i]`` nodes (an empty tree is always valid)."""
+
+    def on_commit(self, commits: list[CommitInfo]) -> None:
+        """Update per-request drafter state with what was accepted. Default: stateless."""
+
+    def release(self, request_id: str) -> None:
+        """The request finished or was cancelled: drop its state. Default: stateless."""
+
+
+_REGISTRY: dict[str, type[Drafter]] = {}
+
+
+def register(name: str) -> Callable[[type[Drafter]], type[Drafter]]:
+    """Class decorator: make a drafter available as ``name`` / ``name:path`` in drafter specs."""
+
+    def wrap(cls: type[Drafter]) -> type[Drafter]:
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(f"drafter name {name!r} is already registered by {_REGISTRY[name].__name__}")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return wrap
+
+
+def registered_drafters() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def parse_drafter_spec(spec: str) -> tuple[str, str | None]:
+    """``"name"`` → (name, None); ``"name:path"`` → (name, path)."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"drafter spec must be a non-empty string like 'ngram' or 'draft:PATH', got {spec!r}")
+    name, sep, path = spec.strip().partition(":")
+    if sep and not path:
+        raise ValueError(f"drafter spec {spec!r} has an empty path after ':'")
+    return name, (path or None)
+
+
+def create_drafter(spec: str, target: TargetInfo, options: dict[str, Any] | None = None) -> Drafter:
+    """Build the drafter a spec names. Each drafter class takes ``(target, path=None, **options)``."""
+    name, path = parse_drafter_spec(spec)
+    if name not in _REGISTRY:
+        known = ", ".join(registered_drafters()) or "none"
+        raise ValueError(f"unknown drafter {name!r}; registered drafters: {known}")
+    cls = _REGISTRY[name]
+    options = dict(options or {})
+    accepted = inspect.signature(cls.__init__).parameters
+    unknown = sorted(k for k in options if k not in accepted or k in ("self", "target", "path"))
+    if unknown:
+        allowed = sorted(k for k in accepted if k not in ("self", "target", "path"))
+        raise ValueError(f"unknown option(s) {unknown} for drafter {name!r}; allowed: {allowed}")
+    return cls(target, path=path, **options)

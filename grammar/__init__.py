@@ -1,0 +1,1 @@
+"""specserve.grammar — see design.md §2; filled in by its own issue."""

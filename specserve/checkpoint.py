@@ -1,0 +1,109 @@
+"""Load Hugging Face safetensors checkpoints (single file or sharded index) with exact checks.
+
+The loader knows which tensors a Llama-family model of a given config must have and what shape each
+must be, and says exactly what is missing, unexpected or mis-shaped.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from specserve.config import ModelConfig
+
+# Buffers some exporters save that carry no weights we need.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensor name → shape for every weight a model of this config has."""
+    h, hd = cfg.hidden_size, cfg.head_dim
+    q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes[p + "self_attn.q_proj.weight"] = (q_out, h)
+        shapes[p + "self_attn.k_proj.weight"] = (kv_out, h)
+        shapes[p + "self_attn.v_proj.weight"] = (kv_out, h)
+        shapes[p + "self_attn.o_proj.weight"] = (h, q_out)
+        if cfg.attention_bias:
+            shapes[p + "self_attn.q_proj.bias"] = (q_out,)
+            shapes[p + "self_attn.k_proj.bias"] = (kv_out,)
+            shapes[p + "self_attn.v_proj.bias"] = (kv_out,)
+        if cfg.o_proj_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        shapes[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, h)
+        shapes[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, cfg.intermediate_size)
+        if cfg.mlp_bias:
+            shapes[p + "mlp.gate_proj.bias"] = (cfg.intermediate_size,)
+            shapes[p + "mlp.up_proj.bias"] = (cfg.intermediate_size,)
+            shapes[p + "mlp.down_proj.bias"] = (h,)
+    return shapes
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a model directory, from the shard index when there is one."""
+    index = model_dir / "model.safetensors.index.json"
+    single = model_dir / "model.safetensors"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{str(index)!r} is not a valid shard index (needs a 'weight_map'): {exc}") from exc
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"shard(s) named in {index.name} are missing: {', '.join(missing)}")
+        return files
+    if single.is_file():
+        return [single]
+    others = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(p.name for p in model_dir.glob("*.pt"))
+    hint = f" (found {', '.join(others)}: convert to safetensors)" if others else ""
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {str(model_dir)!r}{hint}")
+
+
+def load_state_dict(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Read every expected tensor, converted to `dtype` on `device`; raise on any mismatch."""
+    model_dir = Path(model_dir)
+    expected = expected_shapes(cfg)
+    state: dict[str, torch.Tensor] = {}
+    unexpected: list[str] = []
+    for path in checkpoint_files(model_dir):
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    if name.endswith(_IGNORED_SUFFIXES):
+                        continue
+                    if name not in expected:
+                        unexpected.append(name)
+                        continue
+                    tensor = f.get_tensor(name)
+                    if tuple(tensor.shape) != expected[name]:
+                        raise ValueError(
+                            f"{path.name}: tensor {name!r} has shape {tuple(tensor.shape)}, but config.json "
+                            f"implies {expected[name]} (checkpoint and config do not match)"
+                        )
+                    state[name] = tensor.to(device=device, dtype=dtype)
+        except ValueError:
+            raise
+        except Exception as exc:  # safetensors raises its own error types for truncated/corrupt files
+            raise ValueError(f"{str(path)!r} is not a readable safetensors file (corrupt or truncated?): {exc}") from exc
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(f"checkpoint in {str(model_dir)!r} is missing {len(missing)} tensor(s): {shown}")
+    if unexpected:
+        shown = ", ".join(sorted(unexpected)[:5]) + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else "")
+        raise ValueError(
+            f"checkpoint in {str(model_dir)!r} has {len(unexpected)} tensor(s) a {cfg.model_type} model of this "
+            f"config does not have: {shown}"
+        )
+    return state

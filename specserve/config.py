@@ -1,0 +1,136 @@
+"""The target model's architecture, read from a Hugging Face `config.json` through transformers.
+
+We own the forward pass (tree attention, paged KV), but not config parsing: transformers knows every
+field spelling of Llama, Mistral and Qwen2 configs, including RoPE scaling variants.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2 fields)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2; Llama's `attention_bias`)
+    o_proj_bias: bool  # Llama's `attention_bias` also covers o_proj; Qwen2 has none there
+    mlp_bias: bool
+    sliding_window: int | None  # Mistral: a query sees keys at most `sliding_window - 1` positions back
+    hidden_act: str
+    hf_config: Any  # the transformers config object, for RoPE parameter functions
+
+    @property
+    def num_params(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        attn = h * self.head_dim * (self.num_heads * 2 + self.num_kv_heads * 2)
+        per_layer = attn + 3 * h * i + 2 * h
+        return v * h * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + h
+
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    """Read and validate ``model_dir/config.json``; raise with what is wrong and what is supported."""
+    model_dir = Path(model_dir)
+    path = model_dir / "config.json"
+    if not model_dir.exists():
+        raise FileNotFoundError(f"model directory {str(model_dir)!r} does not exist")
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"model path {str(model_dir)!r} is not a directory")
+    if not path.is_file():
+        raise FileNotFoundError(f"{str(path)!r} not found: a model directory needs a Hugging Face config.json")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{str(path)!r} is not readable JSON: {exc}") from exc
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"unsupported architecture: model_type={model_type!r} in {str(path)!r}; "
+            f"specserve supports {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+
+    from transformers import AutoConfig
+
+    try:
+        hf = AutoConfig.from_pretrained(str(model_dir))
+    except Exception as exc:  # transformers raises many types for a bad config; name the file
+        raise ValueError(f"cannot parse {str(path)!r} as a {model_type} config: {exc}") from exc
+    return config_from_hf(hf)
+
+
+def config_from_hf(hf: Any) -> ModelConfig:
+    model_type = hf.model_type
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"unsupported architecture {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
+    num_heads = hf.num_attention_heads
+    num_kv_heads = getattr(hf, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
+    if hf.hidden_act not in ("silu", "swish"):
+        raise ValueError(f"unsupported hidden_act {hf.hidden_act!r}; Llama-family models use 'silu'")
+
+    sliding_window = None
+    if model_type == "mistral":
+        sliding_window = getattr(hf, "sliding_window", None)
+    elif model_type == "qwen2" and getattr(hf, "use_sliding_window", False):
+        raise ValueError("Qwen2 configs with use_sliding_window=true (per-layer windows) are not supported")
+
+    if model_type == "qwen2":
+        attention_bias, o_proj_bias = True, False
+    else:
+        attention_bias = o_proj_bias = bool(getattr(hf, "attention_bias", False))
+
+    rope = _rope_parameters(hf)
+    if rope.get("rope_type", "default") in ("dynamic", "longrope"):
+        raise ValueError(
+            f"rope_type {rope['rope_type']!r} changes with sequence length and is not supported; "
+            "supported: default, linear, llama3, yarn"
+        )
+
+    return ModelConfig(
+        model_type=model_type,
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size,
+        num_layers=hf.num_hidden_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=hf.rms_norm_eps,
+        max_position_embeddings=hf.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        attention_bias=attention_bias,
+        o_proj_bias=o_proj_bias,
+        mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+        sliding_window=sliding_window,
+        hidden_act=hf.hidden_act,
+        hf_config=hf,
+    )
+
+
+def _rope_parameters(hf: Any) -> dict:
+    """RoPE settings under either spelling (transformers 5 `rope_parameters`, 4.x `rope_scaling`)."""
+    params = getattr(hf, "rope_parameters", None)
+    if params:
+        return dict(params)
+    scaling = dict(getattr(hf, "rope_scaling", None) or {})
+    scaling.setdefault("rope_type", scaling.get("type", "default"))
+    scaling.setdefault("rope_theta", getattr(hf, "rope_theta", 10000.0))
+    return scaling

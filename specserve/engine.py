@@ -1,0 +1,317 @@
+"""The step loop: admit → draft → ONE batched verify forward → accept → commit → stream.
+
+Prefill, plain decoding and speculative decoding are one path: a prefilling request brings its
+prompt with a causal mask, a decoding request brings its root plus its draft tree (empty for plain
+decoding) with the tree's ancestor mask, and all of them go through a single target forward.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specserve.attention import SequenceSlice
+from specserve.budget import StaticBudget
+from specserve.kv_cache import PagedKVCache
+from specserve.model import LlamaModel
+from specserve.request import Request, RequestDelta, Status
+from specserve.sampling import SamplingParams, logits_to_probs
+from specserve.verify import DraftTree, VerifyResult
+from specserve.verify.accept import greedy_accept, stochastic_accept
+from specserve.drafters.base import CommitInfo, DraftRequest, Drafter
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """max_model_len: context window (prompt + output). kv_cache_slots: total cached tokens."""
+
+    max_model_len: int
+    kv_cache_slots: int
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_prefill_tokens: int = 8192  # prompt tokens admitted per step, so one step stays short
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "kv_cache_slots", "block_size", "max_num_seqs", "max_prefill_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+
+class Engine:
+    def __init__(
+        self,
+        model: LlamaModel,
+        tokenizer,
+        drafter: Drafter | None,
+        config: EngineConfig,
+        eos_token_ids: tuple[int, ...] = (),
+        budget_policy=None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.drafter = drafter
+        self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.budget_policy = budget_policy or StaticBudget(drafter.max_budget if drafter else 0)
+        cfg = model.config
+        self.cache = PagedKVCache(
+            cfg.num_layers,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            num_blocks=-(-config.kv_cache_slots // config.block_size),
+            block_size=config.block_size,
+            device=model.device,
+            dtype=model.dtype,
+        )
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._hidden_layers = tuple(drafter.hidden_layers) if drafter and drafter.needs_hidden_states else ()
+
+    # ---- request lifecycle ----------------------------------------------------------------------
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Request:
+        """Validate and queue a request; raises ValueError naming what is wrong."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if len(prompt_ids) == 0:
+            raise ValueError("prompt is empty: give at least one token")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if len(prompt_ids) >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens but the context window is {self.config.max_model_len}: "
+                "leave room for at least one new token"
+            )
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if self._slots_needed(len(prompt_ids), params) > self.cache.allocator.num_blocks * self.cache.block_size:
+            raise ValueError(
+                f"request needs {self._slots_needed(len(prompt_ids), params)} KV slots but the cache holds "
+                f"{self.cache.allocator.num_blocks * self.cache.block_size}: lower max_tokens or raise kv_cache_tokens"
+            )
+        req = Request(request_id, list(prompt_ids), params, self.tokenizer, self.config.max_model_len)
+        self.requests[request_id] = req
+        self.waiting.append(req)
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request (queued or running), free its KV; False if it is unknown or finished."""
+        req = self.requests.get(request_id)
+        if req is None or req.status is Status.FINISHED:
+            return False
+        if req.status is Status.WAITING:
+            self.waiting.remove(req)
+        self._finish(req, "cancelled")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def pop_finished(self, request_id: str) -> Request:
+        req = self.requests.pop(request_id)
+        assert req.status is Status.FINISHED
+        return req
+
+    def _slots_needed(self, prompt_len: int, params: SamplingParams) -> int:
+        max_len = min(prompt_len + params.max_tokens, self.config.max_model_len)
+        max_budget = self.drafter.max_budget if self.drafter else 0
+        return max_len + max_budget + 1
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        req.finish_time = time.perf_counter()
+        req.detok.flush()
+        if req in self.running:
+            self.running.remove(req)
+        self.cache.free(req.request_id)
+        if self.drafter is not None:
+            self.drafter.release(req.request_id)
+
+    # ---- the step -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestDelta]:
+        """Run one engine step over every running request; return what each produced."""
+        prefills = self._admit()
+        decodes = [r for r in self.running if r.prefilled]
+        trees = self._draft(decodes)
+        if not prefills and not decodes:
+            return []
+
+        slices, ids, positions, logit_rows = [], [], [], []
+        row = 0
+        for r in prefills:
+            n = r.prompt_len
+            pos = torch.arange(n)
+            slices.append(SequenceSlice(r.request_id, 0, pos))
+            ids.append(torch.from_numpy(r.token_ids.copy()))
+            positions.append(pos)
+            logit_rows.append(torch.tensor([row + n - 1]))
+            row += n
+        for r, tree in zip(decodes, trees):
+            n = tree.num_nodes + 1
+            pos = tree.positions(r.num_cached)
+            slices.append(SequenceSlice(r.request_id, r.num_cached, pos, tree.ancestor_mask if tree.num_nodes else None))
+            ids.append(torch.cat([torch.tensor([int(r.token_ids[-1])]), tree.tokens]))
+            positions.append(pos)
+            logit_rows.append(torch.arange(row, row + n))
+            row += n
+
+        device = self.model.device
+        out = self.model.forward(
+            torch.cat(ids).to(device),
+            torch.cat(positions).to(device),
+            slices,
+            self.cache,
+            torch.cat(logit_rows).to(device),
+            self._hidden_layers,
+        )
+        # One host transfer: the argmax of every row, and target probabilities for sampled rows.
+        rows_per_req = [1] * len(prefills) + [t.num_nodes + 1 for t in trees]
+        reqs = prefills + decodes
+        argmax_cpu, probs_cpu = self._targets(out.logits, reqs, rows_per_req)
+
+        results: list[tuple[Request, list[int]]] = []
+        offset = 0
+        for r in prefills:
+            results.append((r, [self._sample_row(r, argmax_cpu, probs_cpu, offset)]))
+            r.num_cached = r.prompt_len
+            offset += 1
+        moves_src, moves_dst, commits = [], [], []
+        for r, tree in zip(decodes, trees):
+            n = tree.num_nodes + 1
+            if r.params.greedy:
+                result = greedy_accept(tree, argmax_cpu[offset : offset + n])
+            else:
+                result = stochastic_accept(tree, probs_cpu[offset : offset + n], r.generator)
+            offset += n
+            r.stats.record(tree, result)
+            # KV: root at slot num_cached stays; accepted node i (slot num_cached+1+i) moves next to it.
+            if result.num_accepted:
+                src = torch.tensor(result.accepted_nodes) + r.num_cached + 1
+                dst = torch.arange(1, result.num_accepted + 1) + r.num_cached
+                moved = src != dst
+                if bool(moved.any()):
+                    moves_src.append(self.cache.slots(r.request_id, src[moved].to(device)))
+                    moves_dst.append(self.cache.slots(r.request_id, dst[moved].to(device)))
+            r.num_cached += 1 + result.num_accepted
+            results.append((r, result.emitted_tokens))
+            commits.append((r, result))
+        if moves_src:
+            self.cache.move(torch.cat(moves_src), torch.cat(moves_dst))
+        if self._hidden_layers:
+            self._keep_hidden(out.hidden_states, prefills, decodes, trees, commits)
+
+        deltas = [self._emit(r, tokens) for r, tokens in results]
+        if self.drafter is not None and commits:
+            self.drafter.on_commit([CommitInfo(r.request_id, res, r.num_tokens) for r, res in commits])
+        return deltas
+
+    def _admit(self) -> list[Request]:
+        """Move waiting requests into the running batch while sequences, tokens and KV allow."""
+        admitted: list[Request] = []
+        prefill_tokens = 0
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            need = self._slots_needed(req.prompt_len, req.params)
+            if admitted and prefill_tokens + req.prompt_len > self.config.max_prefill_tokens:
+                break
+            if not self.cache.allocator.can_allocate(need):
+                break  # first-come first-served: wait for blocks rather than let later requests jump ahead
+            self.waiting.popleft()
+            self.cache.allocate(req.request_id, need)
+            req.status = Status.RUNNING
+            self.running.append(req)
+            admitted.append(req)
+            prefill_tokens += req.prompt_len
+        return admitted
+
+    def _draft(self, decodes: list[Request]) -> list[DraftTree]:
+        if not decodes:
+            return []
+        if self.drafter is None:
+            return [DraftTree.empty() for _ in decodes]
+        budgets = []
+        for r, b in zip(decodes, self.budget_policy.budgets(decodes)):
+            remaining = r.params.max_tokens - r.num_output - 1  # the bonus token always comes
+            room = self.config.max_model_len - r.num_cached - 1
+            budgets.append(max(0, min(b, self.drafter.max_budget, remaining, room)))
+        if not any(budgets):
+            return [DraftTree.empty() for _ in decodes]
+        views = [
+            DraftRequest(r.request_id, r.token_ids, r.params.temperature, r.hidden_states) for r in decodes
+        ]
+        trees = self.drafter.propose(views, budgets)
+        vocab = self.model.config.vocab_size
+        for tree, budget in zip(trees, budgets):
+            if tree.num_nodes > budget:
+                raise RuntimeError(f"drafter {self.drafter.name!r} proposed {tree.num_nodes} nodes over a budget of {budget}")
+            if tree.num_nodes and int(tree.tokens.max()) >= vocab:
+                raise RuntimeError(f"drafter {self.drafter.name!r} proposed token ids outside the vocabulary")
+        return trees
+
+    def _targets(self, logits: torch.Tensor, reqs: list[Request], rows_per_req: list[int]):
+        """argmax [M] for every row, and probs [M, V] (rows of greedy requests unused) when any request samples."""
+        argmax_cpu = logits.argmax(dim=-1).cpu()
+        sampled = [not r.params.greedy for r in reqs]
+        if not any(sampled):
+            return argmax_cpu, None
+        per_row = lambda f: torch.repeat_interleave(
+            torch.tensor([f(r.params) for r in reqs], dtype=torch.float32), torch.tensor(rows_per_req)
+        ).to(logits.device)
+        probs = logits_to_probs(
+            logits,
+            per_row(lambda p: p.temperature if p.temperature > 0 else 1.0),
+            per_row(lambda p: p.top_k).long(),
+            per_row(lambda p: p.top_p),
+            per_row(lambda p: p.min_p),
+        )
+        return argmax_cpu, probs.cpu()
+
+    @staticmethod
+    def _sample_row(r: Request, argmax_cpu, probs_cpu, row: int) -> int:
+        if r.params.greedy:
+            return int(argmax_cpu[row])
+        return int(torch.multinomial(probs_cpu[row], 1, generator=r.generator))
+
+    def _emit(self, r: Request, tokens: list[int]) -> RequestDelta:
+        """Append accepted tokens one by one, stopping at EOS, max_tokens, the context end or a stop string."""
+        if r.first_token_time is None:
+            r.first_token_time = time.perf_counter()
+        kept: list[int] = []
+        reason = None
+        for tok in tokens:
+            r.append(tok)
+            kept.append(tok)
+            if r.detok.add(tok):
+                reason = "stop"
+            elif tok in self.eos_token_ids and not r.params.ignore_eos:
+                reason = "stop"
+            elif r.num_output >= r.params.max_tokens or r.num_tokens >= self.config.max_model_len:
+                reason = "length"
+            if reason:
+                break
+        if reason:
+            self._finish(r, reason)
+        return RequestDelta(r.request_id, kept, r.detok.take_delta(final=reason is not None), reason is not None, reason)
+
+    def _keep_hidden(self, hidden, prefills, decodes, trees, commits) -> None:
+        """Hand the drafter the target features of the rows each request just committed."""
+        offset = 0
+        for r in prefills:
+            r.hidden_states = {layer: h[offset : offset + 1] for layer, h in hidden.items()}
+            offset += 1
+        for (r, result), tree in zip(commits, trees):
+            rows = torch.tensor([0, *(i + 1 for i in result.accepted_nodes)]) + offset
+            r.hidden_states = {layer: h[rows.to(h.device)] for layer, h in hidden.items()}
+            offset += tree.num_nodes + 1

@@ -1,0 +1,181 @@
+"""`LLM`: the Python API — load a target and a drafter, generate in batches or stream."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specserve.device import resolve_device, resolve_dtype
+from specserve.drafters import TargetInfo, create_drafter
+from specserve.engine import Engine, EngineConfig
+from specserve.model import LlamaModel
+from specserve.request import RequestOutput
+from specserve.sampling import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """A target model (Hugging Face Llama-family directory) with an optional drafter.
+
+    drafter: a spec such as ``"ngram"`` or ``"draft:PATH"``; None decodes plainly through the same loop.
+    kv_cache_tokens: total tokens the paged cache holds (default: max_num_seqs full contexts, capped
+    at 2 GiB of cache on CPU).
+    """
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        drafter: str | None = None,
+        *,
+        drafter_options: dict[str, Any] | None = None,
+        device: str = "auto",
+        dtype: str | torch.dtype | None = None,
+        max_num_seqs: int = 64,
+        max_model_len: int | None = None,
+        kv_cache_tokens: int | None = None,
+        block_size: int = 16,
+        attention: str = "sdpa",
+    ) -> None:
+        if model is None:
+            raise ValueError("no model given: pass model='path/to/hf-dir' (the embedded default model is not bundled yet)")
+        model_dir = Path(model)
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.model = LlamaModel.from_pretrained(model_dir, self.device, self.dtype, attention)
+        cfg = self.model.config
+        self.model_dir = str(model_dir)
+        self.tokenizer = _load_tokenizer(model_dir)
+        if max_model_len is None:
+            max_model_len = cfg.max_position_embeddings
+        if not 1 < max_model_len <= cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len must be in [2, {cfg.max_position_embeddings}], got {max_model_len}")
+        if kv_cache_tokens is None:
+            from specserve.kv_cache import PagedKVCache
+
+            per_slot = PagedKVCache.bytes_per_slot(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+            kv_cache_tokens = min(max_num_seqs * (max_model_len + 64), (2 << 30) // per_slot)
+        self.drafter_spec = drafter
+        drafter_obj = None
+        if drafter is not None:
+            target = TargetInfo(
+                vocab_size=cfg.vocab_size,
+                hidden_size=cfg.hidden_size,
+                num_layers=cfg.num_layers,
+                device=self.device,
+                dtype=self.dtype,
+                model_dir=self.model_dir,
+                model=self.model,
+            )
+            drafter_obj = create_drafter(drafter, target, drafter_options)
+        self.engine = Engine(
+            self.model,
+            self.tokenizer,
+            drafter_obj,
+            EngineConfig(max_model_len=max_model_len, kv_cache_slots=kv_cache_tokens, block_size=block_size, max_num_seqs=max_num_seqs),
+            eos_token_ids=_eos_token_ids(model_dir, cfg.hf_config, self.tokenizer),
+        )
+
+    # ---- prompts --------------------------------------------------------------------------------
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError(f"{self.model_dir!r} has no tokenizer files: give prompts as token-id lists")
+            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        ids = list(prompt)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise TypeError("a token-id prompt must be a list of ints")
+        return ids
+
+    # ---- generation -----------------------------------------------------------------------------
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run prompts as one batch through the step loop; outputs come back in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("no prompts given")
+        param_list = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
+        if len(param_list) != len(prompts):
+            raise ValueError(f"got {len(param_list)} SamplingParams for {len(prompts)} prompts")
+        encoded = [self.encode(p) for p in prompts]  # validate everything before queueing anything
+        ids = []
+        try:
+            for prompt_ids, p in zip(encoded, param_list):
+                ids.append(self.engine.add_request(prompt_ids, p).request_id)
+        except Exception:
+            for rid in ids:
+                self.engine.abort(rid)
+                self.engine.pop_finished(rid)
+            raise
+        while any(self.engine.requests[rid].finish_reason is None for rid in ids):
+            self.engine.step()
+        return [self._output(self.engine.pop_finished(rid)) for rid in ids]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield text deltas as tokens are accepted (the first comes straight from prefill)."""
+        req = self.engine.add_request(self.encode(prompt), params or SamplingParams())
+        try:
+            while req.finish_reason is None:
+                for delta in self.engine.step():
+                    if delta.request_id == req.request_id and delta.text:
+                        yield delta.text
+        finally:
+            if req.finish_reason is None:
+                self.engine.abort(req.request_id)
+            self.engine.pop_finished(req.request_id)
+        self.last_output = self._output(req)
+
+    @staticmethod
+    def _output(req) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.token_ids[: req.prompt_len].tolist(),
+            token_ids=req.output_ids,
+            text=req.detok.text,
+            finish_reason=req.finish_reason,
+            spec=req.stats,
+            ttft_s=(req.first_token_time - req.arrival_time) if req.first_token_time else None,
+            e2e_s=(req.finish_time - req.arrival_time) if req.finish_time else None,
+        )
+
+
+def _load_tokenizer(model_dir: Path):
+    """The directory's tokenizer through transformers, or None when it ships none."""
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any((model_dir / n).exists() for n in names):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as exc:
+        raise ValueError(f"cannot load the tokenizer in {str(model_dir)!r}: {exc}") from exc
+
+
+def _eos_token_ids(model_dir: Path, hf_config, tokenizer) -> tuple[int, ...]:
+    """EOS ids from generation_config.json, else config.json, else the tokenizer."""
+    eos = None
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        try:
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{str(gen)!r} is not valid JSON: {exc}") from exc
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)

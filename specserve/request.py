@@ -1,0 +1,140 @@
+"""A request's state inside the engine, its speculation statistics, and what callers get back."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from specserve.detokenizer import IncrementalDetokenizer
+from specserve.sampling import SamplingParams
+from specserve.verify import DraftTree, VerifyResult
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SpecStats:
+    """Speculation statistics of one request.
+
+    num_steps:              verify steps (the prefill that produced the first token is not one).
+    mean_accepted_length:   τ — tokens emitted per verify step, bonus token included (1.0 = plain).
+    accepted_per_position:  [d-1] = steps in which the draft token at depth d was accepted.
+    drafted_per_position:   [d-1] = steps whose tree reached depth d.
+    """
+
+    num_steps: int = 0
+    num_emitted: int = 0
+    num_drafted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return self.num_emitted / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def acceptance_rate_per_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    def record(self, tree: DraftTree, result: VerifyResult) -> None:
+        self.num_steps += 1
+        self.num_emitted += result.num_accepted + 1
+        self.num_drafted += tree.num_nodes
+        depth = tree.max_depth
+        _grow(self.drafted_per_position, depth)
+        _grow(self.accepted_per_position, depth)
+        for d in range(depth):
+            self.drafted_per_position[d] += 1
+        for d in range(result.num_accepted):
+            self.accepted_per_position[d] += 1
+
+    def to_dict(self) -> dict:
+        return {
+            "num_steps": self.num_steps,
+            "mean_accepted_length": self.mean_accepted_length,
+            "num_drafted": self.num_drafted,
+            "accepted_per_position": list(self.accepted_per_position),
+            "drafted_per_position": list(self.drafted_per_position),
+        }
+
+
+def _grow(counts: list[int], length: int) -> None:
+    counts.extend([0] * (length - len(counts)))
+
+
+class Request:
+    """Engine-side state. Invariant while running: len(token_ids) == num_cached + 1 (the root)."""
+
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer, max_len: int) -> None:
+        self.request_id = request_id
+        self.params = params
+        self.prompt_len = len(prompt_ids)
+        self._tokens = np.empty(max_len + 1, dtype=np.int64)  # prompt + output; +1 for the root slack
+        self._tokens[: self.prompt_len] = prompt_ids
+        self.num_tokens = self.prompt_len
+        self.num_cached = 0
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None
+        self.stats = SpecStats()
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.stop)
+        self.generator = torch.Generator().manual_seed(
+            params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
+        )
+        self.hidden_states: dict[int, torch.Tensor] | None = None  # target features for the drafter
+        self.arrival_time = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+
+    @property
+    def token_ids(self) -> np.ndarray:
+        """int64[num_tokens]: prompt + output (a view; copy before keeping it)."""
+        return self._tokens[: self.num_tokens]
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self._tokens[self.prompt_len : self.num_tokens].tolist()
+
+    @property
+    def num_output(self) -> int:
+        return self.num_tokens - self.prompt_len
+
+    @property
+    def prefilled(self) -> bool:
+        return self.num_cached > 0
+
+    def append(self, token: int) -> None:
+        self._tokens[self.num_tokens] = token
+        self.num_tokens += 1
+
+
+@dataclass(frozen=True)
+class RequestDelta:
+    """What one engine step produced for one request."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """A finished request: `finish_reason` is "stop", "length" or "cancelled"."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    spec: SpecStats
+    ttft_s: float | None
+    e2e_s: float | None

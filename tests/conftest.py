@@ -1,0 +1,23 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))  # tiny_models helpers
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+from tiny_models import build_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory) -> Path:
+    """A 2-layer GQA Llama with a trained BPE tokenizer (random weights, scaled up so outputs vary)."""
+    return build_model(tmp_path_factory.mktemp("llama"), "llama", init_std=0.2)
+
+
+@pytest.fixture(scope="session")
+def small_vocab_dir(tmp_path_factory) -> Path:
+    """A Llama with a 16-token vocabulary and no tokenizer: random drafts often hit, sampling tests are cheap."""
+    return build_model(tmp_path_factory.mktemp("small_vocab"), "llama", vocab_size=16, tokenizer=False, init_std=0.3)
