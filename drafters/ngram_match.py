@@ -209,7 +209,7 @@ def build_ngram_tree(ctx, min_n, max_n, branching, depth, cap):
             if t == ln:
                 continue  # already contained
             if has_child[parent + 1]:
-                if leaves > branching:
+                if leaves >= branching:
                     continue  # would branch off: no leaf left
                 leaves += 1
             while t < ln and num < cap:

@@ -12,7 +12,6 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from specserve.attention import SequenceSlice
@@ -22,7 +21,7 @@ from specserve.model import LlamaModel
 from specserve.request import Request, RequestDelta, Status
 from specserve.sampling import SamplingParams, logits_to_probs
 from specserve.verify import DraftTree, VerifyResult
-from specserve.verify.accept import greedy_accept, stochastic_accept
+from specserve.verify.accept import accept_batch, split_verify_rows
 from specserve.drafters.base import CommitInfo, DraftRequest, Drafter
 
 
@@ -176,27 +175,18 @@ class Engine:
             torch.cat(logit_rows).to(device),
             self._hidden_layers,
         )
-        # One host transfer: the argmax of every row, and target probabilities for sampled rows.
-        rows_per_req = [1] * len(prefills) + [t.num_nodes + 1 for t in trees]
+        # A prefilling request verifies the empty tree: its "bonus token" is its first token.
         reqs = prefills + decodes
-        argmax_cpu, probs_cpu = self._targets(out.logits, reqs, rows_per_req)
-
-        results: list[tuple[Request, list[int]]] = []
-        offset = 0
+        all_trees = [DraftTree.empty()] * len(prefills) + trees
+        results = self._accept(out.logits, reqs, all_trees)
         for r in prefills:
-            results.append((r, [self._sample_row(r, argmax_cpu, probs_cpu, offset)]))
             r.num_cached = r.prompt_len
-            offset += 1
+
+        emitted: list[tuple[Request, list[int]]] = [(r, [res.bonus_token]) for r, res in zip(prefills, results)]
         moves_src, moves_dst, commits = [], [], []
-        for r, tree in zip(decodes, trees):
-            n = tree.num_nodes + 1
-            if r.params.greedy:
-                result = greedy_accept(tree, argmax_cpu[offset : offset + n])
-            else:
-                result = stochastic_accept(tree, probs_cpu[offset : offset + n], r.generator)
-            offset += n
+        for r, tree, result in zip(decodes, trees, results[len(prefills):]):
             r.stats.record(tree, result)
-            # KV: root at slot num_cached stays; accepted node i (slot num_cached+1+i) moves next to it.
+            # KV: the root at slot num_cached stays; accepted node i (slot num_cached+1+i) moves next to it.
             if result.num_accepted:
                 src = torch.tensor(result.accepted_nodes) + r.num_cached + 1
                 dst = torch.arange(1, result.num_accepted + 1) + r.num_cached
@@ -205,14 +195,14 @@ class Engine:
                     moves_src.append(self.cache.slots(r.request_id, src[moved].to(device)))
                     moves_dst.append(self.cache.slots(r.request_id, dst[moved].to(device)))
             r.num_cached += 1 + result.num_accepted
-            results.append((r, result.emitted_tokens))
+            emitted.append((r, result.emitted_tokens))
             commits.append((r, result))
         if moves_src:
             self.cache.move(torch.cat(moves_src), torch.cat(moves_dst))
         if self._hidden_layers:
             self._keep_hidden(out.hidden_states, prefills, decodes, trees, commits)
 
-        deltas = [self._emit(r, tokens) for r, tokens in results]
+        deltas = [self._emit(r, tokens) for r, tokens in emitted]
         if self.drafter is not None and commits:
             self.drafter.on_commit([CommitInfo(r.request_id, res, r.num_tokens) for r, res in commits])
         return deltas
@@ -260,29 +250,29 @@ class Engine:
                 raise RuntimeError(f"drafter {self.drafter.name!r} proposed token ids outside the vocabulary")
         return trees
 
-    def _targets(self, logits: torch.Tensor, reqs: list[Request], rows_per_req: list[int]):
-        """argmax [M] for every row, and probs [M, V] (rows of greedy requests unused) when any request samples."""
-        argmax_cpu = logits.argmax(dim=-1).cpu()
-        sampled = [not r.params.greedy for r in reqs]
-        if not any(sampled):
-            return argmax_cpu, None
-        per_row = lambda f: torch.repeat_interleave(
-            torch.tensor([f(r.params) for r in reqs], dtype=torch.float32), torch.tensor(rows_per_req)
-        ).to(logits.device)
-        probs = logits_to_probs(
-            logits,
-            per_row(lambda p: p.temperature if p.temperature > 0 else 1.0),
-            per_row(lambda p: p.top_k).long(),
-            per_row(lambda p: p.top_p),
-            per_row(lambda p: p.min_p),
-        )
-        return argmax_cpu, probs.cpu()
+    def _accept(self, logits: torch.Tensor, reqs: list[Request], trees: list[DraftTree]) -> list[VerifyResult]:
+        """Greedy rows need only the argmax, sampled rows the processed target distribution; both
+        are gathered on the device and reach the host in one transfer (inside accept_batch)."""
+        greedy = [r.params.greedy for r in reqs]
+        greedy_rows, sampled_rows = split_verify_rows(trees, greedy)
+        device = logits.device
+        target_tokens = logits[greedy_rows.to(device)].argmax(dim=-1) if greedy_rows.numel() else None
+        target_probs = None
+        if sampled_rows.numel():
+            sampled = [(r.params, t.num_nodes + 1) for r, t, g in zip(reqs, trees, greedy) if not g]
+            counts = torch.tensor([n for _, n in sampled])
 
-    @staticmethod
-    def _sample_row(r: Request, argmax_cpu, probs_cpu, row: int) -> int:
-        if r.params.greedy:
-            return int(argmax_cpu[row])
-        return int(torch.multinomial(probs_cpu[row], 1, generator=r.generator))
+            def per_row(values: list[float], dtype=torch.float32) -> torch.Tensor:
+                return torch.repeat_interleave(torch.tensor(values, dtype=dtype), counts).to(device)
+
+            target_probs = logits_to_probs(
+                logits[sampled_rows.to(device)],
+                per_row([p.temperature for p, _ in sampled]),
+                per_row([p.top_k for p, _ in sampled], torch.int64),
+                per_row([p.top_p for p, _ in sampled]),
+                per_row([p.min_p for p, _ in sampled]),
+            )
+        return accept_batch(trees, greedy, target_tokens, target_probs, [r.generator for r in reqs])
 
     def _emit(self, r: Request, tokens: list[int]) -> RequestDelta:
         """Append accepted tokens one by one, stopping at EOS, max_tokens, the context end or a stop string."""

@@ -121,11 +121,13 @@ def stochastic_accept(tree: DraftTree, target_probs: torch.Tensor, generator: to
         raise ValueError(f"draft token {int(tree.tokens.max())} is outside the vocabulary (V={vocab})")
 
     tokens = tree.tokens.tolist()
+    first_child, next_sibling = (t.tolist() for t in tree.first_child_next_sibling)
     accepted: list[int] = []
     row = 0
     p = target_probs[0]  # [V] residual target distribution at the current row
     while True:
-        for node in tree.children(row):
+        node = first_child[row]
+        while node != -1:  # the children of `row`, in sibling order (tree.children(row))
             x = tokens[node]
             q = None if draft_probs is None else draft_probs[node]  # [V] or one-hot
             qx = 1.0 if q is None else float(q[x])
@@ -138,7 +140,8 @@ def stochastic_accept(tree: DraftTree, target_probs: torch.Tensor, generator: to
             if u < float(p[x]) / qx:  # P(u < ratio) = min(1, ratio)
                 break
             p = _residual(p, x, q)
-        else:  # no child, or every child rejected: stop at this row
+            node = next_sibling[node]
+        if node == -1:  # no child, or every child rejected: stop at this row
             break
         accepted.append(node)
         row = node + 1

@@ -127,7 +127,7 @@ def trees_and_targets(draw, vocab: int = 3, max_nodes: int = 20):
     return tokens, parents, target
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(trees_and_targets())
 def test_matches_reference_walk(case):
     tokens, parents, target = case

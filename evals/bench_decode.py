@@ -1,0 +1,159 @@
+"""`specserve bench decode`: plain-decode speed against transformers and the weight-bandwidth floor,
+and n-gram speculation against plain decoding on a prompt with repeated structure.
+
+Everything is measured side by side in one run (alternating, after a warm-up) because absolute
+times on shared machines drift; compare the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model directory (default: a ~110M random-weight Llama built on the fly)")
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=5, help="alternating timed runs per contender")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the figures as JSON")
+
+
+def build_random_llama(out_dir: Path, seed: int = 0) -> Path:
+    """~110M parameters: 12 layers, hidden 768, MLP 2048, 12 heads, 32k vocabulary, tied embeddings."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+        num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=2048,
+        tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(str(out_dir))
+    return out_dir
+
+
+def memory_read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes/s the CPU reads a large fp32 tensor at (best of `repeats` full reductions)."""
+    x = torch.ones(num_bytes // 4, dtype=torch.float32)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return num_bytes / best
+
+
+def _time_specserve(llm, prompt: list[int], new_tokens: int) -> tuple[float, list[int], float]:
+    from specserve import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    out = llm.generate([prompt], params)[0]
+    elapsed = time.perf_counter() - t0
+    assert len(out.token_ids) == new_tokens
+    return new_tokens / elapsed, out.token_ids, out.spec.mean_accepted_length
+
+
+def _time_transformers(model, prompt: list[int], new_tokens: int) -> tuple[float, list[int]]:
+    ids = torch.tensor([prompt])
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    elapsed = time.perf_counter() - t0
+    return new_tokens / elapsed, out[0, len(prompt):].tolist()
+
+
+def _median_spread(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "runs": len(xs)}
+
+
+def run(args: argparse.Namespace) -> int:
+    from specserve import LLM
+
+    torch.manual_seed(0)
+    tmp = None
+    if args.model is None:
+        tmp = tempfile.TemporaryDirectory()
+        model_dir = build_random_llama(Path(tmp.name))
+    else:
+        model_dir = Path(args.model)
+    plain = LLM(model_dir, device=args.device, max_num_seqs=1)
+    vocab = plain.model.config.vocab_size
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, vocab, (args.prompt_tokens,), generator=gen).tolist()
+
+    results: dict = {
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                    "threads": torch.get_num_threads(), "torch": torch.__version__},
+        "model": {"dir": str(args.model or "random ~110M Llama"), "params": plain.model.config.num_params,
+                  "weight_bytes": plain.model.weight_bytes()},
+        "settings": {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "repeats": args.repeats,
+                     "device": str(plain.device), "dtype": str(plain.dtype)},
+    }
+
+    hf = None
+    if not args.skip_transformers:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=plain.dtype).to(plain.device).eval()
+
+    # Warm up both, check they agree, then alternate timed runs.
+    _, ours_tokens, _ = _time_specserve(plain, prompt, 8)
+    if hf is not None:
+        _, hf_tokens = _time_transformers(hf, prompt, 8)
+        results["greedy_tokens_match_transformers"] = ours_tokens == hf_tokens
+    ours, theirs = [], []
+    for _ in range(args.repeats):
+        ours.append(_time_specserve(plain, prompt, args.new_tokens)[0])
+        if hf is not None:
+            theirs.append(_time_transformers(hf, prompt, args.new_tokens)[0])
+    bw = memory_read_bandwidth()
+    floor_tps = bw / plain.model.weight_bytes()
+    results["plain_decode"] = {
+        "specserve_tokens_per_s": _median_spread(ours),
+        "transformers_tokens_per_s": _median_spread(theirs) if theirs else None,
+        "speedup_vs_transformers": statistics.median(ours) / statistics.median(theirs) if theirs else None,
+        "memory_read_bandwidth_GBps": bw / 1e9,
+        "bandwidth_floor_tokens_per_s": floor_tps,
+        "fraction_of_floor": statistics.median(ours) / floor_tps,
+    }
+    del hf
+
+    # N-gram speculation vs plain on a prompt made of one segment repeated.
+    segment = torch.randint(0, vocab, (16,), generator=gen).tolist()
+    repeated = (segment * (args.prompt_tokens // 16 + 1))[: args.prompt_tokens]
+    ngram = LLM(model_dir, drafter="ngram", device=args.device, max_num_seqs=1)
+    _time_specserve(ngram, repeated, 8)
+    plain_r, ngram_r, taus, identical = [], [], [], True
+    for _ in range(args.repeats):
+        tps_p, toks_p, _ = _time_specserve(plain, repeated, args.new_tokens)
+        tps_n, toks_n, tau = _time_specserve(ngram, repeated, args.new_tokens)
+        plain_r.append(tps_p)
+        ngram_r.append(tps_n)
+        taus.append(tau)
+        identical &= toks_p == toks_n
+    results["ngram_repeated_prompt"] = {
+        "plain_tokens_per_s": _median_spread(plain_r),
+        "ngram_tokens_per_s": _median_spread(ngram_r),
+        "speedup": statistics.median(ngram_r) / statistics.median(plain_r),
+        "tau": statistics.median(taus),
+        "outputs_identical": identical,
+    }
+    print(json.dumps(results, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    if tmp is not None:
+        tmp.cleanup()
+    return 0
