@@ -49,7 +49,7 @@ class ScriptedDrafter(Drafter):
         for req, budget in zip(requests, budgets):
             context = req.token_ids.tolist()
             n = int(self.rng.integers(0, budget + 1)) if self.mode in ("random", "mixed") else budget
-            parents, tokens, paths = [], [], []
+            parents, tokens, paths, qs = [], [], [], []
             for i in range(n):
                 if self.mode in ("deep_chain", "all_right", "all_wrong"):
                     parent = i - 1
@@ -61,16 +61,21 @@ class ScriptedDrafter(Drafter):
                 want_right = {"all_right": True, "all_wrong": False}.get(self.mode, bool(self.rng.random() < 0.6))
                 if self.mode == "deep_chain":
                     want_right = bool(self.rng.random() < 0.8)
-                tok = self._token(context, path, want_right)
+                if self.with_probs:
+                    # Lossless sampling needs tokens really drawn from q: draw each node from its own
+                    # random q (leaning towards the right token, so drafts are often accepted).
+                    q = self.rng.dirichlet(np.ones(self.vocab))
+                    right = self._right_token(context, path)
+                    if right is not None and want_right:
+                        q[right] += 1.0
+                    q /= q.sum()
+                    tok = int(self.rng.choice(self.vocab, p=q))
+                    qs.append(q)
+                else:
+                    tok = self._token(context, path, want_right)
                 parents.append(parent)
                 tokens.append(tok)
                 paths.append(path + [tok])
-            probs = None
-            if self.with_probs and n:
-                # Each node "drawn" from a q that gives its own token at least some mass: lossless
-                # verification must hold for any q with q(x) > 0 at the drafted token.
-                q = torch.from_numpy(self.rng.dirichlet(np.ones(self.vocab), size=n)).float()
-                q[torch.arange(n), torch.tensor(tokens)] += 0.2
-                probs = q / q.sum(-1, keepdim=True)
+            probs = torch.tensor(np.array(qs), dtype=torch.float32) if self.with_probs and n else None
             trees.append(DraftTree(torch.tensor(tokens, dtype=torch.int64), torch.tensor(parents, dtype=torch.int64), probs))
         return trees

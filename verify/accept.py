@@ -270,20 +270,26 @@ def accept_batch(
 
 
 def _to_host(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-    """Copy tensors to the CPU with at most one device synchronisation."""
+    """Copy tensors to the CPU with one synchronisation (CUDA: pinned buffers, non-blocking copies)."""
     if all(t is None or t.device.type == "cpu" for t in tensors):
         return tensors
-    if all(t is None or t.device.type in ("cpu", "cuda") for t in tensors):
-        out = []
-        for t in tensors:
-            if t is None or t.device.type == "cpu":
-                out.append(t)
-                continue
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            host.copy_(t, non_blocking=True)
-            out.append(host)
-        done = torch.cuda.Event()
-        done.record()  # the copies were queued on the current stream; wait for them once
-        done.synchronize()
-        return tuple(out)
-    return tuple(None if t is None else t.cpu() for t in tensors)  # other backends: plain copies
+    if not all(t is None or t.device.type in ("cpu", "cuda") for t in tensors):
+        return tuple(None if t is None else t.cpu() for t in tensors)  # other backends: plain copies
+    out: list[torch.Tensor | None] = []
+    devices: set[torch.device] = set()
+    for t in tensors:
+        if t is None or t.device.type == "cpu":
+            out.append(t)
+            continue
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)  # queued on t's device's current stream
+        devices.add(t.device)
+        out.append(host)
+    events = []
+    for device in devices:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        events.append(event)
+    for event in events:
+        event.synchronize()  # waits for the copies only, not for unrelated work on other streams
+    return tuple(out)

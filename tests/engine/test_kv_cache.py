@@ -1,0 +1,98 @@
+"""The paged KV cache after speculative steps holds exactly what plain decoding would; no block leaks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import scripted_drafter  # noqa: F401
+from scripted_drafter import MODES
+from specserve import LLM, SamplingParams
+from specserve.kv_cache import BlockAllocator
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+
+
+@pytest.fixture(scope="module")
+def reference(small_vocab_dir):
+    out = LLM(small_vocab_dir, device="cpu").generate([PROMPT], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))[0]
+    return PROMPT + out.token_ids
+
+
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(mode=st.sampled_from(MODES), seed=st.integers(0, 10**6), budget=st.integers(1, 10), steps=st.integers(1, 8))
+def test_cache_after_speculative_steps_equals_plain(small_vocab_dir, reference, mode, seed, budget, steps):
+    spec = LLM(small_vocab_dir, drafter="scripted", device="cpu", drafter_options={
+        "mode": mode, "seed": seed, "references": [reference], "max_budget": budget})
+    engine = spec.engine
+    req = engine.add_request(PROMPT, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), "r")
+    for _ in range(steps + 1):  # prefill + `steps` verify steps
+        engine.step()
+        if req.finish_reason:
+            break
+    if req.finish_reason:
+        return
+    committed = req.num_cached
+    assert req.token_ids.tolist() == reference[: req.num_tokens]
+    k_spec, v_spec = engine.cache.read("r", committed)
+
+    plain = LLM(small_vocab_dir, device="cpu")
+    ref_tokens = reference[:committed] + [reference[committed]]
+    ref_req = plain.engine.add_request(ref_tokens[:-1], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), "p")
+    plain.engine.step()
+    assert ref_req.num_cached == committed
+    k_ref, v_ref = plain.engine.cache.read("p", committed)
+    torch.testing.assert_close(k_spec, k_ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(v_spec, v_ref, atol=1e-4, rtol=1e-4)
+
+
+def test_finished_and_cancelled_requests_free_every_block(small_vocab_dir):
+    llm = LLM(small_vocab_dir, drafter="ngram", device="cpu", kv_cache_tokens=4096, block_size=8)
+    engine, alloc = llm.engine, llm.engine.cache.allocator
+    params = SamplingParams(max_tokens=20, temperature=0.7, seed=1)
+    ids = [engine.add_request([1, 2, 3, 1, 2, 3], params).request_id for _ in range(6)]
+    engine.step()
+    engine.step()
+    assert alloc.num_free_blocks < alloc.num_blocks
+    assert engine.abort(ids[0]) and engine.abort(ids[3])
+    assert not engine.abort(ids[0])  # already finished
+    assert not engine.abort("no-such-request")
+    queued = engine.add_request([4, 5], params).request_id
+    assert engine.abort(queued)  # cancelled while still waiting
+    while engine.has_unfinished():
+        engine.step()
+    assert alloc.num_free_blocks == alloc.num_blocks
+    assert {engine.requests[i].finish_reason for i in (ids[0], ids[3], queued)} == {"cancelled"}
+
+
+def test_admission_waits_for_blocks_instead_of_failing(small_vocab_dir):
+    # Room for about two requests at once: the rest queue and run as blocks free up.
+    llm = LLM(small_vocab_dir, device="cpu", kv_cache_tokens=96, block_size=8)
+    outs = llm.generate([[1, 2, 3]] * 5, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    assert all(len(o.token_ids) == 30 for o in outs)
+    assert len({tuple(o.token_ids) for o in outs}) == 1
+    with pytest.raises(ValueError, match="KV slots"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+
+
+def test_block_allocator_accounting():
+    alloc = BlockAllocator(num_blocks=10, block_size=4)
+    assert alloc.blocks_for(9) == 3
+    alloc.allocate("a", 9)
+    alloc.allocate("b", 16)
+    assert alloc.num_free_blocks == 3
+    assert not alloc.can_allocate(13)
+    with pytest.raises(MemoryError):
+        alloc.allocate("c", 13)
+    with pytest.raises(ValueError):
+        alloc.allocate("a", 1)
+    alloc.free("a")
+    alloc.free("a")  # freeing twice is harmless
+    assert alloc.num_free_blocks == 6
+    alloc.free("b")
+    assert alloc.num_free_blocks == 10
+    assert sorted(alloc._free) == list(range(10))
