@@ -6,7 +6,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # tiny_models helpers
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Tiny models gain nothing from threads, and one thread per test process avoids OpenMP spin-wait
+# thrashing when other processes share the two cores.
+torch.set_num_threads(1)
 
 from tiny_models import build_model  # noqa: E402
 

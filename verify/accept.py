@@ -51,7 +51,7 @@ def greedy_accept(tree: DraftTree, target_tokens: torch.Tensor) -> VerifyResult:
     and all its ancestors match. The deepest acceptable node wins (ties: lowest node index, which
     only matters for trees with duplicate sibling tokens). The bonus token is the argmax at the
     winner's row (row 0 when nothing matched). The result equals plain greedy decoding's next
-    ``num_accepted + 1`` tokens. Vectorised over nodes; one host sync.
+    ``num_accepted + 1`` tokens. Vectorised over nodes (no Python loop over the tree).
     """
     n = tree.num_nodes
     if target_tokens.dim() != 1 or target_tokens.shape[0] != n + 1:
@@ -157,15 +157,18 @@ def stochastic_accept(tree: DraftTree, target_probs: torch.Tensor, generator: to
 
 
 def _residual(p: torch.Tensor, x: int, q: torch.Tensor | None) -> torch.Tensor:
-    """normalize(max(0, p - q)) after rejecting token x drawn from q (None: one-hot at x).   # [V]
+    """normalize(max(0, p - q)) after rejecting token x drawn from q (None: one-hot at x).
+
+    p: float[V], the current (normalised) residual target; q: float[V] or None. Returns float[V].
 
     The residual mass equals TV(p, q), which is also the probability that a draw from q is rejected
     against p. So a residual of mass <= RESIDUAL_EPS is reached with probability <= RESIDUAL_EPS and
     is mostly rounding noise (e.g. p == q up to float error, where exact arithmetic would always
     accept). There we fall back to p with x zeroed (the one-hot residual: it still never re-emits
-    the rejected token), and to p itself if that is empty too. Either changes the output
-    distribution by at most RESIDUAL_EPS in total variation per rejection, and only in this
-    near-impossible branch.
+    the rejected token), and to p itself if that is empty too (unreachable: then p is one-hot at
+    x, so q(x) = 1 and x is always accepted). The fallback can move the output distribution by at
+    most RESIDUAL_EPS in total variation per child tried, and only through this near-impossible
+    branch; for one-hot q it is exactly the normal residual.
     """
     r = p.clone()
     if q is None:
@@ -291,5 +294,5 @@ def _to_host(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         event.record(torch.cuda.current_stream(device))
         events.append(event)
     for event in events:
-        event.synchronize()  # waits for the copies only, not for unrelated work on other streams
+        event.synchronize()  # the one host sync: the forward and the copies queued before it are done
     return tuple(out)

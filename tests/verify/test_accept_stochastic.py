@@ -11,11 +11,11 @@ the target's whenever the verifier is. The same check rejects deliberately broke
 from __future__ import annotations
 
 import itertools
+import math
 import random
 import zlib
 from collections import Counter
 from collections.abc import Callable
-from functools import lru_cache
 
 import pytest
 import torch
@@ -208,7 +208,22 @@ def chi_square_pvalue(counts: Counter, joint: dict[tuple[int, ...], float]) -> f
     if df < 1:
         return 1.0  # a single possible outcome: nothing to test beyond "no impossible outcome"
     stat = sum((o - e) ** 2 / e for o, e in cells)
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+    # survival function of chi2(df) = regularised upper incomplete gamma Q(df/2, stat/2)
+    half = lambda v: torch.tensor(v / 2, dtype=torch.float64)  # noqa: E731
+    return float(torch.special.gammaincc(half(df), half(stat)))
+
+
+def test_chi_square_pvalue_matches_closed_form():
+    # chi2 with 2 degrees of freedom has survival function exp(-x / 2)
+    joint = {(0,): 0.5, (1,): 0.25, (2,): 0.25}
+    counts = Counter({(0,): 520, (1,): 230, (2,): 250})
+    stat = 20**2 / 500 + 20**2 / 250 + 0
+    assert chi_square_pvalue(counts, joint) == pytest.approx(math.exp(-stat / 2), rel=1e-9)
+    # cells expecting fewer than 5 are pooled; an impossible outcome fails outright
+    joint = {(0,): 0.99, (1,): 0.005, (2,): 0.005, (3,): 0.0}
+    assert chi_square_pvalue(Counter({(0,): 990, (1,): 5, (2,): 5}), joint) == pytest.approx(1.0)
+    with pytest.raises(AssertionError, match="probability 0"):
+        chi_square_pvalue(Counter({(0,): 999, (3,): 1}), joint)
 
 
 def check_lossless(make_tree, target: TableModel, accept: AcceptFn = stochastic_accept, k: int = 2, **kw) -> Counter:
@@ -397,7 +412,11 @@ def test_seed_reproduces():
     target, draft = TableModel(seed=12, vocab=V), TableModel(seed=120, vocab=V)
     tree = sample_tree(random.Random(0), TREE, draft, CTX, False)
     rows = target_rows(tree, target, CTX)
-    run = lambda seed: [stochastic_accept(tree, rows, g) for g in [torch.Generator().manual_seed(seed)] for _ in range(50)]
+
+    def run(seed: int) -> list[VerifyResult]:
+        g = torch.Generator().manual_seed(seed)
+        return [stochastic_accept(tree, rows, g) for _ in range(50)]
+
     assert run(3) == run(3)
     assert run(3) != run(4)
 

@@ -1,0 +1,69 @@
+"""The `specserve` CLI: real subprocesses; bad input exits 2 with one line and no traceback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "specserve", *args], capture_output=True, text=True, timeout=120,
+                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+
+
+def test_generate_json(llama_dir):
+    res = run("generate", "--model", str(llama_dir), "--drafter", "ngram", "--prompt", "def f(x):",
+              "--max-tokens", "12", "--ignore-eos", "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert len(out["token_ids"]) == 12 and out["finish_reason"] == "length"
+    assert out["spec"]["num_steps"] >= 1 and out["spec"]["mean_accepted_length"] >= 1.0
+    assert isinstance(out["text"], str)
+
+
+def test_generate_streams_text(llama_dir):
+    res = run("generate", "--model", str(llama_dir), "--prompt", "class A:", "--max-tokens", "8", "--temperature", "0.7", "--seed", "3")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.endswith("\n")
+
+
+def test_info_json():
+    res = run("info", "--json")
+    assert res.returncode == 0
+    info = json.loads(res.stdout)
+    assert "ngram" in info["drafters"] and info["version"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["generate", "--model", "/no/such/dir", "--prompt", "x"], "does not exist"),
+        (["generate", "--model", "{model}", "--prompt", "x", "--temperature", "-1"], "temperature"),
+        (["generate", "--model", "{model}", "--prompt", "x", "--top-p", "1.5"], "top_p"),
+        (["generate", "--model", "{model}", "--prompt", "", "--max-tokens", "3"], "empty"),
+        (["generate", "--model", "{model}", "--prompt", "x", "--drafter", "nope"], "unknown drafter"),
+        (["generate", "--model", "{model}", "--prompt", "x", "--drafter-option", "depth"], "KEY=VALUE"),
+        (["generate", "--model", "{model}", "--prompt", "x", "--max-tokens", "abc"], "invalid int"),
+        (["generate", "--prompt", "x"], "required"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(llama_dir, args, message):
+    res = run(*[a.replace("{model}", str(llama_dir)) for a in args])
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    assert message in lines[0]
+    assert "Traceback" not in res.stderr
+
+
+def test_prompt_past_context_exits_2(tmp_path):
+    from tiny_models import build_model
+
+    model = build_model(tmp_path / "m", "llama", max_positions=16)
+    res = run("generate", "--model", str(model), "--prompt", "def f(x): return x + 1 " * 10)
+    assert res.returncode == 2 and "context window" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
