@@ -75,8 +75,13 @@ class Engine:
 
     # ---- request lifecycle ----------------------------------------------------------------------
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Request:
-        """Validate and queue a request; raises ValueError naming what is wrong."""
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, speculate: bool = True
+    ) -> Request:
+        """Validate and queue a request; raises ValueError naming what is wrong.
+
+        speculate=False decodes this request plainly (budget 0) while others in the batch speculate.
+        """
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         if len(prompt_ids) == 0:
@@ -99,6 +104,7 @@ class Engine:
                 f"{self.cache.allocator.num_blocks * self.cache.block_size}: lower max_tokens or raise kv_cache_tokens"
             )
         req = Request(request_id, list(prompt_ids), params, self.tokenizer, self.config.max_model_len)
+        req.speculate = speculate
         self.requests[request_id] = req
         self.waiting.append(req)
         return req
@@ -235,7 +241,7 @@ class Engine:
         for r, b in zip(decodes, self.budget_policy.budgets(decodes)):
             remaining = r.params.max_tokens - r.num_output - 1  # the bonus token always comes
             room = self.config.max_model_len - r.num_cached - 1
-            budgets.append(max(0, min(b, self.drafter.max_budget, remaining, room)))
+            budgets.append(max(0, min(b, self.drafter.max_budget, remaining, room)) if r.speculate else 0)
         if not any(budgets):
             return [DraftTree.empty() for _ in decodes]
         views = [

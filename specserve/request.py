@@ -82,6 +82,7 @@ class Request:
         self.num_tokens = self.prompt_len
         self.num_cached = 0
         self.status = Status.WAITING
+        self.speculate = True  # False: this request decodes plainly (budget 0)
         self.finish_reason: str | None = None
         self.stats = SpecStats()
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.stop)

@@ -220,10 +220,11 @@ def test_chi_square_pvalue_matches_closed_form():
     stat = 20**2 / 500 + 20**2 / 250 + 0
     assert chi_square_pvalue(counts, joint) == pytest.approx(math.exp(-stat / 2), rel=1e-9)
     # cells expecting fewer than 5 are pooled; an impossible outcome fails outright
-    joint = {(0,): 0.99, (1,): 0.005, (2,): 0.005, (3,): 0.0}
-    assert chi_square_pvalue(Counter({(0,): 990, (1,): 5, (2,): 5}), joint) == pytest.approx(1.0)
+    joint = {(0,): 0.5, (1,): 0.49, (2,): 0.004, (3,): 0.006, (4,): 0.0}
+    counts = Counter({(0,): 500, (1,): 490, (2,): 2, (3,): 8})  # (2) and (3) pool to 10 == 10 expected
+    assert chi_square_pvalue(counts, joint) == pytest.approx(1.0)
     with pytest.raises(AssertionError, match="probability 0"):
-        chi_square_pvalue(Counter({(0,): 999, (3,): 1}), joint)
+        chi_square_pvalue(Counter({(0,): 999, (4,): 1}), joint)
 
 
 def check_lossless(make_tree, target: TableModel, accept: AcceptFn = stochastic_accept, k: int = 2, **kw) -> Counter:
