@@ -38,15 +38,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--device", default="auto", help="auto | cpu | cuda")
     gen.add_argument("--json", action="store_true", help="print token ids, text and speculation stats as JSON")
+    gen.set_defaults(handler=cmd_generate)
 
     info = sub.add_parser("info", help="version, device and registered drafters")
     info.add_argument("--json", action="store_true")
+    info.set_defaults(handler=cmd_info)
 
     bench = sub.add_parser("bench", help="microbenchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
     from specserve.evals import bench_decode
 
-    bench_decode.add_arguments(bench_sub.add_parser("decode", help="plain decode vs transformers vs the bandwidth floor; n-gram vs plain"))
+    decode = bench_sub.add_parser("decode", help="plain decode vs transformers vs the bandwidth floor; n-gram vs plain")
+    bench_decode.add_arguments(decode)
+    decode.set_defaults(handler=bench_decode.run)
+    # Each command: add_parser(...) + set_defaults(handler=fn(args) -> exit code). Keep imports of heavy
+    # modules inside handlers so `specserve --help` stays fast.
     return parser
 
 
@@ -116,14 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        if args.command == "generate":
-            return cmd_generate(args)
-        if args.command == "info":
-            return cmd_info(args)
-        if args.command == "bench":
-            from specserve.evals import bench_decode
-
-            return bench_decode.run(args)
+        return int(args.handler(args) or 0)
     except USER_ERRORS as exc:
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"specserve: error: {message}", file=sys.stderr)
@@ -131,7 +130,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("specserve: interrupted", file=sys.stderr)
         return 130
-    return 0
 
 
 if __name__ == "__main__":

@@ -220,8 +220,8 @@ def test_chi_square_pvalue_matches_closed_form():
     stat = 20**2 / 500 + 20**2 / 250 + 0
     assert chi_square_pvalue(counts, joint) == pytest.approx(math.exp(-stat / 2), rel=1e-9)
     # cells expecting fewer than 5 are pooled; an impossible outcome fails outright
-    joint = {(0,): 0.5, (1,): 0.49, (2,): 0.004, (3,): 0.006, (4,): 0.0}
-    counts = Counter({(0,): 500, (1,): 490, (2,): 2, (3,): 8})  # (2) and (3) pool to 10 == 10 expected
+    joint = {(0,): 0.5, (1,): 0.493, (2,): 0.004, (3,): 0.003, (4,): 0.0}
+    counts = Counter({(0,): 500, (1,): 493, (2,): 1, (3,): 6})  # (2) and (3) pool: 7 seen, 7 expected
     assert chi_square_pvalue(counts, joint) == pytest.approx(1.0)
     with pytest.raises(AssertionError, match="probability 0"):
         chi_square_pvalue(Counter({(0,): 999, (4,): 1}), joint)
@@ -256,7 +256,6 @@ def zero_token(model: TableModel, prefix) -> int:
 
 V = 5
 CHAIN3 = [-1, 0, 1]
-FAN3 = [-1, -1, -1]
 TREE = [-1, -1, -1, 0, 0, 1, 3]  # root: 3 children; n0: 2 children; n1: 1; n3: 1 (depth 3)
 BINARY = [-1, -1, 0, 0, 1, 1]
 
