@@ -22,6 +22,8 @@ from functools import cached_property
 
 import torch
 
+from specserve.verify import tree_kernels as kernels
+
 
 @dataclass(frozen=True, eq=False)
 class DraftTree:
@@ -109,18 +111,7 @@ class DraftTree:
         Row 0 (the root) is an ancestor of every row. This is the attention mask among the tree's own
         tokens in the verify forward (every row also sees the whole committed prefix).
         """
-        n = self.num_nodes
-        parent_rows = torch.cat([torch.zeros(1, dtype=torch.int64), self.parents + 1])  # root -> itself
-        step = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-        step[torch.arange(n + 1), parent_rows] = True
-        step |= torch.eye(n + 1, dtype=torch.bool)
-        # Transitive closure by repeated squaring: log2(depth) small boolean matmuls, no loop over nodes.
-        closure = step
-        hops = 1
-        while hops < n + 1:
-            closure = (closure.float() @ closure.float()) > 0
-            hops *= 2
-        return closure
+        return torch.from_numpy(kernels.ancestor_mask(self.parents.numpy()))
 
     @cached_property
     def depths(self) -> torch.Tensor:
@@ -158,16 +149,8 @@ class DraftTree:
         ``first_child[r]`` is the first node whose parent row is r; ``next_sibling[i]`` the next node
         with the same parent. The layout kernels and the stochastic verifier walk.
         """
-        n = self.num_nodes
-        first_child = torch.full((n + 1,), -1, dtype=torch.int64)
-        next_sibling = torch.full((n,), -1, dtype=torch.int64)
-        parent_rows = self.parents + 1
-        # Walk backwards so that the lowest-index child ends up first.
-        for i in range(n - 1, -1, -1):
-            r = int(parent_rows[i])
-            next_sibling[i] = first_child[r]
-            first_child[r] = i
-        return first_child, next_sibling
+        first_child, next_sibling = kernels.first_child_next_sibling(self.parents.numpy())
+        return torch.from_numpy(first_child), torch.from_numpy(next_sibling)
 
     def children(self, row: int) -> list[int]:
         """Node indices whose parent is verify row ``row`` (0 = root), in sibling order."""
