@@ -11,6 +11,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5, help="alternating timed runs per contender")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the figures as JSON")
 
@@ -82,11 +84,16 @@ def _median_spread(xs: list[float]) -> dict:
 def run(args: argparse.Namespace) -> int:
     from specserve import LLM
 
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     tmp = None
     if args.model is None:
         tmp = tempfile.TemporaryDirectory()
         model_dir = build_random_llama(Path(tmp.name))
+        print(f"built a random ~110M Llama in {model_dir}", file=sys.stderr)
     else:
         model_dir = Path(args.model)
     plain = LLM(model_dir, device=args.device, max_num_seqs=1)
@@ -98,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "threads": torch.get_num_threads(), "torch": torch.__version__},
         "model": {"dir": str(args.model or "random ~110M Llama"), "params": plain.model.config.num_params,
-                  "weight_bytes": plain.model.weight_bytes()},
+                  "bytes_read_per_token": plain.model.bytes_read_per_token()},
         "settings": {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "repeats": args.repeats,
                      "device": str(plain.device), "dtype": str(plain.dtype)},
     }
@@ -120,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         if hf is not None:
             theirs.append(_time_transformers(hf, prompt, args.new_tokens)[0])
     bw = memory_read_bandwidth()
-    floor_tps = bw / plain.model.weight_bytes()
+    floor_tps = bw / plain.model.bytes_read_per_token()
     results["plain_decode"] = {
         "specserve_tokens_per_s": _median_spread(ours),
         "transformers_tokens_per_s": _median_spread(theirs) if theirs else None,

@@ -1,4 +1,4 @@
-"""The `specserve` command: generate, info, bench (serve, chat, train and eval arrive with their issues).
+"""The `specserve` command: generate, serve, chat, info, bench (train and eval arrive with their issues).
 
 Bad input prints one line to stderr and exits with status 2 — never a traceback.
 """
@@ -44,6 +44,16 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true")
     info.set_defaults(handler=cmd_info)
 
+    from specserve.server import cli as server_cli
+
+    serve = sub.add_parser("serve", help="websocket server with a browser chat page")
+    server_cli.add_serve_arguments(serve)
+    serve.set_defaults(handler=server_cli.cmd_serve)
+
+    chat = sub.add_parser("chat", help="interactive terminal chat with a running server")
+    server_cli.add_chat_arguments(chat)
+    chat.set_defaults(handler=server_cli.cmd_chat)
+
     bench = sub.add_parser("bench", help="microbenchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
     from specserve.evals import bench_decode
@@ -51,6 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
     decode = bench_sub.add_parser("decode", help="plain decode vs transformers vs the bandwidth floor; n-gram vs plain")
     bench_decode.add_arguments(decode)
     decode.set_defaults(handler=bench_decode.run)
+    from specserve.evals import bench_serve
+
+    serve_bench = bench_sub.add_parser("serve", help="websocket clients over loopback: TTFT, inter-token latency, server overhead")
+    bench_serve.add_arguments(serve_bench)
+    serve_bench.set_defaults(handler=bench_serve.run)
+    from specserve.training.cli import add_train_parser
+
+    add_train_parser(sub, _Parser)  # train corpus | lm | distill-data | draft | bundle
     # Each command: add_parser(...) + set_defaults(handler=fn(args) -> exit code). Keep imports of heavy
     # modules inside handlers so `specserve --help` stays fast.
     return parser

@@ -1,0 +1,252 @@
+"""`specserve bench serve`: N concurrent websocket clients against a real `specserve serve` over loopback.
+
+The server runs in its own process (as users run it); the clients share one asyncio loop in this
+process. Each client sends its requests one after another (closed loop), greedy with ``ignore_eos`` so
+every response has the same length. Per level of concurrency it reports, at p50 and p99:
+
+- TTFT as the client sees it (send → first delta);
+- inter-token latency: the gap between consecutive deltas divided by the tokens the later one carries;
+- tokens/s of each response after its first token, and the aggregate output tokens/s;
+- server overhead = client TTFT − engine TTFT (``response.done`` timing.engine_ttft_ms: the engine's own
+  add_request → first token, as LLM.generate reports it). It is everything the server adds: the
+  websocket frames both ways, JSON, tokenizing, the hand-offs to and from the engine thread, and
+  waiting for the running step to end before the new request can join the batch.
+
+Overhead is computed over responses whose first delta carried exactly one token (the prefill token):
+when a tokenizer holds the first token's text back (an incomplete UTF-8 character), the first delta
+comes a step later and would count a decode step as overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model directory (default: a small random-weight Llama with a BPE tokenizer, built on the fly)")
+    p.add_argument("--drafter", default=None, help="drafter spec for the server (default: none)")
+    p.add_argument("--concurrency", default="1,8", help="comma-separated client counts (default: 1,8)")
+    p.add_argument("--requests", type=int, default=20, help="measured requests per client and level")
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured requests per client first")
+    p.add_argument("--duration", type=float, default=60.0, help="at most this many seconds per level")
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--max-output-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=1, help="torch threads of the server's engine")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the figures as JSON")
+
+
+# ---- the model --------------------------------------------------------------------------------------
+
+
+def build_small_llama(out_dir: Path, seed: int = 0) -> Path:
+    """~3M parameters: 4 layers, hidden 256, and a 2,048-token byte-level BPE trained on specserve's sources."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    root = Path(__file__).resolve().parent.parent
+    corpus = [p.read_text(errors="ignore") for p in sorted(root.glob("*/*.py"))][:200]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=2048, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus or ["def f(x):\n    return x\n"], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    fast.save_pretrained(str(out_dir))
+    config = LlamaConfig(
+        vocab_size=len(fast), hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=1024, tie_word_embeddings=True,
+        eos_token_id=fast.eos_token_id, bos_token_id=None, pad_token_id=None,
+    )
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(str(out_dir))
+    return out_dir
+
+
+# ---- the server process -----------------------------------------------------------------------------
+
+
+def start_server(model_dir: Path, args, max_clients: int) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "specserve", "serve", "--model", str(model_dir), "--port", "0",
+           "--threads", str(args.threads), "--device", args.device, "--max-num-seqs", str(max(64, max_clients)),
+           "--max-connections", str(max_clients + 8)]
+    if args.drafter:
+        cmd += ["--drafter", args.drafter]
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise ValueError(f"the server exited: {proc.stderr.read().strip().splitlines()[-1:]}")
+        match = re.search(r"(ws://\S+/v1/ws)", line)
+        if match:
+            return proc, match.group(1)
+    proc.terminate()
+    raise ValueError("the server did not start within 300 s")
+
+
+# ---- clients ----------------------------------------------------------------------------------------
+
+
+async def _one_request(ws, prompt: list[int], max_tokens: int) -> dict:
+    sent = time.perf_counter()
+    await ws.send(json.dumps({"type": "response.create", "response": {
+        "input": prompt, "max_output_tokens": max_tokens, "temperature": 0, "ignore_eos": True}}))
+    first = last = None
+    first_tokens = tokens = 0
+    itl: list[float] = []
+    async for message in ws:
+        event = json.loads(message)
+        kind = event["type"]
+        now = time.perf_counter()
+        if kind == "response.output_text.delta":
+            if first is None:
+                first, first_tokens = now, event["tokens"]
+            else:
+                itl += [(now - last) / event["tokens"]] * event["tokens"]
+            last = now
+            tokens += event["tokens"]
+        elif kind == "response.done":
+            resp = event["response"]
+            if resp["status"] not in ("completed", "incomplete"):
+                raise RuntimeError(f"response {resp['status']}: {resp.get('error')}")
+            return {
+                "ttft_ms": (first - sent) * 1e3 if first else None,
+                "first_delta_tokens": first_tokens,
+                "itl_ms": [x * 1e3 for x in itl],
+                "output_tokens": resp["usage"]["output_tokens"],
+                "tokens_per_s": (tokens - first_tokens) / (last - first) if first and last > first else None,
+                "server_ttft_ms": resp["timing"]["ttft_ms"],
+                "engine_ttft_ms": resp["timing"]["engine_ttft_ms"],
+                "tau": resp["spec"]["tau"],
+                "done_at": now,
+            }
+        elif kind == "error":
+            raise RuntimeError(f"server error: {event['error']}")
+    raise RuntimeError("the server closed the connection")
+
+
+async def _client(url: str, prompts: list[list[int]], args, deadline: float) -> list[dict]:
+    from websockets.asyncio.client import connect
+
+    results = []
+    async with connect(url, compression=None, max_size=None) as ws:
+        await ws.recv()  # session.created
+        for i, prompt in enumerate(prompts):
+            if time.perf_counter() > deadline:
+                break
+            result = await _one_request(ws, prompt, args.max_output_tokens)
+            if i >= args.warmup:
+                results.append(result)
+    return results
+
+
+async def run_level(url: str, concurrency: int, vocab: int, args) -> dict:
+    rng = np.random.default_rng(concurrency)
+    n = args.warmup + args.requests
+    prompts = [[rng.integers(0, vocab - 1, args.prompt_tokens).tolist() for _ in range(n)] for _ in range(concurrency)]
+    start = time.perf_counter()
+    per_client = await asyncio.gather(*(_client(url, p, args, start + args.duration) for p in prompts))
+    results = [r for rs in per_client for r in rs]
+    if not results:
+        raise RuntimeError("no request finished within --duration")
+    wall = max(r["done_at"] for r in results) - start
+    clean = [r for r in results if r["first_delta_tokens"] == 1 and r["ttft_ms"] is not None]
+    overhead = [r["ttft_ms"] - r["engine_ttft_ms"] for r in clean]
+    wire = [r["ttft_ms"] - r["server_ttft_ms"] for r in clean]
+    return {
+        "concurrency": concurrency,
+        "requests": len(results),
+        "ttft_ms": _pct([r["ttft_ms"] for r in results if r["ttft_ms"] is not None]),
+        "engine_ttft_ms": _pct([r["engine_ttft_ms"] for r in results]),
+        "server_overhead_ms": _pct(overhead),
+        "wire_ms": _pct(wire),  # client TTFT - server-measured TTFT (receipt -> first token): frames, JSON, delivery
+        "itl_ms": _pct([x for r in results for x in r["itl_ms"]]),
+        "tokens_per_s_per_request": _pct([r["tokens_per_s"] for r in results if r["tokens_per_s"]]),
+        "aggregate_tokens_per_s": sum(r["output_tokens"] for r in results) / wall,
+        "tau": float(np.mean([r["tau"] for r in results])),
+        "overhead_samples": len(clean),
+    }
+
+
+def _pct(xs: list[float]) -> dict:
+    if not xs:
+        return {"p50": None, "p99": None, "n": 0}
+    arr = np.asarray(xs, dtype=float)
+    return {"p50": round(float(np.percentile(arr, 50)), 3), "p99": round(float(np.percentile(arr, 99)), 3), "n": len(xs)}
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        levels = [int(c) for c in str(args.concurrency).split(",")]
+    except ValueError:
+        raise ValueError(f"--concurrency expects comma-separated integers, got {args.concurrency!r}") from None
+    for name in ("requests", "prompt_tokens", "max_output_tokens", "threads"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if any(c < 1 or c > 256 for c in levels):
+        raise ValueError(f"--concurrency levels must be in [1, 256], got {levels}")
+    if args.warmup < 0 or args.duration <= 0:
+        raise ValueError("--warmup must be >= 0 and --duration > 0")
+    tmp = None
+    if args.model is None:
+        tmp = tempfile.TemporaryDirectory()
+        model_dir = build_small_llama(Path(tmp.name))
+        print(f"built a small random Llama in {model_dir}", file=sys.stderr)
+    else:
+        model_dir = Path(args.model)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    proc, url = start_server(model_dir, args, max(levels))
+    figures: dict = {
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                    "cpus": os.cpu_count(), "python": platform.python_version()},
+        "settings": {"model": str(args.model or "small random Llama (4 layers, hidden 256, 2k BPE vocab)"),
+                     "drafter": args.drafter, "prompt_tokens": args.prompt_tokens,
+                     "max_output_tokens": args.max_output_tokens, "requests_per_client": args.requests,
+                     "warmup_per_client": args.warmup, "server_threads": args.threads, "device": args.device},
+        "levels": [],
+    }
+    try:
+        for c in levels:
+            level = asyncio.run(run_level(url, c, vocab, args))
+            figures["levels"].append(level)
+            _print_level(level)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        if tmp is not None:
+            tmp.cleanup()
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2))
+    return 0
+
+
+def _print_level(level: dict) -> None:
+    def f(d: dict) -> str:
+        return "n/a" if d["p50"] is None else f"{d['p50']:.2f} / {d['p99']:.2f}"
+
+    print(f"concurrency {level['concurrency']}: {level['requests']} requests, τ {level['tau']:.2f}")
+    print(f"  TTFT ms (p50 / p99)             {f(level['ttft_ms'])}")
+    print(f"  engine TTFT ms                  {f(level['engine_ttft_ms'])}")
+    print(f"  server overhead ms              {f(level['server_overhead_ms'])}  ({level['overhead_samples']} samples)")
+    print(f"  inter-token latency ms          {f(level['itl_ms'])}")
+    print(f"  tokens/s per request            {f(level['tokens_per_s_per_request'])}")
+    print(f"  aggregate output tokens/s       {level['aggregate_tokens_per_s']:.1f}", flush=True)
