@@ -149,31 +149,46 @@ class Engine:
         """Run one engine step over every running request; return what each produced."""
         prefills = self._admit()
         decodes = [r for r in self.running if r.prefilled]
-        trees = self._draft(decodes)
         if not prefills and not decodes:
             return []
+        # A prefilling request verifies the empty tree: its "bonus token" is its first token.
+        reqs = prefills + decodes
+        trees = [DraftTree.empty()] * len(prefills) + self._draft(decodes)
 
+        out = self._forward(reqs, trees)
+        results = self._accept(out.logits, reqs, trees)
+        self._commit_kv(reqs, trees, results)
+        if self._hidden_layers:
+            self._keep_hidden(out.hidden_states, reqs, trees, results)
+        commits = []
+        for r, tree, result in zip(decodes, trees[len(prefills):], results[len(prefills):]):
+            r.stats.record(tree, result)
+            commits.append(CommitInfo(r.request_id, result, r.num_cached + 1))
+        if self.drafter is not None and commits:
+            self.drafter.on_commit(commits)  # before _emit, which may finish (and release) requests
+        return [self._emit(r, result.emitted_tokens) for r, result in zip(reqs, results)]
+
+    def _forward(self, reqs: list[Request], trees: list[DraftTree]):
+        """ONE target forward over every request's new tokens: a prompt (causal), or root + tree."""
         slices, ids, positions, logit_rows = [], [], [], []
         row = 0
-        for r in prefills:
-            n = r.prompt_len
-            pos = torch.arange(n)
-            slices.append(SequenceSlice(r.request_id, 0, pos))
-            ids.append(torch.from_numpy(r.token_ids.copy()))
+        for r, tree in zip(reqs, trees):
+            if not r.prefilled:
+                n = r.prompt_len
+                pos = torch.arange(n)
+                slices.append(SequenceSlice(r.request_id, 0, pos))
+                ids.append(torch.from_numpy(r.token_ids.copy()))
+                logit_rows.append(torch.tensor([row + n - 1]))
+            else:
+                n = tree.num_nodes + 1
+                pos = tree.positions(r.num_cached)
+                slices.append(SequenceSlice(r.request_id, r.num_cached, pos, tree.ancestor_mask if tree.num_nodes else None))
+                ids.append(torch.cat([torch.tensor([int(r.token_ids[-1])]), tree.tokens]))
+                logit_rows.append(torch.arange(row, row + n))
             positions.append(pos)
-            logit_rows.append(torch.tensor([row + n - 1]))
             row += n
-        for r, tree in zip(decodes, trees):
-            n = tree.num_nodes + 1
-            pos = tree.positions(r.num_cached)
-            slices.append(SequenceSlice(r.request_id, r.num_cached, pos, tree.ancestor_mask if tree.num_nodes else None))
-            ids.append(torch.cat([torch.tensor([int(r.token_ids[-1])]), tree.tokens]))
-            positions.append(pos)
-            logit_rows.append(torch.arange(row, row + n))
-            row += n
-
         device = self.model.device
-        out = self.model.forward(
+        return self.model.forward(
             torch.cat(ids).to(device),
             torch.cat(positions).to(device),
             slices,
@@ -181,37 +196,29 @@ class Engine:
             torch.cat(logit_rows).to(device),
             self._hidden_layers,
         )
-        # A prefilling request verifies the empty tree: its "bonus token" is its first token.
-        reqs = prefills + decodes
-        all_trees = [DraftTree.empty()] * len(prefills) + trees
-        results = self._accept(out.logits, reqs, all_trees)
-        for r in prefills:
-            r.num_cached = r.prompt_len
 
-        emitted: list[tuple[Request, list[int]]] = [(r, [res.bonus_token]) for r, res in zip(prefills, results)]
-        moves_src, moves_dst, commits = [], [], []
-        for r, tree, result in zip(decodes, trees, results[len(prefills):]):
-            r.stats.record(tree, result)
-            # KV: the root at slot num_cached stays; accepted node i (slot num_cached+1+i) moves next to it.
+    def _commit_kv(self, reqs: list[Request], trees: list[DraftTree], results: list[VerifyResult]) -> None:
+        """Keep the accepted path's KV next to the root, drop the rest, advance committed lengths.
+
+        The root sits at slot num_cached; accepted node i was written at slot num_cached + 1 + i and
+        moves to num_cached + 1 + depth - 1. One batched copy for the whole step.
+        """
+        src_slots, dst_slots = [], []
+        device = self.model.device
+        for r, result in zip(reqs, results):
+            if not r.prefilled:
+                r.num_cached = r.prompt_len
+                continue
             if result.num_accepted:
                 src = torch.tensor(result.accepted_nodes) + r.num_cached + 1
                 dst = torch.arange(1, result.num_accepted + 1) + r.num_cached
                 moved = src != dst
                 if bool(moved.any()):
-                    moves_src.append(self.cache.slots(r.request_id, src[moved].to(device)))
-                    moves_dst.append(self.cache.slots(r.request_id, dst[moved].to(device)))
+                    src_slots.append(self.cache.slots(r.request_id, src[moved].to(device)))
+                    dst_slots.append(self.cache.slots(r.request_id, dst[moved].to(device)))
             r.num_cached += 1 + result.num_accepted
-            emitted.append((r, result.emitted_tokens))
-            commits.append((r, result))
-        if moves_src:
-            self.cache.move(torch.cat(moves_src), torch.cat(moves_dst))
-        if self._hidden_layers:
-            self._keep_hidden(out.hidden_states, prefills, decodes, trees, commits)
-
-        deltas = [self._emit(r, tokens) for r, tokens in emitted]
-        if self.drafter is not None and commits:
-            self.drafter.on_commit([CommitInfo(r.request_id, res, r.num_tokens) for r, res in commits])
-        return deltas
+        if src_slots:
+            self.cache.move(torch.cat(src_slots), torch.cat(dst_slots))
 
     def _admit(self) -> list[Request]:
         """Move waiting requests into the running batch while sequences, tokens and KV allow."""
@@ -301,13 +308,14 @@ class Engine:
             self._finish(r, reason)
         return RequestDelta(r.request_id, kept, r.detok.take_delta(final=reason is not None), reason is not None, reason)
 
-    def _keep_hidden(self, hidden, prefills, decodes, trees, commits) -> None:
-        """Hand the drafter the target features of the rows each request just committed."""
+    def _keep_hidden(self, hidden, reqs, trees, results) -> None:
+        """Hand the drafter the target features of the rows each request just committed.
+
+        Called after _commit_kv: a request that just prefilled has num_cached == prompt_len.
+        hidden: {layer: [M, hidden]} over the forward's logit rows (1 per prefill, N+1 per tree).
+        """
         offset = 0
-        for r in prefills:
-            r.hidden_states = {layer: h[offset : offset + 1] for layer, h in hidden.items()}
-            offset += 1
-        for (r, result), tree in zip(commits, trees):
+        for r, tree, result in zip(reqs, trees, results):
             rows = torch.tensor([0, *(i + 1 for i in result.accepted_nodes)]) + offset
             r.hidden_states = {layer: h[rows.to(h.device)] for layer, h in hidden.items()}
             offset += tree.num_nodes + 1
