@@ -36,15 +36,6 @@ POWER_TRIALS = 5_000
 CTX = (1,)  # committed tokens before the root row
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: intra-op threads only add overhead (and stall badly on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # ---- synthetic models ----------------------------------------------------------------------------
 
 
