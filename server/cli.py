@@ -1,0 +1,101 @@
+"""Arguments and handlers of `specserve serve` and `specserve chat` (wired in by specserve/cli.py).
+
+Handlers raise ValueError for bad input; specserve's main turns that into one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+from specserve.server.client import DEFAULT_URL
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="Hugging Face Llama-family model directory")
+    p.add_argument("--drafter", default=None, help="drafter spec: 'ngram' or 'NAME:PATH' (default: none)")
+    p.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE", help="drafter knob (repeatable)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8765, help="port (0: any free port)")
+    p.add_argument("--api-key", default=os.environ.get("SPECSERVE_API_KEY"),
+                   help="require this key at the handshake (default: $SPECSERVE_API_KEY)")
+    p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                   help="browser origin allowed besides the server's own, e.g. http://localhost:3000 (repeatable; '*' = any)")
+    p.add_argument("--max-connections", type=int, default=64)
+    p.add_argument("--max-queued", type=int, default=256, help="responses that may wait for a batch slot")
+    p.add_argument("--max-responses-per-connection", type=int, default=8)
+    p.add_argument("--max-message-bytes", type=int, default=1 << 20)
+    p.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together in one batch")
+    p.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads of the engine thread")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+
+
+def add_chat_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default=DEFAULT_URL, help=f"server websocket URL (default: {DEFAULT_URL})")
+    p.add_argument("--api-key", default=os.environ.get("SPECSERVE_API_KEY"), help="default: $SPECSERVE_API_KEY")
+    p.add_argument("--system", default=None, help="system message that opens the conversation")
+    p.add_argument("--max-output-tokens", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--drafter", default=None, help="switch the session's drafter: the server's one or 'none'")
+    p.add_argument("--json", action="store_true", help="print every server event as a JSON line")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from specserve.server.app import ServerConfig, SpecServer
+
+    from specserve import LLM
+    from specserve.cli import _drafter_options
+
+    config = ServerConfig(
+        host=args.host, port=args.port, api_key=args.api_key, allowed_origins=tuple(args.allow_origin),
+        max_connections=args.max_connections, max_queued=args.max_queued,
+        max_responses_per_connection=args.max_responses_per_connection, max_message_bytes=args.max_message_bytes,
+        threads=args.threads,
+    )
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    try:
+        llm = LLM(args.model, drafter=args.drafter, drafter_options=_drafter_options(args.drafter_option),
+                  device=args.device, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
+    except ValueError as exc:
+        if args.model is None:  # LLM(None) resolves the embedded default model once there is one
+            raise ValueError("no model given: pass --model DIR (the embedded default model is not bundled yet)") from exc
+        raise
+    server = SpecServer(llm, config)
+    return asyncio.run(_serve(server))
+
+
+async def _serve(server) -> int:
+    await server.start()
+    host = server.config.host
+    shown = f"[{host}]" if ":" in host else host
+    print(f"specserve: serving {server.model_name} (drafter {server.drafter_spec or 'none'}) "
+          f"on http://{shown}:{server.port}/ — websocket ws://{shown}:{server.port}/v1/ws", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await server.close()
+    print("specserve: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from specserve.server.client import run_chat
+
+    if args.max_output_tokens is not None and args.max_output_tokens < 1:
+        raise ValueError(f"--max-output-tokens must be >= 1, got {args.max_output_tokens}")
+    return run_chat(args)

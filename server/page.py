@@ -1,0 +1,249 @@
+"""The browser chat page, served at ``/`` on the websocket port.
+
+One self-contained page (no external assets): it opens ``/v1/ws`` on the same origin (passing the
+page's own ``?api_key=`` on, if any), sends the conversation as ``messages``, streams the reply, and
+shows per reply the client-measured time to first token, tokens/s and τ (tokens per verify step),
+with a stop button that sends ``response.cancel``. Model text is only ever set through
+``textContent``, never parsed as HTML.
+"""
+
+from __future__ import annotations
+
+from websockets.datastructures import Headers
+from websockets.http11 import Response
+
+PAGE_HTML = r"""<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<link rel="icon" href="data:,">
+<title>specserve chat</title>
+<style>
+  :root { --bg:#f7f7f8; --panel:#fff; --ink:#1d1d1f; --muted:#6b6b76; --line:#e3e3e8; --accent:#2f6fed; --err:#c62828; }
+  * { box-sizing: border-box; }
+  html, body { height: 100%; margin: 0; }
+  body { font: 15px/1.5 system-ui, -apple-system, "Segoe UI", sans-serif; background: var(--bg); color: var(--ink);
+         display: flex; flex-direction: column; }
+  header { display: flex; gap: 12px; align-items: center; padding: 10px 16px; background: var(--panel);
+           border-bottom: 1px solid var(--line); flex-wrap: wrap; }
+  header h1 { font-size: 16px; margin: 0; font-weight: 600; }
+  #model { color: var(--muted); font-size: 13px; }
+  #status { display: inline-flex; align-items: center; gap: 6px; font-size: 13px; color: var(--muted); }
+  #status::before { content: ""; width: 8px; height: 8px; border-radius: 50%; background: #bbb; }
+  #status[data-state="ready"]::before { background: #2e7d32; }
+  #status[data-state="closed"]::before { background: var(--err); }
+  .settings { margin-left: auto; display: flex; gap: 10px; align-items: center; font-size: 13px; color: var(--muted); }
+  .settings input[type=number] { width: 70px; padding: 3px 5px; border: 1px solid var(--line); border-radius: 6px; }
+  main { flex: 1; overflow-y: auto; padding: 16px; }
+  #messages { max-width: 820px; margin: 0 auto; display: flex; flex-direction: column; gap: 12px; }
+  .msg { padding: 10px 14px; border-radius: 12px; max-width: 90%; background: var(--panel); border: 1px solid var(--line); }
+  .msg.user { align-self: flex-end; background: #e8f0fe; border-color: #d2e1fc; }
+  .msg.assistant { align-self: flex-start; }
+  .content { white-space: pre-wrap; word-wrap: break-word; }
+  .content.empty { color: var(--muted); font-style: italic; }
+  .msg.assistant[data-status="streaming"] .content::after { content: "▍"; color: var(--accent); }
+  .stats { margin-top: 6px; font-size: 12px; color: var(--muted); font-variant-numeric: tabular-nums; display: flex; gap: 12px; }
+  .msg[data-status="cancelled"] .stats::after, .msg[data-status="failed"] .stats::after,
+  .msg[data-status="incomplete"] .stats::after { content: attr(data-status); color: var(--err); }
+  #error { max-width: 820px; margin: 0 auto; color: var(--err); font-size: 13px; min-height: 1em; }
+  footer { padding: 10px 16px 16px; background: var(--bg); }
+  form { max-width: 820px; margin: 0 auto; display: flex; gap: 8px; }
+  textarea { flex: 1; resize: none; height: 64px; padding: 10px 12px; font: inherit; border: 1px solid var(--line);
+             border-radius: 10px; background: var(--panel); }
+  button { padding: 0 18px; border-radius: 10px; border: 0; font: inherit; font-weight: 600; cursor: pointer;
+           background: var(--accent); color: #fff; }
+  button:disabled { opacity: .4; cursor: default; }
+  button.secondary { background: #e3e3e8; color: var(--ink); }
+</style>
+</head>
+<body>
+<header>
+  <h1>specserve</h1><span id="model"></span><span id="status" data-state="connecting">connecting</span>
+  <div class="settings">
+    <label>temperature <input id="temperature" type="number" min="0" max="2" step="0.1" value="0.7"></label>
+    <label>max tokens <input id="max-tokens" type="number" min="1" step="1" value="256"></label>
+    <label><input id="speculate" type="checkbox" checked> speculate</label>
+    <button id="clear" class="secondary" type="button">New chat</button>
+  </div>
+</header>
+<main id="scroll"><div id="messages"></div></main>
+<footer>
+  <div id="error" role="alert"></div>
+  <form id="composer">
+    <textarea id="prompt" placeholder="Message (Enter to send, Shift+Enter for a new line)" autofocus></textarea>
+    <button id="send" type="submit" disabled>Send</button>
+    <button id="stop" type="button" class="secondary" disabled>Stop</button>
+  </form>
+</footer>
+<script>
+"use strict";
+const $ = (id) => document.getElementById(id);
+const turns = [];              // [{role, content}] of finished turns
+let ws = null, session = null, live = null, retryMs = 500, nextEvent = 0;
+
+function wsUrl() {
+  const key = new URLSearchParams(location.search).get("api_key");
+  const scheme = location.protocol === "https:" ? "wss:" : "ws:";
+  return scheme + "//" + location.host + "/v1/ws" + (key ? "?api_key=" + encodeURIComponent(key) : "");
+}
+
+function setStatus(state, text) { $("status").dataset.state = state; $("status").textContent = text; }
+function showError(text) { $("error").textContent = text || ""; }
+function refreshButtons() {
+  const ready = ws && ws.readyState === WebSocket.OPEN && session;
+  $("send").disabled = !ready || live !== null;
+  $("stop").disabled = live === null || !live.id;
+}
+
+function connect() {
+  setStatus("connecting", "connecting");
+  ws = new WebSocket(wsUrl());
+  ws.onopen = () => { retryMs = 500; };
+  ws.onmessage = (msg) => onEvent(JSON.parse(msg.data));
+  ws.onclose = (e) => {
+    session = null;
+    setStatus("closed", "disconnected" + (e.reason ? ": " + e.reason : ""));
+    if (live) finish({status: "failed"});
+    refreshButtons();
+    setTimeout(connect, retryMs); retryMs = Math.min(retryMs * 2, 8000);
+  };
+}
+
+function addMessage(role, text) {
+  const el = document.createElement("div");
+  el.className = "msg " + role;
+  const content = document.createElement("div");
+  content.className = "content"; content.textContent = text;
+  el.appendChild(content);
+  if (role === "assistant") {
+    const stats = document.createElement("div");
+    stats.className = "stats";
+    for (const k of ["ttft", "tps", "tau"]) { const s = document.createElement("span"); s.dataset.k = k; stats.appendChild(s); }
+    el.appendChild(stats);
+  }
+  $("messages").appendChild(el);
+  $("scroll").scrollTop = $("scroll").scrollHeight;
+  return el;
+}
+
+function setStat(el, k, text) { el.querySelector('[data-k="' + k + '"]').textContent = text; }
+
+function updateStats(final) {
+  const now = performance.now(), el = live.el;
+  if (live.firstAt !== null) {
+    const ttft = live.firstAt - live.sentAt;
+    el.dataset.ttftMs = ttft.toFixed(1);
+    setStat(el, "ttft", "TTFT " + ttft.toFixed(0) + " ms");
+    const span = ((final ? live.lastAt : now) - live.firstAt) / 1000;
+    const later = live.tokens - live.firstTokens;  // tokens after the first delta, over the time since it
+    if (span > 0 && later > 0) {
+      el.dataset.tps = (later / span).toFixed(1);
+      setStat(el, "tps", (later / span).toFixed(1) + " tok/s");
+    }
+  }
+  const tau = final && final.spec && final.spec.steps ? final.spec.tau : (live.deltas > 1 ? (live.tokens - live.firstTokens) / (live.deltas - 1) : null);
+  if (tau !== null && isFinite(tau)) { el.dataset.tau = tau.toFixed(2); setStat(el, "tau", "τ " + tau.toFixed(2)); }
+}
+
+function onEvent(ev) {
+  switch (ev.type) {
+    case "session.created":
+    case "session.updated":
+      session = ev.session;
+      $("model").textContent = session.model + (session.drafter ? " · drafter " + session.drafter : " · no drafter");
+      $("speculate").checked = !!session.drafter;
+      $("speculate").disabled = session.available_drafters.length < 2;
+      $("max-tokens").max = session.limits.max_output_tokens;
+      setStatus("ready", "connected");
+      break;
+    case "response.created":
+      if (live && !live.id) { live.id = ev.response.id; live.el.dataset.responseId = live.id; }
+      break;
+    case "response.output_text.delta":
+      if (!live || ev.response_id !== live.id) break;
+      if (live.firstAt === null) { live.firstAt = performance.now(); live.firstTokens = ev.tokens; }
+      live.lastAt = performance.now();
+      live.tokens += ev.tokens; live.deltas += 1;
+      live.text += ev.delta;
+      live.el.querySelector(".content").textContent = live.text;
+      updateStats(null);
+      $("scroll").scrollTop = $("scroll").scrollHeight;
+      break;
+    case "response.done":
+      if (live && ev.response.id === live.id) finish(ev.response);
+      break;
+    case "error":
+      showError(ev.error.code + ": " + ev.error.message);
+      if (live && !live.id && ev.event_id === live.eventId) { live.el.remove(); live = null; turns.pop(); }
+      break;
+  }
+  refreshButtons();
+}
+
+function finish(response) {
+  if (live.lastAt === null) live.lastAt = performance.now();
+  updateStats(response);
+  live.el.dataset.status = response.status;
+  if (response.usage) live.el.dataset.outputTokens = response.usage.output_tokens;
+  if (!live.text) {
+    const content = live.el.querySelector(".content");
+    content.textContent = response.status === "failed" && response.error ? response.error.message : "(no text)";
+    content.classList.add("empty");
+  }
+  if (live.text) turns.push({role: "assistant", content: live.text});
+  live = null;
+  refreshButtons();
+  $("prompt").focus();
+}
+
+function send() {
+  const text = $("prompt").value.trim();
+  if (!text || live || !session) return;
+  showError("");
+  $("prompt").value = "";
+  addMessage("user", text);
+  turns.push({role: "user", content: text});
+  const el = addMessage("assistant", "");
+  el.dataset.status = "streaming";
+  live = {id: null, eventId: "page-" + (++nextEvent), el, text: "", tokens: 0, deltas: 0, firstTokens: 0, sentAt: performance.now(), firstAt: null, lastAt: null};
+  const response = {messages: turns.slice(), temperature: Number($("temperature").value) || 0};
+  const maxTokens = parseInt($("max-tokens").value, 10);
+  if (maxTokens > 0) response.max_output_tokens = maxTokens;
+  ws.send(JSON.stringify({type: "response.create", event_id: live.eventId, response}));
+  refreshButtons();
+}
+
+$("composer").addEventListener("submit", (e) => { e.preventDefault(); send(); });
+$("prompt").addEventListener("keydown", (e) => { if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); send(); } });
+$("stop").addEventListener("click", () => {
+  if (live && live.id) ws.send(JSON.stringify({type: "response.cancel", response_id: live.id}));
+});
+$("speculate").addEventListener("change", () => {
+  ws.send(JSON.stringify({type: "session.update", session: {drafter: $("speculate").checked ? session.available_drafters[0] : "none"}}));
+});
+$("clear").addEventListener("click", () => {
+  if (live) return;
+  turns.length = 0; $("messages").textContent = ""; showError("");
+});
+connect();
+</script>
+</body>
+</html>
+"""
+
+_SECURITY_HEADERS = (
+    ("Cache-Control", "no-store"),
+    ("X-Content-Type-Options", "nosniff"),
+    ("Referrer-Policy", "no-referrer"),
+    ("Content-Security-Policy",
+     "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
+     "img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"),
+)
+
+
+def page_response() -> Response:
+    """The chat page as an HTTP 200 response (for websockets' process_request)."""
+    body = PAGE_HTML.encode("utf-8")
+    headers = Headers([("Content-Type", "text/html; charset=utf-8"), ("Content-Length", str(len(body))), *_SECURITY_HEADERS])
+    return Response(200, "OK", headers, body)

@@ -1,0 +1,417 @@
+"""The websocket protocol: parse and validate client events, build server events.
+
+Every frame is one JSON object with a ``type``. Client events (validated here, strictly: unknown
+fields are errors so that typos never pass silently):
+
+- ``response.create {event_id?, response: {input | messages, max_output_tokens, temperature, top_p,
+  top_k, min_p, seed, stop, ignore_eos, metadata}}``
+- ``response.cancel {event_id?, response_id}``
+- ``session.update {event_id?, session: {drafter?, defaults?}}``
+
+Server events: ``session.created``, ``session.updated``, ``response.created``,
+``response.output_text.delta``, ``response.done`` and ``error`` (builders below).
+
+Anything wrong raises :class:`ProtocolError`, which carries the ``error`` event's ``type``, ``code``,
+``param`` (the offending field's path, e.g. ``response.temperature``) and a message saying what is
+allowed. The connection stays open after every ProtocolError.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+# ---- error types and codes ----------------------------------------------------------------------
+
+INVALID_REQUEST = "invalid_request_error"
+RATE_LIMIT = "rate_limit_error"
+SERVER_ERROR = "server_error"
+
+#: code -> error type. Every ``error`` event and failed ``response.done`` uses one of these codes.
+ERROR_CODES: dict[str, str] = {
+    "invalid_json": INVALID_REQUEST,  # frame is not JSON (or uses NaN/Infinity, or nests too deeply)
+    "binary_not_supported": INVALID_REQUEST,  # binary frame: only JSON text frames are spoken
+    "invalid_event": INVALID_REQUEST,  # JSON, but not an object with a string "type"
+    "unknown_event_type": INVALID_REQUEST,
+    "unknown_field": INVALID_REQUEST,
+    "missing_field": INVALID_REQUEST,
+    "invalid_type": INVALID_REQUEST,
+    "invalid_value": INVALID_REQUEST,  # right type, out of range or otherwise not allowed
+    "message_too_large": INVALID_REQUEST,
+    "response_not_found": INVALID_REQUEST,  # cancel of an id that is unknown, finished or not this session's
+    "context_length_exceeded": INVALID_REQUEST,  # the prompt leaves no room for one output token
+    "tokenizer_unavailable": INVALID_REQUEST,  # text input for a model without tokenizer files
+    "drafter_unavailable": INVALID_REQUEST,  # session.update names a drafter the server did not load
+    "request_rejected": INVALID_REQUEST,  # the engine refused the request (e.g. larger than the KV cache)
+    "too_many_responses": RATE_LIMIT,  # per-connection concurrent response limit
+    "too_many_connections": RATE_LIMIT,  # sent once, then the socket closes with code 1013
+    "server_busy": RATE_LIMIT,  # server-wide queue of responses is full
+    "slow_consumer": RATE_LIMIT,  # this connection's unsent output passed its bound
+    "internal_error": SERVER_ERROR,
+}
+
+MAX_EVENT_ID_CHARS = 128
+MAX_METADATA_KEYS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_MESSAGES = 1024
+MESSAGE_ROLES = ("system", "developer", "user", "assistant")
+MAX_SEED = 2**63 - 1
+# Below this, logits / temperature overflows fp32 in the engine's sampling transform (inf - inf = nan);
+# such temperatures are greedy in all but name, so ask for 0 instead.
+MIN_TEMPERATURE = 1e-4
+# A top_p that underflows fp32 (e.g. 1e-300) masks every token (NaN again); top_k goes into an int64 tensor.
+MIN_TOP_P = 1e-6
+MAX_TOP_K = 2**31 - 1
+
+
+class ProtocolError(Exception):
+    """A client mistake or a limit: becomes one ``error`` event; the session carries on."""
+
+    def __init__(self, code: str, message: str, param: str | None = None, event_id: str | None = None) -> None:
+        assert code in ERROR_CODES, code
+        super().__init__(message)
+        self.code = code
+        self.type = ERROR_CODES[code]
+        self.message = message
+        self.param = param
+        self.event_id = event_id
+
+    def to_error(self) -> dict:
+        """The ``error`` object (inside an ``error`` event or a failed ``response.done``)."""
+        err = {"type": self.type, "code": self.code, "message": self.message}
+        if self.param is not None:
+            err["param"] = self.param
+        return err
+
+
+# ---- client events ------------------------------------------------------------------------------
+
+
+@dataclass
+class CreateResponse:
+    """``response.create``: exactly one of ``input`` (text or token ids) and ``messages``.
+
+    ``sampling`` holds only the fields the client gave; the session fills the rest from its defaults.
+    """
+
+    event_id: str | None
+    input: str | list[int] | None
+    messages: list[dict] | None
+    sampling: dict[str, Any]
+    metadata: dict[str, str]
+
+
+@dataclass
+class CancelResponse:
+    event_id: str | None
+    response_id: str
+
+
+@dataclass
+class UpdateSession:
+    """``session.update``: ``drafter`` is None when not given; ``"none"`` switches speculation off."""
+
+    event_id: str | None
+    drafter: str | None
+    defaults: dict[str, Any] = field(default_factory=dict)
+
+
+ClientEvent = CreateResponse | CancelResponse | UpdateSession
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_event(text: str, *, max_output_tokens: int) -> ClientEvent:
+    """Parse one text frame into a validated client event, or raise ProtocolError.
+
+    max_output_tokens: the largest value ``max_output_tokens`` may take (the context window - 1).
+    """
+    try:
+        obj = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise ProtocolError("invalid_json", "frame nests JSON too deeply") from None
+    except ValueError as exc:  # JSONDecodeError is a ValueError
+        raise ProtocolError("invalid_json", f"frame is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("invalid_event", f"an event must be a JSON object, got {_json_type(obj)}")
+    event_id = _event_id(obj)
+    kind = obj.get("type")
+    if kind is None:
+        raise ProtocolError("missing_field", "event has no 'type'", "type", event_id)
+    if not isinstance(kind, str):
+        raise ProtocolError("invalid_type", f"'type' must be a string, got {_json_type(kind)}", "type", event_id)
+    parser = _PARSERS.get(kind)
+    if parser is None:
+        known = ", ".join(sorted(_PARSERS))
+        raise ProtocolError("unknown_event_type", f"unknown event type {kind[:64]!r}; known: {known}", "type", event_id)
+    try:
+        return parser(obj, event_id, max_output_tokens)
+    except ProtocolError as err:
+        err.event_id = event_id
+        raise
+
+
+def _event_id(obj: dict) -> str | None:
+    event_id = obj.get("event_id")
+    if event_id is None:
+        return None
+    if not isinstance(event_id, str):
+        raise ProtocolError("invalid_type", f"'event_id' must be a string, got {_json_type(event_id)}", "event_id")
+    if not event_id or len(event_id) > MAX_EVENT_ID_CHARS:
+        raise ProtocolError("invalid_value", f"'event_id' must have 1..{MAX_EVENT_ID_CHARS} characters", "event_id")
+    return event_id
+
+
+def _parse_create(obj: dict, event_id: str | None, max_output_tokens: int) -> CreateResponse:
+    _only(obj, ("type", "event_id", "response"), "")
+    resp = _object(obj, "response", "response", required=True)
+    _only(resp, ("input", "messages", "metadata", *SAMPLING_FIELDS), "response.")
+    has_input, has_messages = "input" in resp, "messages" in resp
+    if has_input == has_messages:
+        raise ProtocolError(
+            "missing_field" if not has_input else "invalid_value",
+            "give exactly one of response.input (a string or token ids) and response.messages",
+            "response.input",
+        )
+    prompt_input = _input(resp["input"]) if has_input else None
+    messages = _messages(resp["messages"]) if has_messages else None
+    return CreateResponse(
+        event_id=event_id,
+        input=prompt_input,
+        messages=messages,
+        sampling=parse_sampling(resp, "response.", max_output_tokens),
+        metadata=_metadata(resp.get("metadata")),
+    )
+
+
+def _parse_cancel(obj: dict, event_id: str | None, max_output_tokens: int) -> CancelResponse:
+    _only(obj, ("type", "event_id", "response_id"), "")
+    if "response_id" not in obj:
+        raise ProtocolError("missing_field", "response.cancel needs 'response_id'", "response_id")
+    rid = obj["response_id"]
+    if not isinstance(rid, str):
+        raise ProtocolError("invalid_type", f"'response_id' must be a string, got {_json_type(rid)}", "response_id")
+    return CancelResponse(event_id, rid)
+
+
+def _parse_update(obj: dict, event_id: str | None, max_output_tokens: int) -> UpdateSession:
+    _only(obj, ("type", "event_id", "session"), "")
+    sess = _object(obj, "session", "session", required=True)
+    _only(sess, ("drafter", "defaults"), "session.")
+    drafter = None
+    if "drafter" in sess:
+        value = sess["drafter"]
+        if value is None:
+            drafter = "none"
+        elif isinstance(value, str) and value:
+            drafter = value
+        else:
+            raise ProtocolError("invalid_type", "session.drafter must be a drafter name, \"none\" or null", "session.drafter")
+    defaults: dict[str, Any] = {}
+    if "defaults" in sess:
+        d = _object(sess, "defaults", "session.defaults", required=True)
+        _only(d, SAMPLING_FIELDS, "session.defaults.")
+        defaults = parse_sampling(d, "session.defaults.", max_output_tokens)
+    return UpdateSession(event_id, drafter, defaults)
+
+
+_PARSERS = {"response.create": _parse_create, "response.cancel": _parse_cancel, "session.update": _parse_update}
+
+# ---- field validation ---------------------------------------------------------------------------
+
+#: Sampling fields a response (or the session defaults) may set, mapped onto SamplingParams.
+SAMPLING_FIELDS = ("max_output_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos")
+
+
+def parse_sampling(obj: dict, prefix: str, max_output_tokens: int) -> dict[str, Any]:
+    """Validate the sampling fields present in ``obj``; return them (``stop`` as a tuple)."""
+    out: dict[str, Any] = {}
+    if "max_output_tokens" in obj:
+        out["max_output_tokens"] = _int(obj["max_output_tokens"], prefix + "max_output_tokens", 1, max_output_tokens)
+    if "temperature" in obj:
+        what = f"0 (greedy) or a finite number >= {MIN_TEMPERATURE}"
+        value = _number(obj["temperature"], prefix + "temperature", 0.0, None, what)
+        if 0 < value < MIN_TEMPERATURE:
+            raise ProtocolError("invalid_value", f"{prefix}temperature must be {what}, got {value}", prefix + "temperature")
+        out["temperature"] = value
+    if "top_p" in obj:
+        what = f"a number in [{MIN_TOP_P}, 1]"
+        value = _number(obj["top_p"], prefix + "top_p", None, 1.0, what)
+        if value < MIN_TOP_P:
+            raise ProtocolError("invalid_value", f"{prefix}top_p must be {what}, got {value}", prefix + "top_p")
+        out["top_p"] = value
+    if "top_k" in obj:
+        out["top_k"] = _int(obj["top_k"], prefix + "top_k", 0, MAX_TOP_K, f"an integer in [0, {MAX_TOP_K}] (0 = off)")
+    if "min_p" in obj:
+        out["min_p"] = _number(obj["min_p"], prefix + "min_p", 0.0, 1.0, "a number in [0, 1]")
+    if "seed" in obj:
+        out["seed"] = None if obj["seed"] is None else _int(obj["seed"], prefix + "seed", 0, MAX_SEED)
+    if "stop" in obj:
+        out["stop"] = _stop(obj["stop"], prefix + "stop")
+    if "ignore_eos" in obj:
+        if not isinstance(obj["ignore_eos"], bool):
+            raise ProtocolError("invalid_type", f"{prefix}ignore_eos must be a boolean", prefix + "ignore_eos")
+        out["ignore_eos"] = obj["ignore_eos"]
+    return out
+
+
+def _only(obj: dict, allowed, prefix: str) -> None:
+    for key in obj:
+        if key not in allowed:
+            shown = key if len(key) <= 64 else key[:64] + "..."
+            raise ProtocolError("unknown_field", f"unknown field {prefix}{shown}; allowed: {', '.join(allowed)}", prefix + shown)
+
+
+def _object(obj: dict, key: str, path: str, required: bool) -> dict:
+    if key not in obj:
+        if required:
+            raise ProtocolError("missing_field", f"missing field {path} (an object)", path)
+        return {}
+    value = obj[key]
+    if not isinstance(value, dict):
+        raise ProtocolError("invalid_type", f"{path} must be an object, got {_json_type(value)}", path)
+    return value
+
+
+def _int(value: Any, path: str, lo: int | None, hi: int | None, what: str | None = None) -> int:
+    if what is None:
+        what = f"an integer in [{lo}, {hi}]" if hi is not None else f"an integer >= {lo}"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ProtocolError("invalid_type", f"{path} must be {what}, got {_json_type(value)}", path)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise ProtocolError("invalid_value", f"{path} must be {what}, got {_short(value)}", path)
+    return value
+
+
+def _number(value: Any, path: str, lo: float | None, hi: float | None, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ProtocolError("invalid_type", f"{path} must be {what}, got {_json_type(value)}", path)
+    try:
+        value = float(value)
+    except OverflowError:  # a huge JSON integer
+        raise ProtocolError("invalid_value", f"{path} must be {what}, got a number too large", path) from None
+    if not math.isfinite(value) or (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise ProtocolError("invalid_value", f"{path} must be {what}, got {value}", path)
+    return value
+
+
+def _stop(value: Any, path: str) -> tuple[str, ...]:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise ProtocolError("invalid_type", f"{path} must be a string or a list of strings", path)
+    if len(items) > MAX_STOP_STRINGS or not all(0 < len(s) <= MAX_STOP_CHARS for s in items):
+        raise ProtocolError(
+            "invalid_value", f"{path} takes at most {MAX_STOP_STRINGS} strings of 1..{MAX_STOP_CHARS} characters", path
+        )
+    return tuple(items)
+
+
+def _input(value: Any) -> str | list[int]:
+    if isinstance(value, str):
+        if not value:
+            raise ProtocolError("invalid_value", "response.input is empty", "response.input")
+        return value
+    if isinstance(value, list):
+        if not value:
+            raise ProtocolError("invalid_value", "response.input is empty", "response.input")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            raise ProtocolError("invalid_type", "response.input must be a string or a list of token ids (integers)", "response.input")
+        return list(value)
+    raise ProtocolError(
+        "invalid_type", f"response.input must be a string or a list of token ids, got {_json_type(value)}", "response.input"
+    )
+
+
+def _messages(value: Any) -> list[dict]:
+    path = "response.messages"
+    if not isinstance(value, list):
+        raise ProtocolError("invalid_type", f"{path} must be a list of {{role, content}} objects", path)
+    if not 0 < len(value) <= MAX_MESSAGES:
+        raise ProtocolError("invalid_value", f"{path} must hold 1..{MAX_MESSAGES} messages", path)
+    out = []
+    for i, msg in enumerate(value):
+        here = f"{path}[{i}]"
+        if not isinstance(msg, dict):
+            raise ProtocolError("invalid_type", f"{here} must be an object with role and content", here)
+        _only(msg, ("role", "content"), here + ".")
+        role, content = msg.get("role"), msg.get("content")
+        if role is None or content is None:
+            missing = "role" if role is None else "content"
+            raise ProtocolError("missing_field", f"{here} has no {missing}", f"{here}.{missing}")
+        if not isinstance(role, str) or role not in MESSAGE_ROLES:
+            raise ProtocolError("invalid_value", f"{here}.role must be one of {', '.join(MESSAGE_ROLES)}", f"{here}.role")
+        if not isinstance(content, str):
+            raise ProtocolError("invalid_type", f"{here}.content must be a string", f"{here}.content")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def _metadata(value: Any) -> dict[str, str]:
+    path = "response.metadata"
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ProtocolError("invalid_type", f"{path} must be an object of string values", path)
+    if len(value) > MAX_METADATA_KEYS:
+        raise ProtocolError("invalid_value", f"{path} takes at most {MAX_METADATA_KEYS} keys", path)
+    for key, item in value.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise ProtocolError("invalid_value", f"{path} keys have at most {MAX_METADATA_KEY_CHARS} characters", path)
+        if not isinstance(item, str) or len(item) > MAX_METADATA_VALUE_CHARS:
+            raise ProtocolError(
+                "invalid_value", f"{path} values must be strings of at most {MAX_METADATA_VALUE_CHARS} characters", path
+            )
+    return dict(value)
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:40] + "..."
+
+
+# ---- server events ------------------------------------------------------------------------------
+
+
+def dumps(event: dict) -> str:
+    """Compact JSON for the wire (non-ASCII kept as UTF-8)."""
+    return json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+
+
+def error_event(err: ProtocolError) -> dict:
+    event: dict = {"type": "error"}
+    if err.event_id is not None:
+        event["event_id"] = err.event_id
+    event["error"] = err.to_error()
+    return event
+
+
+def with_event_id(event: dict, event_id: str | None) -> dict:
+    if event_id is not None:
+        event["event_id"] = event_id
+    return event
+
+
+def delta_event(response_id: str, text: str, num_tokens: int) -> dict:
+    """``tokens``: how many output tokens this delta carries (several after a multi-token verify step)."""
+    return {"type": "response.output_text.delta", "response_id": response_id, "delta": text, "tokens": num_tokens}

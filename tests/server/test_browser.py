@@ -1,0 +1,56 @@
+"""The chat page end to end in a real headless Chromium: stream a reply, show its stats, stop a reply."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from specserve import LLM
+from specserve.server.prompts import messages_to_text
+
+from cdp import CHROMIUM, Chromium
+from server_utils import greedy_text, kv_blocks, wait_until
+
+pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(),
+                                reason=f"needs Debian's chromium at {CHROMIUM} (.ci/run installs it)")
+
+LAST = "(() => { const m = document.querySelectorAll('.msg.assistant'); return m[m.length - 1]; })()"
+
+
+def test_chat_page_streams_shows_stats_and_stops(make_server, noeos_dir):
+    srv = make_server(model_dir=noeos_dir, llm_kwargs={"drafter": "ngram"})
+    reference = LLM(noeos_dir)
+    with Chromium(srv.http_url) as page:
+        page.wait_for("document.getElementById('status').dataset.state === 'ready'")
+        assert "ngram" in page.eval("document.getElementById('model').textContent")
+
+        # Turn 1: greedy, 24 tokens; the streamed text is exactly what LLM.generate gives.
+        page.set_value("#temperature", "0")
+        page.set_value("#max-tokens", "24")
+        page.type("#prompt", "hello there")
+        page.click("#send")
+        page.wait_for(f"{LAST}?.dataset.status === 'incomplete'")
+        text = page.eval(f"{LAST}.querySelector('.content').textContent")
+        prompt, _ = messages_to_text(reference.tokenizer, [{"role": "user", "content": "hello there"}])
+        assert text == greedy_text(reference, prompt, 24)
+        stats = page.eval(f"(() => {{ const e = {LAST}; return {{...e.dataset, shown: e.querySelector('.stats').textContent}}; }})()")
+        assert float(stats["ttftMs"]) > 0 and float(stats["tps"]) > 0 and float(stats["tau"]) >= 1.0
+        assert stats["outputTokens"] == "24"
+        assert "TTFT" in stats["shown"] and "tok/s" in stats["shown"] and "τ" in stats["shown"]
+        assert page.eval("document.getElementById('send').disabled") is False
+
+        # Turn 2: a long reply (the model has no EOS), sent with Enter, stopped with the button.
+        page.set_value("#max-tokens", "1500")
+        page.type("#prompt", "go on")
+        for kind in ("keyDown", "keyUp"):
+            page.call("Input.dispatchKeyEvent", type=kind, key="Enter", code="Enter", windowsVirtualKeyCode=13)
+        page.wait_for(f"document.querySelectorAll('.msg.assistant').length === 2 && "
+                      f"{LAST}.querySelector('.content').textContent.length > 0 && !document.getElementById('stop').disabled")
+        page.click("#stop")
+        page.wait_for(f"{LAST}.dataset.status === 'cancelled'")
+        assert int(page.eval(f"{LAST}.dataset.outputTokens")) < 1500
+        assert page.eval("document.getElementById('stop').disabled") is True
+        assert page.eval("document.querySelectorAll('.msg.user').length") == 2
+        assert page.eval("document.getElementById('error').textContent") == ""
+    assert wait_until(lambda: kv_blocks(srv)[0] == kv_blocks(srv)[1] and srv.server.in_flight == 0)

@@ -1,0 +1,143 @@
+"""`specserve serve` and `specserve chat` as real subprocesses against real servers."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from specserve.server.prompts import messages_to_text
+
+from server_utils import greedy_text
+from wsclient import Conn
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def specserve(*args: str, stdin: str = "", timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "specserve", *args], input=stdin, capture_output=True, text=True,
+                          timeout=timeout, env=ENV)
+
+
+class Lines:
+    """A subprocess's stdout, line by line, with timeouts."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.q: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [self.q.put(line) for line in proc.stdout] and None or self.q.put(None),
+                         daemon=True).start()
+
+    def next(self, timeout: float = 60) -> str | None:
+        return self.q.get(timeout=timeout)
+
+
+def one_line_error(capsys, argv: list[str], needle: str) -> None:
+    """Bad input, in process (the same main() the console script runs): exit 2 and one line."""
+    from specserve.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("args, needle", [
+    ([], "no model given: pass --model DIR"),
+    (["--model", "{model}", "--port", "70000"], "port"),
+    (["--model", "{model}", "--max-connections", "0"], "max_connections"),
+    (["--model", "/no/such/dir"], "does not exist"),
+])
+def test_serve_bad_input_is_one_line(capsys, llama_dir, args, needle):
+    one_line_error(capsys, ["serve", *[a.replace("{model}", str(llama_dir)) for a in args]], needle)
+
+
+def test_serve_on_a_taken_port_is_one_line(capsys, server, llama_dir):
+    one_line_error(capsys, ["serve", "--model", str(llama_dir), "--port", str(server.port)], "cannot listen on")
+
+
+def test_serve_runs_until_sigterm(llama_dir, reference_llm):
+    proc = subprocess.Popen([sys.executable, "-m", "specserve", "serve", "--model", str(llama_dir), "--port", "0",
+                             "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=ENV)
+    try:
+        line = Lines(proc).next(120)
+        url = re.search(r"ws://\S+/v1/ws", line).group(0)
+        assert "http://127.0.0.1:" in line and "drafter none" in line
+        with Conn(url) as c:
+            rid = c.create(input="def f(x):", max_output_tokens=16, temperature=0, ignore_eos=True)
+            c.wait_done(rid)
+        assert c.text(rid) == greedy_text(reference_llm, "def f(x):", 16, ignore_eos=True)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_chat_streams_the_reply(server, reference_llm):
+    res = specserve("chat", "--url", server.ws_url, "--temperature", "0", "--max-output-tokens", "20", stdin="hello\n")
+    assert res.returncode == 0, res.stderr
+    text, _ = messages_to_text(reference_llm.tokenizer, [{"role": "user", "content": "hello"}])
+    assert res.stdout == greedy_text(reference_llm, text, 20) + "\n"
+    assert "TTFT" in res.stderr and "tokens" in res.stderr
+
+
+def test_chat_json_prints_every_event(server):
+    res = specserve("chat", "--url", server.ws_url, "--json", "--max-output-tokens", "5", "--drafter", "none",
+                    stdin="hello\n\nagain\n")
+    assert res.returncode == 0, res.stderr
+    events = [json.loads(line) for line in res.stdout.splitlines()]
+    kinds = [e["type"] for e in events]
+    assert kinds[0] == "session.created" and kinds[1] == "session.updated"
+    assert kinds.count("response.created") == 2 and kinds.count("response.done") == 2
+    assert events[1]["session"]["drafter"] is None
+
+
+def test_ctrl_c_cancels_the_reply_in_flight(make_server, noeos_dir):
+    srv = make_server(model_dir=noeos_dir)
+    proc = subprocess.Popen([sys.executable, "-m", "specserve", "chat", "--url", srv.ws_url, "--json",
+                             "--max-output-tokens", "2000"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        lines = Lines(proc)
+        proc.stdin.write("tell me everything\n")
+        proc.stdin.flush()
+        while json.loads(lines.next())["type"] != "response.output_text.delta":
+            pass
+        proc.send_signal(signal.SIGINT)
+        while (event := json.loads(lines.next()))["type"] != "response.done":
+            pass
+        assert event["response"]["status"] == "cancelled"
+        assert event["response"]["usage"]["output_tokens"] < 2000
+        proc.stdin.close()  # end of input: quit
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_chat_connection_errors_are_one_line(capsys, free_port):
+    one_line_error(capsys, ["chat", "--url", f"ws://127.0.0.1:{free_port}/v1/ws"], "cannot connect")
+    one_line_error(capsys, ["chat", "--url", "http://x"], "--url")
+    one_line_error(capsys, ["chat", "--max-output-tokens", "0"], "max-output-tokens")
+
+
+def test_chat_without_the_key_is_told_so(capsys, make_server):
+    srv = make_server(api_key="k")
+    one_line_error(capsys, ["chat", "--url", srv.ws_url], "HTTP 401")
+
+
+@pytest.fixture
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
