@@ -31,7 +31,7 @@ class Summary:
 
     reason: the engine's finish reason ("stop" | "length" | "cancelled"), or "rejected" (add_request
     refused it; ``error`` says why) or "error" (the engine failed; ``error`` says how).
-    timing (ms, None when not reached): queue_ms = receipt → start of the step that prefilled it;
+    timing (ms, None when not reached): queue_ms = receipt → admitted into the running batch;
     ttft_ms = receipt → first token sampled; e2e_ms = receipt → finished; engine_ttft_ms = what the
     engine alone reports (add_request → first token), the figure LLM.generate gives as ttft_s.
     """
@@ -61,7 +61,6 @@ Sink = Callable[[Update], None]
 class _Live:
     sink: Sink
     received: float  # perf_counter when the server received response.create
-    prefill_step: float | None = None
 
 
 class EngineWorker:
@@ -162,7 +161,6 @@ class EngineWorker:
         out.append((live.sink, Update(rid, "", 0, self._summary(req, live))))
 
     def _step(self, out) -> None:
-        t_step = time.perf_counter()
         try:
             deltas = self.engine.step()
         except Exception as exc:  # a bug in a model or drafter: fail what is in flight, keep serving
@@ -174,8 +172,6 @@ class EngineWorker:
             live = self._live.get(d.request_id)
             if live is None:
                 continue
-            if live.prefill_step is None:
-                live.prefill_step = t_step
             summary = None
             if d.finished:
                 summary = self._summary(self.engine.pop_finished(d.request_id), live)
@@ -208,7 +204,7 @@ class EngineWorker:
                 "accepted_per_position": list(stats.accepted_per_position),
             },
             timing={
-                "queue_ms": ms(live.prefill_step, live.received),
+                "queue_ms": ms(req.scheduled_time, live.received),
                 "ttft_ms": ms(req.first_token_time, live.received),
                 "e2e_ms": ms(req.finish_time, live.received),
                 "engine_ttft_ms": ms(req.first_token_time, req.arrival_time),

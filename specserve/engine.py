@@ -234,6 +234,7 @@ class Engine:
             self.waiting.popleft()
             self.cache.allocate(req.request_id, need)
             req.status = Status.RUNNING
+            req.scheduled_time = time.perf_counter()
             self.running.append(req)
             admitted.append(req)
             prefill_tokens += req.prompt_len
@@ -281,7 +282,7 @@ class Engine:
             target_probs = logits_to_probs(
                 logits[sampled_rows.to(device)],
                 per_row([p.temperature for p, _ in sampled]),
-                per_row([p.top_k for p, _ in sampled], torch.int64),
+                per_row([min(p.top_k, logits.shape[-1]) for p, _ in sampled], torch.int64),
                 per_row([p.top_p for p, _ in sampled]),
                 per_row([p.min_p for p, _ in sampled]),
             )

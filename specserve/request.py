@@ -91,6 +91,7 @@ class Request:
         )
         self.hidden_states: dict[int, torch.Tensor] | None = None  # target features for the drafter
         self.arrival_time = time.perf_counter()
+        self.scheduled_time: float | None = None  # admitted into the running batch (queue time ends)
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
 

@@ -83,7 +83,11 @@ def logits_to_probs(
     Returns probs [M, V] summing to 1 per row. Order: temperature, then top-k, top-p, min-p, each on
     the distribution left by the previous filter, then renormalise.
     """
-    probs = torch.softmax(logits / temperature[:, None], dim=-1)
+    # Shift by the row max first: the top logit becomes 0, so a tiny temperature sends the others
+    # to -inf (probability 0) instead of overflowing to inf - inf = NaN.
+    shifted = logits - logits.max(dim=-1, keepdim=True).values
+    temperature = temperature.clamp_min(torch.finfo(logits.dtype).tiny)  # 1e-308 is 0 in fp32
+    probs = torch.softmax(shifted / temperature[:, None], dim=-1)
     needs_sort = bool((top_k > 0).any() or (top_p < 1).any())
     if needs_sort:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
@@ -94,6 +98,7 @@ def logits_to_probs(
         mass_before = sorted_probs.cumsum(-1) - sorted_probs
         total = sorted_probs.sum(-1, keepdim=True)
         keep_sorted &= mass_before < top_p[:, None] * total
+        keep_sorted[:, 0] = True  # the most likely token always survives (top_p may round to 0)
         keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
         probs = probs * keep
     if bool((min_p > 0).any()):

@@ -159,3 +159,20 @@ def test_generation_stops_at_context_end(small_vocab_dir):
     out = llm.generate([[1, 2, 3, 1, 2, 3]], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))[0]
     assert out.finish_reason == "length"
     assert len(out.token_ids) == 20 - 6
+
+
+def test_extreme_but_valid_sampling_values_do_not_break_the_batch(small_vocab_dir):
+    """Tiny temperature / top_p and huge top_k are valid: they must sample, not poison the batch."""
+    llm = LLM(small_vocab_dir, drafter="ngram")
+    greedy = llm.generate([[1, 2, 3, 1, 2]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    extreme = [
+        SamplingParams(max_tokens=8, temperature=2e-308, ignore_eos=True, seed=1),
+        SamplingParams(max_tokens=8, temperature=1.0, top_p=2e-308, ignore_eos=True, seed=2),
+        SamplingParams(max_tokens=8, temperature=1.0, top_k=2**70, ignore_eos=True, seed=3),
+        SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True, seed=4),
+    ]
+    outs = llm.generate([[1, 2, 3, 1, 2]] * 4, extreme)
+    # A vanishing temperature or top_p leaves only the most likely token: greedy output.
+    assert outs[0].token_ids == greedy.token_ids
+    assert outs[1].token_ids == greedy.token_ids
+    assert all(len(o.token_ids) == 8 for o in outs)
