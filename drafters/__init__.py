@@ -2,6 +2,7 @@
 from specserve.drafters.base import (CommitInfo, DraftRequest, Drafter, TargetInfo, create_drafter,
                                      parse_drafter_spec, register, registered_drafters)
 from specserve.drafters import ngram as _ngram  # noqa: F401  (registers "ngram")
+from specserve.drafters import draft_model as _draft_model  # noqa: F401  (registers "draft")
 
 __all__ = ["CommitInfo", "DraftRequest", "Drafter", "TargetInfo", "create_drafter", "parse_drafter_spec",
            "register", "registered_drafters"]

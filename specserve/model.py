@@ -1,9 +1,8 @@
 """Our Llama-family decoder: one forward for prefill, decode and tree verification over a paged cache.
 
 Weights are loaded from a Hugging Face directory and stored fused (q|k|v in one matrix, gate|up in
-another) so a layer is four matmuls, and transposed to [in, out]: on CPU, `x @ W` over an [in, out]
-matrix streams weights 20-35% faster than `F.linear` over [out, in] at decode batch sizes (measured:
-BENCHMARKS.md), and decode is bound by how fast weights stream. Hidden states follow transformers' `hidden_states` numbering:
+another) so a layer is four matmuls. On CPU in fp32, single-row products (batch-1 decode) go through
+`specserve.gemv` (numpy's OpenBLAS), which streams weights about twice as fast as torch's sgemv here. Hidden states follow transformers' `hidden_states` numbering:
 index 0 is the embedding output, index i the output of layer i-1, and index `num_layers` the final
 normed state (what the LM head reads) — so drafter heads trained against transformers line up.
 """
@@ -20,6 +19,7 @@ from torch import nn
 from specserve.attention import BACKENDS, SequenceSlice
 from specserve.checkpoint import load_state_dict
 from specserve.config import ModelConfig, load_config
+from specserve.gemv import gemv, pin_openblas_to_one_thread
 from specserve.kv_cache import PagedKVCache
 from specserve.rope import RotaryTable
 
@@ -42,37 +42,39 @@ class DecoderLayer(nn.Module):
         inter = cfg.intermediate_size
         self.input_norm = _param(h)
         self.post_attn_norm = _param(h)
-        self.qkv_t = _param(h, self.q_size + 2 * self.kv_size)  # [hidden, q | k | v]
+        self.qkv = _param(self.q_size + 2 * self.kv_size, h)  # [q | k | v, hidden]
         self.qkv_bias = _param(self.q_size + 2 * self.kv_size) if cfg.attention_bias else None
-        self.o_t = _param(self.q_size, h)
+        self.o_proj = _param(h, self.q_size)
         self.o_bias = _param(h) if cfg.o_proj_bias else None
-        self.gate_up_t = _param(h, 2 * inter)  # [hidden, gate | up]
+        self.gate_up = _param(2 * inter, h)  # [gate | up, hidden]
         self.gate_up_bias = _param(2 * inter) if cfg.mlp_bias else None
-        self.down_t = _param(inter, h)
+        self.down = _param(h, inter)
         self.down_bias = _param(h) if cfg.mlp_bias else None
+        self.use_gemv = False  # set by LlamaModel: CPU fp32 single rows through specserve.gemv
 
     def forward(self, layer_idx, x, positions, rope, backend, meta, cache):  # x: [T, hidden]
         t = x.shape[0]
-        qkv = _linear(F.rms_norm(x, (x.shape[-1],), self.input_norm, self.eps), self.qkv_t, self.qkv_bias)
+        qkv = self._linear(F.rms_norm(x, (x.shape[-1],), self.input_norm, self.eps), self.qkv, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = rope.apply(q, k, positions)
         attn = backend.attend(layer_idx, q, k, v, meta, cache)  # [T, heads * head_dim]
-        x = x + _linear(attn, self.o_t, self.o_bias)
+        x = x + self._linear(attn, self.o_proj, self.o_bias)
         normed = F.rms_norm(x, (x.shape[-1],), self.post_attn_norm, self.eps)
-        gate, up = _linear(normed, self.gate_up_t, self.gate_up_bias).chunk(2, dim=-1)
-        return x + _linear(F.silu(gate) * up, self.down_t, self.down_bias)
+        gate, up = self._linear(normed, self.gate_up, self.gate_up_bias).chunk(2, dim=-1)
+        return x + self._linear(F.silu(gate) * up, self.down, self.down_bias)
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [T, in] @ weight [out, in]^T (+ bias) -> [T, out]."""
+        if self.use_gemv and x.shape[0] == 1:
+            return gemv(x, weight, bias)
+        return F.linear(x, weight, bias)
 
 
 def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
-
-
-def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [T, in] @ weight_t [in, out] (+ bias [out])."""
-    return torch.addmm(bias, x, weight_t) if bias is not None else x @ weight_t
 
 
 class LlamaModel(nn.Module):
@@ -85,8 +87,12 @@ class LlamaModel(nn.Module):
         self.embed = _param(cfg.vocab_size, cfg.hidden_size)  # rows looked up per token
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = _param(cfg.hidden_size)
-        # [hidden, vocab]; a transposed copy even when tied: the lookup wants rows, the head columns.
-        self.lm_head_t = _param(cfg.hidden_size, cfg.vocab_size)
+        self.lm_head = self.embed if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
+        self.use_gemv = device.type == "cpu" and dtype == torch.float32
+        if self.use_gemv:
+            pin_openblas_to_one_thread()
+        for layer in self.layers:
+            layer.use_gemv = self.use_gemv
         self.rope = RotaryTable(cfg, device, dtype)
         self.backend = BACKENDS[attention](sliding_window=cfg.sliding_window)
 
@@ -100,32 +106,31 @@ class LlamaModel(nn.Module):
     @torch.no_grad()
     def load_hf_state(self, state: dict[str, torch.Tensor]) -> None:
         """Take HF-named tensors (already checked by the loader) and fuse them into our layout."""
-        t = lambda w: w.t().contiguous()  # noqa: E731  HF [out, in] -> our [in, out]
         self.embed.data = state["model.embed_tokens.weight"]
         self.norm.data = state["model.norm.weight"]
-        head = state["model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"]
-        self.lm_head_t.data = t(head)
+        if not self.config.tie_word_embeddings:
+            self.lm_head.data = state["lm_head.weight"]
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             layer.input_norm.data = state[p + "input_layernorm.weight"]
             layer.post_attn_norm.data = state[p + "post_attention_layernorm.weight"]
-            layer.qkv_t.data = t(torch.cat([state[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]))
+            layer.qkv.data = torch.cat([state[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
             if layer.qkv_bias is not None:
                 layer.qkv_bias.data = torch.cat([state[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
-            layer.o_t.data = t(state[p + "self_attn.o_proj.weight"])
+            layer.o_proj.data = state[p + "self_attn.o_proj.weight"]
             if layer.o_bias is not None:
                 layer.o_bias.data = state[p + "self_attn.o_proj.bias"]
-            layer.gate_up_t.data = t(torch.cat([state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]]))
+            layer.gate_up.data = torch.cat([state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]])
             if layer.gate_up_bias is not None:
                 layer.gate_up_bias.data = torch.cat([state[p + "mlp.gate_proj.bias"], state[p + "mlp.up_proj.bias"]])
-            layer.down_t.data = t(state[p + "mlp.down_proj.weight"])
+            layer.down.data = state[p + "mlp.down_proj.weight"]
             if layer.down_bias is not None:
                 layer.down_bias.data = state[p + "mlp.down_proj.bias"]
 
     def bytes_read_per_token(self) -> int:
         """Weight bytes one decode step streams: every layer, the final norm and the LM head (the
         embedding table is only indexed). The numerator of the bandwidth floor."""
-        tensors = [self.norm, self.lm_head_t, *(p for layer in self.layers for p in layer.parameters())]
+        tensors = [self.norm, self.lm_head, *(p for layer in self.layers for p in layer.parameters())]
         return sum(p.numel() * p.element_size() for p in tensors)
 
     @torch.inference_mode()
@@ -155,5 +160,6 @@ class LlamaModel(nn.Module):
         x = F.rms_norm(x[logit_rows], (x.shape[-1],), self.norm, self.config.rms_norm_eps)
         if self.config.num_layers in hidden_layers:
             hidden[self.config.num_layers] = x
-        logits = (x @ self.lm_head_t).float()  # [M, vocab]
+        head = gemv(x, self.lm_head, None) if self.use_gemv and x.shape[0] == 1 else F.linear(x, self.lm_head)
+        logits = head.float()  # [M, vocab]
         return ForwardOutput(logits=logits, hidden_states=hidden)

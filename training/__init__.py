@@ -1,1 +1,18 @@
-"""specserve.training — see design.md §2; filled in by its own issue."""
+"""specserve.training — corpora, tokenizer, LM training, self-distillation data, draft models, the bundle.
+
+One job per module (import what you need; nothing heavy is imported here):
+
+- ``corpus``       local text/code files (default: this interpreter's stdlib), split by module, manifest
+- ``tokenizer``    byte-level BPE via `tokenizers`, saved as a transformers tokenizer (EOS, chat template)
+- ``presets``      model shapes and training settings (``tiny``, ``small``; draft presets), validation
+- ``data``         token streams and deterministic, resumable batches
+- ``trainer``      the shared loop: AdamW + cosine, CUDA bf16 autocast, torchrun DDP, logs, checkpoints
+- ``lm``           ``specserve train lm``
+- ``distill``      ``specserve train distill-data``
+- ``draft``        ``specserve train draft`` (served by the ``draft`` drafter, `specserve.drafters.draft_model`)
+- ``bundle``       ``specserve train bundle``: the embedded default model and its draft model
+- ``bundle_paths`` where the bundle lives: `default_model_dir()`, `default_drafters()` (cheap to import)
+- ``cli``          the ``train`` subcommands
+
+See training/README.md for the commands, the presets' measured figures and how the bundle is made.
+"""

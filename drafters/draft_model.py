@@ -1,0 +1,411 @@
+"""The ``draft`` drafter: a small LM that shares the target's tokenizer proposes chains or top-k trees.
+
+``draft:DIR`` loads DIR (Hugging Face layout, e.g. from ``specserve train draft``) into our own
+`LlamaModel` with its own paged KV cache; a bare ``draft`` means the bundled draft model when the
+target is the bundled default model.
+
+Each step, for all requests of the batch together:
+
+1. **catch up** — one batched forward over every request's tokens the draft has not cached yet
+   (the tokens accepted last step and the new root; the whole prompt the first time). The logits at
+   the root give the distribution of depth-1 nodes. Whatever the draft wrote past the root last step
+   (its own tree) is simply overwritten.
+2. **levels** ``d = 1 .. depth`` — every *expanded* node of level d-1 (the root for d = 1) gets
+   ``topk`` children: at temperature 0 its top-k tokens; at temperature T > 0 ``topk`` tokens drawn
+   *without replacement* from q = softmax(logits / T) (inverse-CDF draws, the request's own generator).
+   Child j's stored distribution ``probs[j]`` is q with children 0..j-1 removed and renormalised —
+   exactly what it was drawn from, as the stochastic verifier requires. The ``width`` best nodes of
+   level d are expanded next (greedy: by cumulative draft log-probability; sampled: by an estimate of
+   the chance the verifier walks through them, which favours first-drawn siblings); one batched
+   forward feeds them.
+
+Why this stays lossless at T > 0: which siblings a node gets (how many, from which q) is fixed
+before they are drawn — never chosen by looking at their own values — and which nodes are expanded
+only decides the number of *their* future children. A tree is cut to its budget in generation order
+(level by level, keeping one node for every deeper level so small budgets still buy depth); how many
+nodes a level keeps depends on the budget and the level sizes only, never on the values being cut.
+
+With ``width == 1`` the expanded nodes form a chain, so each level feeds one token per request on
+top of the cached ancestors. With ``width > 1`` the expanded nodes of all levels are fed again with
+their ancestor mask each level (our attention sees every cached slot, so non-ancestor siblings must
+not stay in the cache); the cost grows with depth × width.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from specserve.drafters.base import Drafter, DraftRequest, TargetInfo, register
+from specserve.verify import DraftTree
+
+from specserve.attention import SequenceSlice
+from specserve.kv_cache import PagedKVCache
+from specserve.model import LlamaModel
+
+log = logging.getLogger("specserve")
+
+# Expansion priority of sampled siblings. With a good draft (q close to p) the first draw is accepted
+# with probability near 1 whatever its q, and later siblings are only tried after rejections; so the
+# j-th drawn sibling is scored as accepted with probability 0.8 * 0.2**j (log), not by its q.
+_SAMPLED_LOG_ACCEPT = [math.log(0.8) + j * math.log(0.2) for j in range(64)]
+
+
+def _check_int(name: str, value: object, low: int, high: int) -> int:
+    ok = isinstance(value, (int, np.integer)) and not isinstance(value, bool) and low <= value <= high
+    if not ok:
+        raise ValueError(f"draft drafter option {name} must be an integer in [{low}, {high}], got {value!r}")
+    return int(value)
+
+
+@dataclass
+class _RequestState:
+    num_cached: int = 0  # tokens of the request whose draft KV is valid (slots 0..num_cached-1)
+    generator: torch.Generator | None = None
+
+
+class _GrowingKV:
+    """A `PagedKVCache` whose sequences and pool grow on demand (doubling; copies happen rarely).
+
+    Sequences are keyed by request id; a sequence that outgrows its blocks is re-allocated under a
+    fresh cache key and its cached entries are copied over.
+    """
+
+    def __init__(self, model: LlamaModel, block_size: int = 16, initial_slots: int = 8192) -> None:
+        cfg = model.config
+        self._shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+        self.device, self.dtype, self.block_size = model.device, model.dtype, block_size
+        self.cache = self._new_cache(-(-initial_slots // block_size))
+        self.keys: dict[str, str] = {}
+        self._ids = itertools.count()
+
+    def _new_cache(self, num_blocks: int) -> PagedKVCache:
+        layers, kv_heads, head_dim = self._shape
+        return PagedKVCache(layers, kv_heads, head_dim, num_blocks, self.block_size, self.device, self.dtype)
+
+    def ensure(self, request_id: str, need: int, keep: int) -> str:
+        """The cache key of a sequence with room for ``need`` slots whose first ``keep`` entries are kept."""
+        key = self.keys.get(request_id)
+        if key is not None and self.cache.capacity(key) >= need:
+            return key
+        old_capacity = self.cache.capacity(key) if key is not None else 0
+        new_key = f"{request_id}#{next(self._ids)}"
+        slots = max(need, 2 * old_capacity, 4 * self.block_size)
+        if not self.cache.allocator.can_allocate(slots):
+            self._grow_pool(slots)
+        self.cache.allocate(new_key, slots)
+        if key is not None:
+            if keep:
+                index = torch.arange(keep, device=self.device)
+                self.cache.move(self.cache.slots(key, index), self.cache.slots(new_key, index))
+            self.cache.free(key)
+        self.keys[request_id] = new_key
+        return new_key
+
+    def _grow_pool(self, extra_slots: int) -> None:
+        old = self.cache
+        used = old.allocator.num_blocks - old.allocator.num_free_blocks
+        blocks = max(2 * old.allocator.num_blocks, used + old.allocator.blocks_for(extra_slots))
+        new = self._new_cache(blocks)
+        for key in self.keys.values():
+            capacity = old.capacity(key)
+            new.allocate(key, capacity)
+            k, v = old.read(key, capacity)
+            phys = new.slots(key, torch.arange(capacity, device=self.device))
+            new.k[:, phys] = k
+            new.v[:, phys] = v
+        self.cache = new
+        log.info("draft drafter: KV pool grown to %d blocks", blocks)
+
+    def free(self, request_id: str) -> None:
+        key = self.keys.pop(request_id, None)
+        if key is not None:
+            self.cache.free(key)
+
+
+@register("draft")
+class DraftModelDrafter(Drafter):
+    """Draft-model drafter (chains or top-k trees with draft probabilities).
+
+    Options:
+      depth:      tree depth (draft tokens along one path), in [1, 64].
+      topk:       children of each expanded node (1 = chain), in [1, 64].
+      width:      nodes expanded per level (the best by cumulative draft log-probability), in [1, 64].
+      max_budget: most nodes per tree, >= 1; at most the full tree, ``topk * (1 + (depth - 1) * width)``.
+      seed:       seeds the per-request draft samplers (temperature > 0), with the request's seed or id.
+    """
+
+    needs_hidden_states = False
+    gives_probs = True
+
+    def __init__(
+        self,
+        target: TargetInfo,
+        path: str | None = None,
+        *,
+        depth: int = 4,
+        topk: int = 1,
+        width: int = 1,
+        max_budget: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.depth = _check_int("depth", depth, 1, 64)
+        self.topk = _check_int("topk", topk, 1, 64)
+        self.width = _check_int("width", width, 1, 64)
+        full = self.topk * (1 + (self.depth - 1) * self.width)
+        self.max_budget = full if max_budget is None else min(_check_int("max_budget", max_budget, 1, 1 << 20), full)
+        self.seed = _check_int("seed", seed, 0, 2**63 - 1)
+        self.path = _resolve_path(target, path)
+        self.model = LlamaModel.from_pretrained(self.path, target.device, target.dtype)
+        cfg = self.model.config
+        if cfg.vocab_size != target.vocab_size:
+            raise ValueError(
+                f"draft model {str(self.path)!r} has vocab_size {cfg.vocab_size} but the target has {target.vocab_size}: "
+                "a draft model must share the target's tokenizer"
+            )
+        _check_same_tokenizer(self.path, target.model_dir)
+        self.max_positions = cfg.max_position_embeddings
+        self.device = target.device
+        self.kv = _GrowingKV(self.model)
+        self._state: dict[str, _RequestState] = {}
+        # Slots a tree needs past the root: the expanded nodes that are fed (all but the last level).
+        self._fed_slots = (self.depth - 1) * (1 if self.width == 1 else self.width)
+
+    # ---- the protocol ---------------------------------------------------------------------------
+
+    def release(self, request_id: str) -> None:
+        self._state.pop(request_id, None)
+        self.kv.free(request_id)
+
+    def propose(self, requests: list[DraftRequest], budgets: list[int]) -> list[DraftTree]:
+        if len(budgets) != len(requests):
+            raise ValueError(f"propose got {len(requests)} requests but {len(budgets)} budgets")
+        trees = [DraftTree.empty() for _ in requests]
+        work: list[_Work] = []
+        for i, (req, budget) in enumerate(zip(requests, budgets)):
+            budget = int(budget)
+            if budget < 0:
+                raise ValueError(f"budget for request {req.request_id!r} must be >= 0, got {budget}")
+            cap = min(budget, self.max_budget)
+            length = len(req.token_ids)
+            levels = min(self.depth, self.max_positions - length + 1, cap)  # level d feeds position length + d - 2
+            if cap == 0 or levels < 1:
+                continue
+            work.append(_Work(i, req, cap, levels, self._state.setdefault(req.request_id, _RequestState())))
+        if not work:
+            return trees
+
+        logits = self._catch_up(work)  # [A, V]: distribution after each root
+        frontier = [[-1] for _ in work]  # per work item: nodes whose children come next (-1 = root)
+        for level in range(1, self.depth + 1):
+            rows = [(w, node) for w, nodes in zip(work, frontier) for node in nodes]
+            self._add_children(rows, logits, level)
+            if level == self.depth:
+                break
+            frontier = [self._expand(w, level) if level < w.levels and len(w.tokens) < w.cap else [] for w in work]
+            if not any(frontier):
+                break
+            logits = self._feed(work, frontier, level)
+        for w in work:
+            if w.tokens:
+                probs = torch.stack(w.probs) if w.sampled else None
+                trees[w.index] = DraftTree(torch.tensor(w.tokens, dtype=torch.int64),
+                                           torch.tensor(w.parents, dtype=torch.int64), probs)
+        return trees
+
+    # ---- steps ----------------------------------------------------------------------------------
+
+    def _catch_up(self, work: list["_Work"]) -> torch.Tensor:
+        """Feed each request's uncached tokens (through its root); return the root rows' logits [A, V]."""
+        ids, positions, slices, rows = [], [], [], []
+        row = 0
+        for w in work:
+            length = len(w.req.token_ids)
+            start = min(w.state.num_cached, length - 1)  # the root is always (re)fed: we need its logits
+            w.key = self.kv.ensure(w.req.request_id, length + self._fed_slots, start)
+            new = torch.from_numpy(np.ascontiguousarray(w.req.token_ids[start:length], dtype=np.int64))
+            pos = torch.arange(start, length)
+            ids.append(new)
+            positions.append(pos)
+            slices.append(SequenceSlice(w.key, start, pos))
+            row += len(new)
+            rows.append(row - 1)
+            w.state.num_cached = length
+            w.length = length
+        return self._forward(ids, positions, slices, rows)
+
+    def _feed(self, work: list["_Work"], frontier: list[list[int]], level: int) -> torch.Tensor:
+        """Run the newly expanded nodes (level ``level``) through the draft; logits [R, V] in frontier order."""
+        ids, positions, slices, rows = [], [], [], []
+        row = 0
+        for w, nodes in zip(work, frontier):
+            if not nodes:
+                continue
+            if self.width == 1:  # the expanded nodes are a chain: cached ancestors + one new token
+                (node,) = nodes
+                pos = torch.tensor([w.length - 1 + level])
+                ids.append(torch.tensor([w.tokens[node]]))
+                slices.append(SequenceSlice(w.key, w.length + level - 1, pos))
+                positions.append(pos)
+                row += 1
+                rows.append(row - 1)
+                continue
+            w.expanded.extend(nodes)
+            fed = w.expanded
+            depth = torch.tensor([w.depths[n] for n in fed])
+            index = {n: j for j, n in enumerate(fed)}
+            mask = torch.zeros(len(fed), len(fed), dtype=torch.bool)
+            for j, n in enumerate(fed):
+                while n != -1:
+                    mask[j, index[n]] = True
+                    n = w.parents[n]
+            pos = w.length - 1 + depth
+            ids.append(torch.tensor([w.tokens[n] for n in fed]))
+            slices.append(SequenceSlice(w.key, w.length, pos, mask))
+            positions.append(pos)
+            rows.extend(row + index[n] for n in nodes)
+            row += len(fed)
+        return self._forward(ids, positions, slices, rows)
+
+    def _forward(self, ids, positions, slices, rows) -> torch.Tensor:
+        out = self.model.forward(
+            torch.cat(ids).to(self.device), torch.cat(positions).to(self.device), slices, self.kv.cache,
+            torch.tensor(rows, dtype=torch.int64, device=self.device),
+        )
+        return out.logits  # [R, V] float32
+
+    def _add_children(self, rows: list[tuple["_Work", int]], logits: torch.Tensor, level: int) -> None:
+        """Give each (request, parent node) row ``topk`` children, in row order, up to each tree's cap.
+
+        logits: float32[R, V], row r = the draft's next-token logits after row r's parent.
+        """
+        k = self.topk
+        temps = torch.tensor([w.req.temperature for w, _ in rows], dtype=torch.float32, device=logits.device)
+        sampled = temps > 0
+        logq = torch.log_softmax(logits / torch.where(sampled, temps, 1.0)[:, None], dim=-1)  # [R, V]
+        top = logq.topk(k, dim=-1)  # greedy rows: the k most likely tokens, best first
+        ids, valid = top.indices, torch.isfinite(top.values)  # [R, k]
+        probs_cpu = None
+        if bool(sampled.any()):
+            rows_s = sampled.nonzero().flatten()
+            tokens_s, valid_s, probs = self._sample_siblings(logq[rows_s].exp(), [rows[int(r)][0] for r in rows_s], k)
+            ids[rows_s], valid[rows_s] = tokens_s, valid_s
+            probs_cpu = torch.zeros(len(rows), k, logq.shape[1])
+            probs_cpu[rows_s.cpu()] = probs.float().cpu()
+        child_logq = logq.gather(-1, ids).cpu().tolist()
+        ids, valid = ids.cpu().tolist(), valid.cpu().tolist()
+        for r, (w, parent) in enumerate(rows):
+            base = 0.0 if parent == -1 else w.scores[parent]
+            limit = w.cap - (w.levels - level)  # keep one node for each deeper level (depth first)
+            for j in range(k):
+                if len(w.tokens) >= limit or not valid[r][j]:
+                    break
+                w.tokens.append(ids[r][j])
+                w.parents.append(parent)
+                w.depths.append(level)
+                w.scores.append(base + (_SAMPLED_LOG_ACCEPT[j] if w.sampled else child_logq[r][j]))
+                if w.sampled:
+                    w.probs.append(probs_cpu[r, j])
+        for w in {id(w): w for w, _ in rows}.values():
+            w.level_nodes[level] = [n for n in range(len(w.tokens)) if w.depths[n] == level]
+
+    def _sample_siblings(self, q: torch.Tensor, owners: list["_Work"], k: int):
+        """Draw k tokens per row without replacement, in order, by inverse CDF.
+
+        q: float32[Rs, V] draft distributions; owners: the request of each row (rows of one request
+        are consecutive; each request draws from its own generator). Returns tokens int64[Rs, k],
+        valid bool[Rs, k] (False once a row runs out of tokens with positive probability) and
+        probs float32[Rs, k, V]: sibling j's distribution, q without siblings 0..j-1, renormalised.
+        """
+        uniforms = []
+        for _, group in itertools.groupby(owners, key=id):
+            group = list(group)
+            uniforms.append(torch.rand(len(group), k, generator=self._generator(group[0]), device=q.device))
+        u = torch.cat(uniforms)  # [Rs, k]
+        rest = q.clone()
+        probs = torch.empty(q.shape[0], k, q.shape[1], device=q.device)
+        tokens = torch.empty(q.shape[0], k, dtype=torch.int64, device=q.device)
+        valid = torch.empty(q.shape[0], k, dtype=torch.bool, device=q.device)
+        for j in range(k):
+            total = rest.sum(-1, keepdim=True)  # [Rs, 1]
+            probs[:, j] = rest / total.clamp_min(1e-30)
+            cdf = probs[:, j].cumsum(-1)
+            tok = torch.searchsorted(cdf, u[:, j : j + 1] * cdf[:, -1:], right=True).clamp_(max=q.shape[1] - 1)  # [Rs, 1]
+            tokens[:, j] = tok[:, 0]
+            valid[:, j] = (total[:, 0] > 0) & (probs[:, j].gather(-1, tok)[:, 0] > 0)
+            rest.scatter_(-1, tok, 0.0)
+        return tokens, valid, probs
+
+    def _expand(self, w: "_Work", level: int) -> list[int]:
+        """The ``width`` best nodes of ``level`` by cumulative draft log-probability (ties: lower index)."""
+        nodes = w.level_nodes.get(level, [])
+        return sorted(nodes, key=lambda n: (-w.scores[n], n))[: self.width]
+
+    def _generator(self, w: "_Work") -> torch.Generator:
+        """The request's draft sampler: seeded by (option seed, request seed) when the engine hands the
+        request's sampling seed over (``DraftRequest.seed``), else by (option seed, request id). Either
+        way it is a stream of its own, independent of the verifier's."""
+        state = w.state
+        if state.generator is None:
+            request_seed = getattr(w.req, "seed", None)
+            source = f"id:{w.req.request_id}" if request_seed is None else f"seed:{request_seed}"
+            digest = hashlib.blake2b(f"draft:{self.seed}:{source}".encode(), digest_size=8).digest()
+            state.generator = torch.Generator(device=self.device)
+            state.generator.manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+        return state.generator
+
+    def __repr__(self) -> str:
+        return (f"DraftModelDrafter(path={str(self.path)!r}, depth={self.depth}, topk={self.topk}, width={self.width}, "
+                f"max_budget={self.max_budget})")
+
+
+class _Work:
+    """One request's tree under construction during a `propose` call (host-side lists, small)."""
+
+    def __init__(self, index: int, req: DraftRequest, cap: int, levels: int, state: _RequestState) -> None:
+        self.index, self.req, self.cap, self.levels, self.state = index, req, cap, levels, state
+        self.sampled = req.temperature > 0
+        self.key = ""
+        self.length = 0
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.depths: list[int] = []
+        self.scores: list[float] = []
+        self.probs: list[torch.Tensor] = []
+        self.expanded: list[int] = []
+        self.level_nodes: dict[int, list[int]] = {}
+
+
+def _resolve_path(target: TargetInfo, path: str | None) -> Path:
+    if path is None:
+        from specserve.training.bundle_paths import resolve_drafter_path
+
+        bundled = resolve_drafter_path("draft", target.model_dir)
+        if bundled is None:
+            raise ValueError("the draft drafter needs a model directory: 'draft:DIR' (a bare 'draft' only works with the "
+                             "bundled default model)")
+        return Path(bundled)
+    return Path(path).expanduser()
+
+
+def _check_same_tokenizer(draft_dir: Path, target_dir: str | None) -> None:
+    """When both directories ship a tokenizer.json, their vocabularies and added tokens must be equal."""
+    if target_dir is None:
+        return
+    a, b = Path(draft_dir) / "tokenizer.json", Path(target_dir) / "tokenizer.json"
+    if not (a.is_file() and b.is_file()):
+        return
+
+    def key(path: Path):
+        data = json.loads(path.read_text())
+        return (data.get("model", {}).get("vocab"), data.get("added_tokens"))
+
+    if key(a) != key(b):
+        raise ValueError(f"draft model {str(draft_dir)!r} has a different tokenizer than the target {str(target_dir)!r}")

@@ -1,0 +1,96 @@
+"""The embedded bundle: paths API (absent and present), orchestration with finished stages, export."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from specserve.training import bundle_paths
+from specserve.training.bundle import build_bundle
+from specserve.training.distill import DistillSettings
+from transformers import AutoModelForCausalLM
+
+from specserve import LLM, SamplingParams
+from specserve.cli import main
+
+# The fixture's distillation settings (tests/training/conftest.py), so the stage counts as done.
+FIXTURE_DISTILL = DistillSettings(num_prompts=24, heldout_prompts=8, prompt_tokens=16, new_tokens=32, batch_size=12, topk=8)
+
+
+def test_paths_without_a_bundle(tmp_path, monkeypatch):
+    monkeypatch.setenv(bundle_paths.ENV_VAR, str(tmp_path / "nothing-here"))
+    assert bundle_paths.default_model_dir() is None
+    assert bundle_paths.default_drafters() == {}
+    assert bundle_paths.bundle_manifest() is None
+    assert not bundle_paths.is_default_model(tmp_path)
+    assert bundle_paths.resolve_drafter_path("draft", tmp_path) is None
+
+
+def test_package_bundle_location(monkeypatch):
+    monkeypatch.delenv(bundle_paths.ENV_VAR, raising=False)
+    import specserve
+
+    assert bundle_paths.bundle_dir() == __import__("pathlib").Path(specserve.__file__).parent / "bundle"
+
+
+@pytest.fixture(scope="module")
+def bundle(trained_lm, distill_dir, trained_draft, tmp_path_factory):
+    """build_bundle over a work directory whose three training stages are already finished."""
+    work = tmp_path_factory.mktemp("work")
+    shutil.copytree(trained_lm, work / "target")
+    shutil.copytree(distill_dir, work / "distill")
+    shutil.copytree(trained_draft, work / "draft")
+    out = work.parent / (work.name + "-bundle")
+    manifest = build_bundle(work=work, bundle_dir=out, lm_preset="tiny", draft_preset="tiny", distill=FIXTURE_DISTILL,
+                            device="cpu", resume=True, seed=0, argv=["train", "bundle", "--lm-preset", "tiny"])
+    return out, manifest, work
+
+
+def test_bundle_layout_and_manifest(bundle):
+    out, manifest, _ = bundle
+    on_disk = json.loads((out / "MANIFEST.json").read_text())
+    assert on_disk["command"] == "specserve train bundle --lm-preset tiny" and on_disk["seed"] == 0
+    assert on_disk["default_model"] == "target" and on_disk["default_drafters"] == {"draft": "draft"}
+    assert len(on_disk["corpus"]["sha256"]) == 64
+    assert on_disk["size_mb"] <= 48 and on_disk["size_mb"] == manifest["size_mb"]
+    metrics = on_disk["metrics"]
+    assert "eval_loss" in metrics["target"]["eval"] and "accept_t1" in metrics["draft"]["eval"]
+    assert metrics["acceptance"]["tau_greedy"] >= 1.0 and metrics["acceptance"]["tau_t1"] >= 1.0
+    for model in ("target", "draft"):
+        with safe_open(str(out / model / "model.safetensors"), "pt") as f:
+            assert all(f.get_tensor(k).dtype == torch.float16 for k in f.keys())
+        assert (out / model / "tokenizer.json").is_file()
+    assert json.loads((out / "draft" / "draft_config.json").read_text())["target"] == "../target"
+    assert not (out / "target" / "checkpoint").exists()  # weights only, no optimiser state
+
+
+def test_bundle_is_the_default_model_and_draft(bundle, monkeypatch):
+    out, _, work = bundle
+    monkeypatch.setenv(bundle_paths.ENV_VAR, str(out))
+    assert bundle_paths.default_model_dir() == out / "target"
+    assert bundle_paths.default_drafters() == {"draft": str(out / "draft")}
+    assert bundle_paths.is_default_model(out / "target") and not bundle_paths.is_default_model(work / "target")
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    plain = LLM(out / "target", device="cpu").generate(["import json\n"], params)[0]
+    spec = LLM(out / "target", drafter="draft", device="cpu").generate(["import json\n"], params)[0]  # bare name
+    assert plain.token_ids == spec.token_ids
+    # fp16 on disk changes the weights a little; transformers still loads the bundle.
+    hf = AutoModelForCausalLM.from_pretrained(str(out / "target"), dtype=torch.float32)
+    assert hf.config.vocab_size == json.loads((work / "target" / "config.json").read_text())["vocab_size"]
+
+
+def test_existing_bundles_and_foreign_directories_are_protected(bundle, tmp_path, capsys):
+    out, _, work = bundle
+    with pytest.raises(ValueError, match="already exists"):
+        build_bundle(work=work, bundle_dir=out, resume=True)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("x")
+    with pytest.raises(ValueError, match="refusing to replace"):
+        build_bundle(work=work, bundle_dir=tmp_path / "mine", force=True)
+    assert main(["train", "bundle", "--work", str(work), "--bundle-dir", str(tmp_path / "b"), "--size-limit-mb", "0"]) == 2
+    assert "size_limit_mb" in capsys.readouterr().err
+    assert main(["train", "bundle", "--work", str(work), "--bundle-dir", str(tmp_path / "b")]) == 2
+    assert "not empty" in capsys.readouterr().err

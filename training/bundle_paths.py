@@ -1,0 +1,88 @@
+"""Where the embedded default model and its drafters live. Cheap to import (no torch, no transformers).
+
+The bundle is ``specserve/bundle/`` inside the installed package (``SPECSERVE_BUNDLE_DIR`` overrides
+it)::
+
+    MANIFEST.json   command, seed, corpus manifest hash, metrics, and "default_drafters": {name: subdir}
+    target/         the default model (HF layout, fp16 safetensors, tokenizer)
+    draft/          its draft model (``draft`` drafter)
+
+Until ``specserve train bundle`` has been run and its output committed, `default_model_dir()` is None
+and `default_drafters()` is empty.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+ENV_VAR = "SPECSERVE_BUNDLE_DIR"
+MANIFEST = "MANIFEST.json"
+_MODEL_FILES = ("config.json", "model.safetensors")
+
+
+def bundle_dir() -> Path:
+    """The bundle directory (it may not exist): ``$SPECSERVE_BUNDLE_DIR`` or ``<specserve package>/bundle``."""
+    override = os.environ.get(ENV_VAR)
+    if override:
+        return Path(override).expanduser()
+    spec = importlib.util.find_spec("specserve")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the specserve package cannot be located")
+    return Path(list(spec.submodule_search_locations)[0]) / "bundle"
+
+
+def bundle_manifest() -> dict | None:
+    """The bundle's MANIFEST.json, or None when there is no (readable) bundle."""
+    path = bundle_dir() / MANIFEST
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _is_model_dir(path: Path) -> bool:
+    return all((path / name).is_file() for name in _MODEL_FILES)
+
+
+def default_model_dir() -> Path | None:
+    """The embedded default model's directory, or None when the bundle is absent."""
+    manifest = bundle_manifest()
+    if manifest is None:
+        return None
+    path = bundle_dir() / manifest.get("default_model", "target")
+    return path if _is_model_dir(path) else None
+
+
+def default_drafters() -> dict[str, str]:
+    """Drafter name → directory of the bundle's drafters for the default model (``{"draft": ...}``)."""
+    manifest = bundle_manifest()
+    if manifest is None or default_model_dir() is None:
+        return {}
+    root = bundle_dir()
+    out = {}
+    for name, sub in sorted(manifest.get("default_drafters", {}).items()):
+        path = root / sub
+        if path.is_dir() and any(path.iterdir()):
+            out[name] = str(path)
+    return out
+
+
+def is_default_model(model_dir: str | Path | None) -> bool:
+    """True when ``model_dir`` is the bundled default model (compared after resolving links)."""
+    default = default_model_dir()
+    if default is None or model_dir is None:
+        return False
+    try:
+        return Path(model_dir).expanduser().resolve() == default.resolve()
+    except OSError:
+        return False
+
+
+def resolve_drafter_path(name: str, model_dir: str | Path | None) -> str | None:
+    """The bundled path for a drafter named without one (``"draft"``) when the target is the default model."""
+    if not is_default_model(model_dir):
+        return None
+    return default_drafters().get(name)

@@ -1,0 +1,209 @@
+"""``specserve train ...``: corpus, lm, distill-data, draft, bundle.
+
+Registered by `specserve.cli` with `add_train_parser`; heavy imports happen inside the handlers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def add_train_parser(sub, parser_class) -> None:
+    """Register ``train`` and its subcommands on the top-level subparsers ``sub``."""
+    train = sub.add_parser("train", help="train the models specserve serves: corpus, lm, distill-data, draft, bundle")
+    tsub = train.add_subparsers(dest="train_command", required=True, parser_class=parser_class)
+
+    corpus = tsub.add_parser("corpus", help="collect a corpus, split it by module and write its manifest")
+    _corpus_args(corpus)
+    corpus.add_argument("--out", default=None, help="write the manifest JSON here (default: print the summary only)")
+    corpus.set_defaults(handler=cmd_corpus)
+
+    lm = tsub.add_parser("lm", help="train a Llama LM (tokenizer included) in Hugging Face layout")
+    lm.add_argument("--preset", default=None, choices=["tiny", "small"], help="required unless --resume")
+    _corpus_args(lm)
+    lm.add_argument("--out", required=True, help="output model directory")
+    lm.add_argument("--tokenizer", default=None, help="reuse the tokenizer of this model directory instead of training one")
+    _run_args(lm, seq_len=True)
+    lm.set_defaults(handler=cmd_lm)
+
+    distill = tsub.add_parser("distill-data", help="target continuations of corpus prompts with top-k soft labels")
+    distill.add_argument("--target", required=True, help="target model directory (with its tokenizer)")
+    distill.add_argument("--out", required=True, help="output data directory")
+    _corpus_args(distill, default_help="default: the target's own corpus split when it was trained here, else the stdlib")
+    _distill_args(distill)
+    _budget_args(distill)
+    distill.set_defaults(handler=cmd_distill)
+
+    draft = tsub.add_parser("draft", help="distil a small draft model from a target (serve it as draft:OUT)")
+    draft.add_argument("--target", required=True, help="target model directory (with its tokenizer)")
+    draft.add_argument("--out", required=True, help="output model directory")
+    draft.add_argument("--data", default=None, help="distill-data directory (default: generate one in OUT/distill)")
+    draft.add_argument("--preset", default=None, choices=["draft", "tiny"], help="default: draft (resume: the run's)")
+    _run_args(draft, seq_len=False)
+    _distill_args(draft, prefix="distill options (only when --data is not given)")
+    draft.set_defaults(handler=cmd_draft)
+
+    bundle = tsub.add_parser("bundle", help="train the embedded default model and its draft model (long: see README)")
+    bundle.add_argument("--work", default="bundle-work", help="working directory for the runs (default: ./bundle-work)")
+    bundle.add_argument("--bundle-dir", default=None, help="where the bundle goes (default: the package's specserve/bundle)")
+    bundle.add_argument("--lm-preset", default="small", choices=["tiny", "small"])
+    bundle.add_argument("--draft-preset", default="draft", choices=["draft", "tiny"])
+    _corpus_args(bundle)
+    bundle.add_argument("--lm-max-steps", type=int, default=None)
+    bundle.add_argument("--draft-max-steps", type=int, default=None)
+    bundle.add_argument("--seed", type=int, default=0)
+    bundle.add_argument("--size-limit-mb", type=float, default=48.0)
+    _distill_args(bundle)
+    bundle.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    bundle.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    bundle.add_argument("--resume", action="store_true", help="continue the runs in --work (finished stages are skipped)")
+    bundle.add_argument("--force", action="store_true", help="overwrite --work's runs and an existing bundle")
+    bundle.set_defaults(handler=cmd_bundle)
+
+
+def _corpus_args(p, default_help: str = "default: the Python standard library of this interpreter") -> None:
+    p.add_argument("--corpus", action="append", default=None, metavar="PATH",
+                   help=f"text/code file or directory (repeatable; {default_help})")
+    p.add_argument("--heldout-fraction", type=float, default=0.05, help="share of modules held out (default 0.05)")
+
+
+def _budget_args(p) -> None:
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    p.add_argument("--max-minutes", type=float, default=None, help="wall-clock budget; stops cleanly and saves")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    p.add_argument("--force", action="store_true", help="overwrite the run files in a non-empty --out")
+
+
+def _run_args(p, seq_len: bool) -> None:
+    _budget_args(p)
+    p.add_argument("--max-steps", type=int, default=None, help="optimiser steps (default: the preset's)")
+    p.add_argument("--batch-size", type=int, default=None, help="sequences per step over all processes")
+    if seq_len:
+        p.add_argument("--seq-len", type=int, default=None, help="tokens per training sequence (= the context window)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop-at-step", type=int, default=None,
+                   help="stop cleanly after this step (the schedule still spans --max-steps); continue with --resume")
+
+
+def _distill_args(p, prefix: str = "distillation data") -> None:
+    g = p.add_argument_group(prefix)
+    g.add_argument("--num-prompts", type=int, default=None, help="train prompts (default 2048)")
+    g.add_argument("--heldout-prompts", type=int, default=None, help="held-out prompts (default 64)")
+    g.add_argument("--prompt-tokens", type=int, default=None, help="tokens per prompt (default 48)")
+    g.add_argument("--new-tokens", type=int, default=None, help="generated tokens per prompt (default 160)")
+    g.add_argument("--temperature", type=float, default=None, help="sampling temperature of the target (default 1.0)")
+    g.add_argument("--topk", type=int, default=None, help="soft-label top-k (default 16)")
+    g.add_argument("--gen-batch-size", type=int, default=None, help="prompts generated per engine batch (default 32)")
+    g.add_argument("--drafter", default=None, help="drafter speeding up generation (default 'ngram'; 'none' for plain)")
+    g.add_argument("--distill-seed", type=int, default=None, help="seed of prompts and sampling (default 0)")
+
+
+def _distill_settings(args):
+    from specserve.training.distill import DistillSettings
+
+    given = {
+        "num_prompts": args.num_prompts, "heldout_prompts": args.heldout_prompts, "prompt_tokens": args.prompt_tokens,
+        "new_tokens": args.new_tokens, "temperature": args.temperature, "topk": args.topk,
+        "batch_size": args.gen_batch_size, "seed": args.distill_seed,
+    }
+    settings = DistillSettings(**{k: v for k, v in given.items() if v is not None})
+    if args.drafter is not None:
+        from dataclasses import replace
+
+        settings = replace(settings, drafter=None if args.drafter.lower() == "none" else args.drafter)
+    return settings
+
+
+def cmd_corpus(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from specserve.training.corpus import build_corpus
+
+    corpus = build_corpus(args.corpus, heldout_fraction=args.heldout_fraction)
+    print(corpus.summary())
+    if args.out:
+        digest = corpus.write_manifest(Path(args.out))
+        print(f"manifest: {args.out} (sha256 {digest[:16]}…)")
+    return 0
+
+
+def cmd_lm(args: argparse.Namespace) -> int:
+    _set_threads(args.threads)
+    from specserve.training.lm import train_lm
+
+    summary = train_lm(
+        args.out, preset=args.preset, corpus=args.corpus, device=args.device, max_minutes=args.max_minutes,
+        resume=args.resume, force=args.force, max_steps=args.max_steps, batch_size=args.batch_size,
+        seq_len=args.seq_len, lr=args.lr, seed=args.seed, stop_at_step=args.stop_at_step, tokenizer=args.tokenizer,
+        heldout_fraction=args.heldout_fraction, argv=sys.argv[1:],
+    )
+    _report(summary, args.out)
+    return 0
+
+
+def cmd_distill(args: argparse.Namespace) -> int:
+    _set_threads(args.threads)
+    _single_process("distill-data")
+    from specserve.training.distill import make_distill_data
+
+    manifest = make_distill_data(args.target, args.out, _distill_settings(args), corpus=args.corpus, device=args.device,
+                                 max_minutes=args.max_minutes, resume=args.resume, force=args.force)
+    print(json.dumps({"out": args.out, "complete": manifest["complete"], "counts": manifest["counts"],
+                      "stats": manifest["stats"]}))
+    return 0
+
+
+def cmd_draft(args: argparse.Namespace) -> int:
+    _set_threads(args.threads)
+    from specserve.training.draft import train_draft
+
+    summary = train_draft(
+        args.target, args.out, data=args.data, preset=args.preset, device=args.device, max_minutes=args.max_minutes,
+        resume=args.resume, force=args.force, max_steps=args.max_steps, batch_size=args.batch_size, lr=args.lr,
+        seed=args.seed, stop_at_step=args.stop_at_step, distill_settings=_distill_settings(args), argv=sys.argv[1:],
+    )
+    _report(summary, args.out)
+    return 0
+
+
+def cmd_bundle(args: argparse.Namespace) -> int:
+    _set_threads(args.threads)
+    _single_process("bundle")  # multi-GPU: torchrun `train lm --out WORK/target` first, then `train bundle --resume`
+    from specserve.training.bundle import build_bundle
+
+    manifest = build_bundle(
+        work=args.work, bundle_dir=args.bundle_dir, lm_preset=args.lm_preset, draft_preset=args.draft_preset,
+        corpus=args.corpus, heldout_fraction=args.heldout_fraction, lm_max_steps=args.lm_max_steps,
+        draft_max_steps=args.draft_max_steps, seed=args.seed, distill=_distill_settings(args), device=args.device,
+        resume=args.resume, force=args.force, size_limit_mb=args.size_limit_mb, argv=sys.argv[1:],
+    )
+    print(json.dumps({"bundle": manifest["bundle_dir"], "size_mb": manifest["size_mb"], "metrics": manifest["metrics"]}))
+    return 0
+
+
+def _single_process(what: str) -> None:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError(f"train {what} runs as a single process, not under torchrun")
+
+
+def _set_threads(threads: int | None) -> None:
+    if threads is None:
+        return
+    if isinstance(threads, bool) or not 1 <= threads <= 1024:
+        raise ValueError(f"--threads must be in [1, 1024], got {threads}")
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def _report(summary: dict, out: str) -> None:
+    if int(os.environ.get("RANK", "0")) != 0:  # torchrun: the main process reports
+        return
+    evals = ", ".join(f"{k} {v:.4f}" for k, v in summary.get("last_eval", {}).items())
+    print(f"{out}: step {summary['step']}/{summary['max_steps']} ({summary['stopped']}), {summary['tokens']:,} tokens, "
+          f"{summary['train_seconds']:.0f}s of training; {evals}")

@@ -1,0 +1,223 @@
+"""``specserve train draft``: a small LM sharing the target's tokenizer, distilled from the target.
+
+Loss: KL(p_target || q_draft) at every position of the distillation sequences, with p the target's
+top-k next-token distribution renormalised over its k tokens (the rest of its mass is negligible for
+k >= 16 and unknown anyway). Held-out metrics on the held-out prompts' sequences:
+
+- ``eval_loss``   the same KL (nats/token);
+- ``top1_agree``  how often the draft's argmax equals the target's (greedy acceptance of one token);
+- ``accept_t1``   sum over the target's top-k of min(p, q) — a lower bound on the probability that a
+                  single sampled draft token is accepted at temperature 1 (1 - total variation).
+
+The output is a model directory in Hugging Face layout, with the target's tokenizer files and
+``draft_config.json`` naming the target; ``draft:OUT`` serves it as a drafter.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+from specserve.training.data import IndexSampler
+from specserve.training.distill import DistillSettings, load_distill, make_distill_data
+from specserve.training.outputs import (
+    prepare_out_dir,
+    read_json,
+    recorded_preset,
+    save_hf_model,
+    write_json,
+)
+from specserve.training.plots import plot_loss_curve
+from specserve.training.presets import get_preset
+from specserve.training.tokenizer import (
+    copy_tokenizer,
+    load_tokenizer,
+    tokenizer_fingerprint,
+)
+from specserve.training.trainer import (
+    LOG_FILE,
+    Trainer,
+    barrier,
+    read_log,
+    setup_distributed,
+    teardown_distributed,
+)
+
+
+def train_draft(
+    target: str | Path,
+    out: str | Path,
+    *,
+    data: str | Path | None = None,
+    preset: str | None = None,
+    device: str = "auto",
+    max_minutes: float | None = None,
+    resume: bool = False,
+    force: bool = False,
+    max_steps: int | None = None,
+    batch_size: int | None = None,
+    lr: float | None = None,
+    seed: int | None = None,
+    stop_at_step: int | None = None,
+    distill_settings: DistillSettings | None = None,
+    argv: list[str] | None = None,
+) -> dict:
+    """Train (or resume) a draft model for ``target``; return the run summary."""
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    if resume and force:
+        raise ValueError("--resume and --force contradict each other: pick one")
+    out_dir = Path(out).expanduser()
+    base = recorded_preset(out_dir, preset) if resume else get_preset(preset or "draft", "draft")
+    recipe = base.with_overrides(max_steps=max_steps, batch_size=batch_size, lr=lr, seed=seed, max_minutes=max_minutes)
+    settings = recipe.train
+    if stop_at_step is not None and stop_at_step < 1:
+        raise ValueError(f"stop_at_step must be >= 1, got {stop_at_step}")
+    target_dir = Path(target).expanduser().resolve()
+    tok = load_tokenizer(target_dir, "target directory")
+    target_config = AutoConfig.from_pretrained(str(target_dir))
+    if resume and data is None:  # the run's own data unless told otherwise
+        data = read_json(out_dir / "run_config.json").get("data")
+    if data is None:
+        distill_settings = (distill_settings or DistillSettings()).validate(
+            target_config.max_position_embeddings, target_config.vocab_size)
+    dist = setup_distributed(device)
+    try:
+        if dist.is_main:
+            prepare_out_dir(out_dir, resume=resume, force=force)
+            if not resume:
+                write_json(out_dir / "run_config.json", {
+                    "command": "train draft", "argv": argv, "preset": recipe.to_dict(), "target": str(target_dir),
+                    "data": str(data) if data is not None else None, "device": str(dist.device), "world_size": dist.world,
+                })
+            if data is None:  # generate the distillation data inside the output directory
+                distill_dir = out_dir / "distill"
+                make_distill_data(target_dir, distill_dir, distill_settings, device=device,
+                                  resume=distill_dir.is_dir(), force=False)
+        barrier(dist)
+        data_dir = Path(data).expanduser() if data is not None else out_dir / "distill"
+        train_set, manifest = load_distill(data_dir, "train")
+        heldout_set, _ = load_distill(data_dir, "heldout")
+        if train_set is None:
+            raise ValueError(f"{str(data_dir)!r} holds no training sequences")
+        if manifest.get("target_tokenizer") != tokenizer_fingerprint(target_dir):
+            raise ValueError(
+                f"the distillation data in {str(data_dir)!r} was made with another tokenizer than {str(target_dir)!r}'s"
+            )
+        if not manifest.get("complete", False) and dist.is_main:
+            print("warning: the distillation data is incomplete (its run stopped early)", file=sys.stderr)
+
+        shape = replace(recipe.shape, vocab_size=target_config.vocab_size,
+                        max_positions=target_config.max_position_embeddings).validate()
+        torch.manual_seed(settings.seed)
+        model = LlamaForCausalLM(shape.llama_config(tok.eos_token_id))
+        seq_len = train_set.tokens.shape[1]
+        if seq_len > shape.max_positions:
+            raise ValueError(
+                f"distillation sequences have {seq_len} tokens, more than the target's context {shape.max_positions}"
+            )
+        if dist.is_main:
+            print(f"draft: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters ({recipe.name}); "
+                  f"{len(train_set)} train / {len(heldout_set) if heldout_set else 0} held-out sequences of <= {seq_len} tokens",
+                  file=sys.stderr)
+        sampler = IndexSampler(len(train_set), settings.batch_size, settings.seed)
+        evalset = heldout_set if heldout_set is not None else _take(train_set, settings.eval_batches * settings.batch_size)
+
+        def batch_fn(step: int, rank: int, world: int):
+            return _batch(train_set, sampler.ids(step, rank, world), dist.device)
+
+        def eval_fn(module) -> dict[str, float]:
+            sums = {"eval_loss": 0.0, "top1_agree": 0.0, "accept_t1": 0.0}
+            count = 0
+            limit = min(len(evalset), settings.eval_batches * settings.batch_size)
+            for start in range(0, limit, settings.batch_size):
+                batch = _batch(evalset, torch.arange(start, min(start + settings.batch_size, limit)), dist.device)
+                metrics, n = distill_metrics(module, batch)
+                for k in sums:
+                    sums[k] += metrics[k] * n
+                count += n
+            return {k: v / max(count, 1) for k, v in sums.items()}
+
+        mean_len = float(train_set.lengths.float().mean())
+        trainer = Trainer(
+            model, settings, out_dir, dist=dist, batch_fn=batch_fn, loss_fn=distill_loss, eval_fn=eval_fn,
+            tokens_per_step=int(round(settings.batch_size * mean_len)),
+            run_key={"shape": asdict(shape), "batch_size": settings.batch_size, "seed": settings.seed, "lr": settings.lr,
+                     "data": str(data_dir.resolve()), "target": str(target_dir)},
+            desc=f"train draft/{recipe.name}",
+        )
+        started = time.perf_counter()
+        summary = trainer.run(resume=resume, stop_at_step=stop_at_step)
+        if dist.is_main:
+            save_hf_model(trainer.module, out_dir, tok.eos_token_id)
+            copy_tokenizer(target_dir, out_dir)
+            write_json(out_dir / "draft_config.json", {
+                "kind": "draft_model", "target": str(target_dir), "target_tokenizer": tokenizer_fingerprint(target_dir),
+                "target_vocab_size": target_config.vocab_size, "distill_data": str(data_dir.resolve()),
+            })
+            records = read_log(out_dir / LOG_FILE)
+            plot_loss_curve(records, out_dir / "loss_curve.png",
+                            f"draft {recipe.name} ({shape.num_params() / 1e6:.2f}M params): KL to the target")
+            summary.update({
+                "kind": "draft", "preset": recipe.name, "num_params": sum(p.numel() for p in trainer.module.parameters()),
+                "shape": asdict(shape), "target": str(target_dir), "argv": argv,
+                "wall_seconds_this_session": round(time.perf_counter() - started, 2),
+                "first_loss": records[0]["loss"] if records else None, "final_loss": records[-1]["loss"] if records else None,
+            })
+            write_json(out_dir / "train_summary.json", summary)
+        barrier(dist)
+        return summary
+    finally:
+        teardown_distributed(dist)
+
+
+def _take(data, n: int):
+    from specserve.training.distill import DistillSet
+
+    return DistillSet(data.tokens[:n], data.lengths[:n], data.topk_ids[:n], data.topk_logprobs[:n])
+
+
+def _batch(data, ids: torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:
+    """Sequences ``ids`` cut to their longest length: tokens [B, T'], mask [B, T'], topk ids/logprobs [B, T', k]."""
+    lengths = data.lengths[ids]
+    t = int(lengths.max())
+    mask = torch.arange(t)[None, :] < lengths[:, None]
+    return {
+        "tokens": data.tokens[ids, :t].to(device),
+        "mask": mask.to(device),
+        "topk_ids": data.topk_ids[ids, :t].to(device),
+        "topk_logprobs": data.topk_logprobs[ids, :t].float().to(device),
+    }
+
+
+def _kl_terms(model, batch):
+    logits = model(input_ids=batch["tokens"]).logits.float()  # [B, T, V]
+    logq = torch.log_softmax(logits, dim=-1)
+    logq_k = logq.gather(-1, batch["topk_ids"])  # [B, T, k]
+    logp_k = torch.log_softmax(batch["topk_logprobs"], dim=-1)  # target top-k, renormalised
+    kl = (logp_k.exp() * (logp_k - logq_k)).sum(-1)  # [B, T]
+    return logits, logq_k, kl
+
+
+def distill_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Mean KL(p_target,topk || q_draft) over the valid positions of a batch (see `_batch`)."""
+    _, _, kl = _kl_terms(model, batch)
+    mask = batch["mask"]
+    return (kl * mask).sum() / mask.sum()
+
+
+def distill_metrics(model, batch) -> tuple[dict[str, float], int]:
+    """Held-out KL, top-1 agreement and the single-token acceptance bound, averaged over valid positions."""
+    logits, logq_k, kl = _kl_terms(model, batch)
+    mask = batch["mask"]
+    n = int(mask.sum())
+    agree = (logits.argmax(-1) == batch["topk_ids"][..., 0]).float()
+    accept = torch.minimum(batch["topk_logprobs"].exp(), logq_k.exp()).sum(-1)
+    return {
+        "eval_loss": float((kl * mask).sum()) / n,
+        "top1_agree": float((agree * mask).sum()) / n,
+        "accept_t1": float((accept * mask).sum()) / n,
+    }, n
