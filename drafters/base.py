@@ -117,8 +117,16 @@ def parse_drafter_spec(spec: str) -> tuple[str, str | None]:
 
 
 def create_drafter(spec: str, target: TargetInfo, options: dict[str, Any] | None = None) -> Drafter:
-    """Build the drafter a spec names. Each drafter class takes ``(target, path=None, **options)``."""
+    """Build the drafter a spec names. Each drafter class takes ``(target, path=None, **options)``.
+
+    A name without a path (``"draft"``, later ``"medusa"``/``"eagle"``) gets the embedded bundle's
+    drafter of that name when the target is the bundled default model.
+    """
     name, path = parse_drafter_spec(spec)
+    if path is None:
+        from specserve.training.bundle_paths import resolve_drafter_path
+
+        path = resolve_drafter_path(name, target.model_dir)
     if name not in _REGISTRY:
         known = ", ".join(registered_drafters()) or "none"
         raise ValueError(f"unknown drafter {name!r}; registered drafters: {known}")

@@ -384,14 +384,10 @@ class _Work:
 
 
 def _resolve_path(target: TargetInfo, path: str | None) -> Path:
+    # create_drafter already swapped a bare "draft" for the bundle's when the target is the default model.
     if path is None:
-        from specserve.training.bundle_paths import resolve_drafter_path
-
-        bundled = resolve_drafter_path("draft", target.model_dir)
-        if bundled is None:
-            raise ValueError("the draft drafter needs a model directory: 'draft:DIR' (a bare 'draft' only works with the "
-                             "bundled default model)")
-        return Path(bundled)
+        raise ValueError("the draft drafter needs a model directory: 'draft:DIR' (a bare 'draft' only works with the "
+                         "bundled default model)")
     return Path(path).expanduser()
 
 

@@ -16,7 +16,7 @@ from specserve.server.client import DEFAULT_URL
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="Hugging Face Llama-family model directory")
+    p.add_argument("--model", default=None, help="Hugging Face Llama-family model directory (default: the embedded model)")
     p.add_argument("--drafter", default=None, help="drafter spec: 'ngram' or 'NAME:PATH' (default: none)")
     p.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE", help="drafter knob (repeatable)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
@@ -64,13 +64,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    try:
-        llm = LLM(args.model, drafter=args.drafter, drafter_options=_drafter_options(args.drafter_option),
-                  device=args.device, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
-    except ValueError as exc:
-        if args.model is None:  # LLM(None) resolves the embedded default model once there is one
-            raise ValueError("no model given: pass --model DIR (the embedded default model is not bundled yet)") from exc
-        raise
+    llm = LLM(args.model, drafter=args.drafter, drafter_options=_drafter_options(args.drafter_option),
+              device=args.device, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
     server = SpecServer(llm, config)
     return asyncio.run(_serve(server))
 

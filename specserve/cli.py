@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
-    gen.add_argument("--model", required=True, help="Hugging Face Llama-family model directory")
+    gen.add_argument("--model", default=None, help="Hugging Face Llama-family model directory (default: the embedded model)")
     gen.add_argument("--drafter", default=None, help="drafter spec: 'ngram' or 'NAME:PATH' (default: none)")
     gen.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
                      help="drafter knob, e.g. depth=8 (repeatable)")
@@ -117,6 +117,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
     import specserve
     from specserve.drafters import registered_drafters
+    from specserve.training.bundle_paths import default_drafters, default_model_dir
 
     info = {
         "version": specserve.__version__,
@@ -125,8 +126,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "drafters": registered_drafters(),
         "attention_backends": ["sdpa"],
-        "default_model": None,
-        "default_drafters": {},
+        "default_model": str(default_model_dir()) if default_model_dir() else None,
+        "default_drafters": default_drafters(),
     }
     if args.json:
         print(json.dumps(info))

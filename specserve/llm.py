@@ -22,6 +22,7 @@ Prompt = str | Sequence[int]
 class LLM:
     """A target model (Hugging Face Llama-family directory) with an optional drafter.
 
+    model: None uses the embedded default model (`specserve info` shows where it is).
     drafter: a spec such as ``"ngram"`` or ``"draft:PATH"``; None decodes plainly through the same loop.
     kv_cache_tokens: total tokens the paged cache holds (default: max_num_seqs full contexts, capped
     at 2 GiB of cache on CPU).
@@ -42,7 +43,14 @@ class LLM:
         attention: str = "sdpa",
     ) -> None:
         if model is None:
-            raise ValueError("no model given: pass model='path/to/hf-dir' (the embedded default model is not bundled yet)")
+            from specserve.training.bundle_paths import default_model_dir
+
+            model = default_model_dir()
+            if model is None:
+                raise ValueError(
+                    "no model given and no embedded default model is installed: pass a model directory "
+                    "(Python: model='DIR', CLI: --model DIR), or build the bundle with `specserve train bundle`"
+                )
         model_dir = Path(model)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)

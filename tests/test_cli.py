@@ -47,7 +47,7 @@ def test_info_json():
         (["generate", "--model", "{model}", "--prompt", "x", "--drafter", "nope"], "unknown drafter"),
         (["generate", "--model", "{model}", "--prompt", "x", "--drafter-option", "depth"], "KEY=VALUE"),
         (["generate", "--model", "{model}", "--prompt", "x", "--max-tokens", "abc"], "invalid int"),
-        (["generate", "--prompt", "x"], "required"),
+        (["generate", "--model", "{model}"], "required"),
         (["frobnicate"], "invalid choice"),
     ],
 )
@@ -66,4 +66,11 @@ def test_prompt_past_context_exits_2(tmp_path):
     model = build_model(tmp_path / "m", "llama", max_positions=16)
     res = run("generate", "--model", str(model), "--prompt", "def f(x): return x + 1 " * 10)
     assert res.returncode == 2 and "context window" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_generate_without_model_or_bundle_exits_2(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "specserve", "generate", "--prompt", "x"], capture_output=True, text=True,
+                         timeout=120, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "SPECSERVE_BUNDLE_DIR": str(tmp_path)})
+    assert res.returncode == 2 and "no model given" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1

@@ -48,8 +48,12 @@ def one_line_error(capsys, argv: list[str], needle: str) -> None:
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in err, err
 
 
+def test_serve_without_model_or_bundle_is_one_line(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSERVE_BUNDLE_DIR", str(tmp_path))  # an empty bundle: no default model
+    one_line_error(capsys, ["serve"], "no model given")
+
+
 @pytest.mark.parametrize("args, needle", [
-    ([], "no model given: pass --model DIR"),
     (["--model", "{model}", "--port", "70000"], "port"),
     (["--model", "{model}", "--max-connections", "0"], "max_connections"),
     (["--model", "/no/such/dir"], "does not exist"),
