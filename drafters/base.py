@@ -43,12 +43,15 @@ class DraftRequest:
                pending token whose KV is not cached yet), the token the tree's depth-1 nodes follow.
     hidden_states: for drafters with `needs_hidden_states`: {layer: float[rows, hidden]} of the
                target's features for the tokens committed by the last step (None otherwise).
+    seed:      the request's sampling seed (None when unseeded): a drafter that samples seeds its own
+               generator from it, so a seeded request reproduces across calls.
     """
 
     request_id: str
     token_ids: np.ndarray
     temperature: float
     hidden_states: dict[int, torch.Tensor] | None = None
+    seed: int | None = None
 
 
 @dataclass(frozen=True)

@@ -354,7 +354,7 @@ class DraftModelDrafter(Drafter):
         way it is a stream of its own, independent of the verifier's."""
         state = w.state
         if state.generator is None:
-            request_seed = getattr(w.req, "seed", None)
+            request_seed = w.req.seed
             source = f"id:{w.req.request_id}" if request_seed is None else f"seed:{request_seed}"
             digest = hashlib.blake2b(f"draft:{self.seed}:{source}".encode(), digest_size=8).digest()
             state.generator = torch.Generator(device=self.device)

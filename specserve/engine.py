@@ -253,7 +253,7 @@ class Engine:
         if not any(budgets):
             return [DraftTree.empty() for _ in decodes]
         views = [
-            DraftRequest(r.request_id, r.token_ids, r.params.temperature, r.hidden_states) for r in decodes
+            DraftRequest(r.request_id, r.token_ids, r.params.temperature, r.hidden_states, r.params.seed) for r in decodes
         ]
         trees = self.drafter.propose(views, budgets)
         vocab = self.model.config.vocab_size

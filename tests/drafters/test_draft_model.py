@@ -7,7 +7,6 @@ draft model is exercised end to end in tests/training.
 
 from __future__ import annotations
 
-import itertools
 
 import numpy as np
 import pytest
@@ -20,8 +19,8 @@ from tiny_models import build_model
 from transformers import AutoModelForCausalLM
 
 from specserve import LLM, SamplingParams
+from target_stats import chi_square_p_value, exact_marginals
 from specserve.model import LlamaModel
-from specserve.sampling import logits_to_probs
 
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [7, 7, 7], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9], [11]]
 GREEDY = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
@@ -136,36 +135,6 @@ SAMPLING_CASES = {
 }
 
 
-def _exact_marginals(model_dir, params: SamplingParams):
-    """P(2nd emitted token) and P(3rd emitted token) under the processed target distribution."""
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    vocab = hf.config.vocab_size
-
-    def dist(prefixes):
-        with torch.no_grad():
-            logits = hf(torch.tensor(prefixes)).logits[:, -1]
-        m = len(prefixes)
-        return logits_to_probs(logits, torch.full((m,), params.temperature), torch.full((m,), params.top_k),
-                               torch.full((m,), params.top_p), torch.full((m,), params.min_p)).double()
-
-    p1 = dist([PROMPT])[0]
-    p2_given = dist([PROMPT + [a] for a in range(vocab)])
-    p3_given = dist([PROMPT + [a, b] for a, b in itertools.product(range(vocab), repeat=2)]).view(vocab, vocab, vocab)
-    joint12 = p1[:, None] * p2_given
-    return joint12.sum(0), (joint12[:, :, None] * p3_given).sum((0, 1))
-
-
-def _chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    expected = probs * counts.sum()
-    big = expected >= 5
-    obs = torch.cat([counts[big], counts[~big].sum(0, keepdim=True)])
-    exp = torch.cat([expected[big], expected[~big].sum(0, keepdim=True)])
-    keep = exp > 0
-    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
-    dof = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
-
-
 @pytest.mark.parametrize("case", sorted(SAMPLING_CASES))
 def test_sampled_tokens_follow_target_distribution(small_vocab_dir, draft_dir, case, request):
     options, sampling = SAMPLING_CASES[case]
@@ -174,11 +143,11 @@ def test_sampled_tokens_follow_target_distribution(small_vocab_dir, draft_dir, c
     llm = LLM(small_vocab_dir, drafter=f"draft:{draft}", drafter_options=options, device="cpu", max_num_seqs=N)
     outs = llm.generate([PROMPT] * N, params)
     vocab = llm.model.config.vocab_size
-    exact2, exact3 = _exact_marginals(small_vocab_dir, params[0])
+    exact2, exact3 = exact_marginals(small_vocab_dir, PROMPT, params[0])
     for position, exact in ((1, exact2), (2, exact3)):
         counts = torch.bincount(torch.tensor([o.token_ids[position] for o in outs]), minlength=vocab).double()
         assert float(counts[exact == 0].sum()) == 0, "emitted a token the target gives zero probability"
-        assert _chi_square_p_value(counts, exact) > 1e-3
+        assert chi_square_p_value(counts, exact) > 1e-3
     assert sum(sum(o.spec.accepted_per_position) for o in outs) > N // 20  # drafts were accepted
 
 
@@ -333,3 +302,12 @@ def test_bad_paths_and_mismatched_models(small_vocab_dir, draft_dir, llama_dir, 
 def test_max_budget_is_capped_at_the_full_tree(small_vocab_dir, draft_dir):
     drafter = create_drafter(f"draft:{draft_dir}", target_info(small_vocab_dir), {"depth": 2, "topk": 2, "max_budget": 100})
     assert drafter.max_budget == 4 and drafter.gives_probs
+
+
+def test_seeded_sampling_reproduces_across_calls(small_vocab_dir, draft_dir):
+    """The engine hands the request's seed to the drafter, so one LLM instance reproduces seeded runs."""
+    llm = LLM(small_vocab_dir, drafter=f"draft:{draft_dir}", drafter_options={"depth": 3, "topk": 2})
+    params = SamplingParams(max_tokens=20, temperature=0.9, seed=77, ignore_eos=True)
+    first = llm.generate([[3, 1, 4, 1, 5]], params)[0]
+    again = llm.generate([[3, 1, 4, 1, 5]], params)[0]
+    assert first.token_ids == again.token_ids

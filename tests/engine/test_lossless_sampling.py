@@ -8,51 +8,15 @@ min-p transform — by a chi-square test at a fixed seed.
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 import scripted_drafter  # noqa: F401
 from specserve import LLM, SamplingParams
-from specserve.sampling import logits_to_probs
+from target_stats import chi_square_p_value, exact_marginals
 
 PROMPT = [3, 1, 4, 1, 5]
 N = 1500
-
-
-def _exact_marginals(model_dir, params: SamplingParams):
-    """P(2nd token) and P(3rd token) under the processed target distribution."""
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    vocab = hf.config.vocab_size
-
-    def dist(prefixes: list[list[int]]) -> torch.Tensor:
-        with torch.no_grad():
-            logits = hf(torch.tensor(prefixes)).logits[:, -1]
-        m = len(prefixes)
-        return logits_to_probs(logits, torch.full((m,), params.temperature), torch.full((m,), params.top_k),
-                               torch.full((m,), params.top_p), torch.full((m,), params.min_p)).double()
-
-    p1 = dist([PROMPT])[0]
-    p2_given = dist([PROMPT + [a] for a in range(vocab)])  # [a, b]
-    pairs = list(itertools.product(range(vocab), repeat=2))
-    p3_given = dist([PROMPT + [a, b] for a, b in pairs]).view(vocab, vocab, vocab)
-    joint12 = p1[:, None] * p2_given
-    return joint12.sum(0), (joint12[:, :, None] * p3_given).sum((0, 1))
-
-
-def _chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square goodness of fit; cells with expected count < 5 are pooled."""
-    expected = probs * counts.sum()
-    big = expected >= 5
-    obs = torch.cat([counts[big], counts[~big].sum(0, keepdim=True)])
-    exp = torch.cat([expected[big], expected[~big].sum(0, keepdim=True)])
-    keep = exp > 0
-    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
-    dof = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
-
 
 CASES = {
     "chain-one-hot": dict(mode="deep_chain", with_probs=False, params=dict(temperature=1.0)),
@@ -75,11 +39,11 @@ def test_sampled_tokens_follow_target_distribution(small_vocab_dir, case):
     vocab = llm.model.config.vocab_size
     second = torch.bincount(torch.tensor([o.token_ids[1] for o in outs]), minlength=vocab).double()
     third = torch.bincount(torch.tensor([o.token_ids[2] for o in outs]), minlength=vocab).double()
-    exact2, exact3 = _exact_marginals(small_vocab_dir, params[0])
+    exact2, exact3 = exact_marginals(small_vocab_dir, PROMPT, params[0])
     assert float(second[exact2 == 0].sum()) == 0, "emitted a token the target gives zero probability"
     assert float(third[exact3 == 0].sum()) == 0, "emitted a token the target gives zero probability"
-    assert _chi_square_p_value(second, exact2) > 1e-3
-    assert _chi_square_p_value(third, exact3) > 1e-3
+    assert chi_square_p_value(second, exact2) > 1e-3
+    assert chi_square_p_value(third, exact3) > 1e-3
     # The drafts were actually used: some steps accepted draft tokens.
     assert sum(sum(o.spec.accepted_per_position) for o in outs) > N // 10
 
