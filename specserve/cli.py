@@ -61,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     decode = bench_sub.add_parser("decode", help="plain decode vs transformers vs the bandwidth floor; n-gram vs plain")
     bench_decode.add_arguments(decode)
     decode.set_defaults(handler=bench_decode.run)
+    from specserve.evals import bench_drafters
+
+    drafters = bench_sub.add_parser("drafters", help="tau and speed of drafters vs plain decoding on held-out code")
+    bench_drafters.add_arguments(drafters)
+    drafters.set_defaults(handler=bench_drafters.run)
     from specserve.evals import bench_serve
 
     serve_bench = bench_sub.add_parser("serve", help="websocket clients over loopback: TTFT, inter-token latency, server overhead")

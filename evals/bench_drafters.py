@@ -1,0 +1,101 @@
+"""`specserve bench drafters`: τ and speed of drafters against plain decoding on held-out code.
+
+Prompts are windows of the default model's held-out modules (never seen in training), cut at
+`def `/`class ` lines. For each repeat, plain decoding and every drafter run the same prompts one at
+a time (batch 1, greedy, EOS ignored), interleaved, after a warm-up; outputs must be identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model directory (default: the embedded model)")
+    p.add_argument("--drafter", action="append", default=None, help="drafter spec (repeatable; default: draft, ngram)")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--prompt-chars", type=int, default=400)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", default=None, metavar="FILE")
+
+
+def heldout_prompts(count: int, chars: int) -> list[str]:
+    """Code prefixes from the bundle's held-out modules, each ending just after a def/class line."""
+    from specserve.training.bundle_paths import bundle_dir
+
+    manifest = json.loads((bundle_dir() / "corpus_manifest.json").read_text())
+    roots = manifest["roots"]
+    prompts = []
+    for entry in manifest["files"]:
+        if entry["split"] != "heldout":
+            continue
+        text = (Path(roots[entry["root"]]) / entry["path"]).read_text(encoding="utf-8")
+        for start in range(0, len(text), max(1, len(text) // 4)):
+            cut = text.find("\ndef ", start + chars // 2)
+            if cut == -1:
+                break
+            end = text.find("\n", cut + 1)
+            prompts.append(text[max(0, end - chars) : end + 1])
+            if len(prompts) == count:
+                return prompts
+    if not prompts:
+        raise ValueError("no held-out prompts found in the bundle's corpus manifest")
+    return prompts
+
+
+def run(args: argparse.Namespace) -> int:
+    from specserve import LLM, SamplingParams
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    specs = args.drafter or ["draft", "ngram"]
+    prompts = heldout_prompts(args.prompts, args.prompt_chars)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    llms = {"plain": LLM(args.model)} | {spec: LLM(args.model, drafter=spec) for spec in specs}
+    for llm in llms.values():
+        llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    rates: dict[str, list[float]] = {name: [] for name in llms}
+    stats: dict[str, list] = {name: [] for name in llms}
+    outputs: dict[str, list] = {name: [] for name in llms}
+    for _ in range(args.repeats):
+        for name, llm in llms.items():
+            t0 = time.perf_counter()
+            outs = [llm.generate([p], params)[0] for p in prompts]
+            rates[name].append(len(prompts) * args.max_tokens / (time.perf_counter() - t0))
+            stats[name] = [o.spec for o in outs]
+            outputs[name] = [o.token_ids for o in outs]
+    plain_rate = statistics.median(rates["plain"])
+    result = {"prompts": len(prompts), "max_tokens": args.max_tokens, "repeats": args.repeats,
+              "threads": torch.get_num_threads(), "plain_tokens_per_s": plain_rate, "drafters": {}}
+    for name in specs:
+        spec = stats[name]
+        steps = sum(s.num_steps for s in spec)
+        depth = max(len(s.accepted_per_position) for s in spec)
+        acc = [sum(s.accepted_per_position[d] for s in spec if d < len(s.accepted_per_position)) for d in range(depth)]
+        dra = [sum(s.drafted_per_position[d] for s in spec if d < len(s.drafted_per_position)) for d in range(depth)]
+        result["drafters"][name] = {
+            "tokens_per_s": statistics.median(rates[name]),
+            "speedup": statistics.median(rates[name]) / plain_rate,
+            "tau": sum(s.num_emitted for s in spec) / steps,
+            "acceptance_per_position": [a / d if d else 0.0 for a, d in zip(acc, dra)],
+            "identical_to_plain": outputs[name] == outputs["plain"],
+        }
+    print(json.dumps(result, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))
