@@ -74,3 +74,22 @@ def test_generate_without_model_or_bundle_exits_2(tmp_path):
                          timeout=120, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "SPECSERVE_BUNDLE_DIR": str(tmp_path)})
     assert res.returncode == 2 and "no model given" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_readme_main_command_runs_on_the_embedded_model():
+    """README's first command: the bundled default model with its bundled draft model, no --model."""
+    res = run("generate", "--drafter", "draft", "--prompt", "def fibonacci(n):", "--max-tokens", "16", "--ignore-eos", "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert len(out["token_ids"]) == 16 and out["spec"]["num_steps"] >= 1
+    info = json.loads(run("info", "--json").stdout)
+    assert info["default_model"] and "draft" in info["default_drafters"]
+
+
+def test_bench_drafters_smoke(tmp_path):
+    res = run("bench", "drafters", "--prompts", "1", "--max-tokens", "8", "--repeats", "1", "--drafter", "ngram",
+              "--json", str(tmp_path / "r.json"))
+    assert res.returncode == 0, res.stderr
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["drafters"]["ngram"]["identical_to_plain"] is True
+    assert result["drafters"]["ngram"]["tau"] >= 1.0
