@@ -44,39 +44,32 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true")
     info.set_defaults(handler=cmd_info)
 
+    from specserve.evals import bench_decode, bench_drafters, bench_serve
     from specserve.server import cli as server_cli
 
-    serve = sub.add_parser("serve", help="websocket server with a browser chat page")
-    server_cli.add_serve_arguments(serve)
-    serve.set_defaults(handler=server_cli.cmd_serve)
-
-    chat = sub.add_parser("chat", help="interactive terminal chat with a running server")
-    server_cli.add_chat_arguments(chat)
-    chat.set_defaults(handler=server_cli.cmd_chat)
-
+    _command(sub, "serve", "websocket server with a browser chat page", server_cli.add_serve_arguments, server_cli.cmd_serve)
+    _command(sub, "chat", "interactive terminal chat with a running server", server_cli.add_chat_arguments, server_cli.cmd_chat)
     bench = sub.add_parser("bench", help="microbenchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
-    from specserve.evals import bench_decode
-
-    decode = bench_sub.add_parser("decode", help="plain decode vs transformers vs the bandwidth floor; n-gram vs plain")
-    bench_decode.add_arguments(decode)
-    decode.set_defaults(handler=bench_decode.run)
-    from specserve.evals import bench_drafters
-
-    drafters = bench_sub.add_parser("drafters", help="tau and speed of drafters vs plain decoding on held-out code")
-    bench_drafters.add_arguments(drafters)
-    drafters.set_defaults(handler=bench_drafters.run)
-    from specserve.evals import bench_serve
-
-    serve_bench = bench_sub.add_parser("serve", help="websocket clients over loopback: TTFT, inter-token latency, server overhead")
-    bench_serve.add_arguments(serve_bench)
-    serve_bench.set_defaults(handler=bench_serve.run)
+    _command(bench_sub, "decode", "plain decode vs transformers vs the bandwidth floor; n-gram vs plain",
+             bench_decode.add_arguments, bench_decode.run)
+    _command(bench_sub, "drafters", "tau and speed of drafters vs plain decoding on held-out code",
+             bench_drafters.add_arguments, bench_drafters.run)
+    _command(bench_sub, "serve", "websocket clients over loopback: TTFT, inter-token latency, server overhead",
+             bench_serve.add_arguments, bench_serve.run)
     from specserve.training.cli import add_train_parser
 
     add_train_parser(sub, _Parser)  # train corpus | lm | distill-data | draft | bundle
     # Each command: add_parser(...) + set_defaults(handler=fn(args) -> exit code). Keep imports of heavy
     # modules inside handlers so `specserve --help` stays fast.
     return parser
+
+
+def _command(sub, name: str, help: str, add_arguments, handler) -> None:
+    """Register a subcommand: its arguments, and the handler ``fn(args) -> exit code`` main() calls."""
+    parser = sub.add_parser(name, help=help)
+    add_arguments(parser)
+    parser.set_defaults(handler=handler)
 
 
 def _drafter_options(items: list[str]) -> dict:
