@@ -94,7 +94,11 @@ class SpecServer:
         engine = llm.engine
         self.context_length = engine.config.max_model_len
         self.max_in_flight = engine.config.max_num_seqs + self.config.max_queued
-        self.model_name = Path(llm.model_dir).name or str(llm.model_dir)
+        from specserve.training.bundle_paths import is_default_model
+
+        # The bundle's directory is just "target": name the embedded model for what it is.
+        default = is_default_model(llm.model_dir)
+        self.model_name = "specserve-default" if default else (Path(llm.model_dir).name or str(llm.model_dir))
         self.drafter_spec: str | None = llm.drafter_spec if engine.drafter is not None else None
         self.drafter_name = engine.drafter.name if engine.drafter is not None else None
         self.default_sampling = {
