@@ -98,13 +98,14 @@ class Engine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if self._slots_needed(len(prompt_ids), params) > self.cache.allocator.num_blocks * self.cache.block_size:
+        need = self._slots_needed(len(prompt_ids), params)
+        capacity = self.cache.allocator.num_blocks * self.cache.block_size
+        if need > capacity:
             raise ValueError(
-                f"request needs {self._slots_needed(len(prompt_ids), params)} KV slots but the cache holds "
-                f"{self.cache.allocator.num_blocks * self.cache.block_size}: lower max_tokens or raise kv_cache_tokens"
+                f"request needs {need} KV slots but the cache holds {capacity}: "
+                "lower max_tokens or raise kv_cache_tokens"
             )
-        req = Request(request_id, list(prompt_ids), params, self.tokenizer, self.config.max_model_len)
-        req.speculate = speculate
+        req = Request(request_id, list(prompt_ids), params, self.tokenizer, self.config.max_model_len, speculate)
         self.requests[request_id] = req
         self.waiting.append(req)
         return req

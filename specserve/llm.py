@@ -142,7 +142,6 @@ class LLM:
             if req.finish_reason is None:
                 self.engine.abort(req.request_id)
             self.engine.pop_finished(req.request_id)
-        self.last_output = self._output(req)
 
     @staticmethod
     def _output(req) -> RequestOutput:

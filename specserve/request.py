@@ -73,7 +73,9 @@ def _grow(counts: list[int], length: int) -> None:
 class Request:
     """Engine-side state. Invariant while running: len(token_ids) == num_cached + 1 (the root)."""
 
-    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer, max_len: int) -> None:
+    def __init__(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer, max_len: int, speculate: bool = True
+    ) -> None:
         self.request_id = request_id
         self.params = params
         self.prompt_len = len(prompt_ids)
@@ -82,7 +84,7 @@ class Request:
         self.num_tokens = self.prompt_len
         self.num_cached = 0
         self.status = Status.WAITING
-        self.speculate = True  # False: this request decodes plainly (budget 0)
+        self.speculate = speculate  # False: this request decodes plainly (budget 0)
         self.finish_reason: str | None = None
         self.stats = SpecStats()
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.stop)
