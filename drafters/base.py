@@ -41,8 +41,13 @@ class DraftRequest:
 
     token_ids: int64[L] numpy array, prompt + every emitted token; the last entry is the root (the
                pending token whose KV is not cached yet), the token the tree's depth-1 nodes follow.
-    hidden_states: for drafters with `needs_hidden_states`: {layer: float[rows, hidden]} of the
-               target's features for the tokens committed by the last step (None otherwise).
+    hidden_states: for drafters with `needs_hidden_states`: {layer: float[n, hidden]}, the target's
+               features (transformers' `hidden_states` numbering) of every token committed since
+               this request was last handed to `propose`, in order: the tokens at positions
+               ``len(token_ids) - 1 - n .. len(token_ids) - 2`` (the whole prompt the first time; then
+               each step's root and accepted nodes). Never the root's: its feature comes with the
+               next verify. Handed over exactly once — a drafter keeps them even when this request's
+               budget is 0. None when there is nothing new (or the drafter needs no features).
     seed:      the request's sampling seed (None when unseeded): a drafter that samples seeds its own
                generator from it, so a seeded request reproduces across calls.
     """

@@ -160,7 +160,7 @@ class Engine:
         results = self._accept(out.logits, reqs, trees)
         self._commit_kv(reqs, trees, results)
         if self._hidden_layers:
-            self._keep_hidden(out.hidden_states, reqs, trees, results)
+            self._keep_hidden(out.hidden_states, reqs, trees, results, len(prefills))
         commits = []
         for r, tree, result in zip(decodes, trees[len(prefills):], results[len(prefills):]):
             r.stats.record(tree, result)
@@ -170,8 +170,12 @@ class Engine:
         return [self._emit(r, result.emitted_tokens) for r, result in zip(reqs, results)]
 
     def _forward(self, reqs: list[Request], trees: list[DraftTree]):
-        """ONE target forward over every request's new tokens: a prompt (causal), or root + tree."""
-        slices, ids, positions, logit_rows = [], [], [], []
+        """ONE target forward over every request's new tokens: a prompt (causal), or root + tree.
+
+        Hidden states (for drafters that read target features) come from every prompt row of a
+        prefill and every row of a tree; logits only from a prompt's last row and every tree row.
+        """
+        slices, ids, positions, logit_rows, hidden_rows = [], [], [], [], []
         row = 0
         for r, tree in zip(reqs, trees):
             if not r.prefilled:
@@ -186,6 +190,7 @@ class Engine:
                 slices.append(SequenceSlice(r.request_id, r.num_cached, pos, tree.ancestor_mask if tree.num_nodes else None))
                 ids.append(torch.cat([torch.tensor([int(r.token_ids[-1])]), tree.tokens]))
                 logit_rows.append(torch.arange(row, row + n))
+            hidden_rows.append(torch.arange(row, row + n))
             positions.append(pos)
             row += n
         device = self.model.device
@@ -196,6 +201,7 @@ class Engine:
             self.cache,
             torch.cat(logit_rows).to(device),
             self._hidden_layers,
+            torch.cat(hidden_rows).to(device) if self._hidden_layers else None,
         )
 
     def _commit_kv(self, reqs: list[Request], trees: list[DraftTree], results: list[VerifyResult]) -> None:
@@ -254,7 +260,7 @@ class Engine:
         if not any(budgets):
             return [DraftTree.empty() for _ in decodes]
         views = [
-            DraftRequest(r.request_id, r.token_ids, r.params.temperature, r.hidden_states, r.params.seed) for r in decodes
+            DraftRequest(r.request_id, r.token_ids, r.params.temperature, r.take_hidden(), r.params.seed) for r in decodes
         ]
         trees = self.drafter.propose(views, budgets)
         vocab = self.model.config.vocab_size
@@ -310,14 +316,21 @@ class Engine:
             self._finish(r, reason)
         return RequestDelta(r.request_id, kept, r.detok.take_delta(final=reason is not None), reason is not None, reason)
 
-    def _keep_hidden(self, hidden, reqs, trees, results) -> None:
-        """Hand the drafter the target features of the rows each request just committed.
+    def _keep_hidden(self, hidden, reqs, trees, results, num_prefills: int) -> None:
+        """Queue, per speculating request, the target features of the tokens it just committed.
 
-        Called after _commit_kv: a request that just prefilled has num_cached == prompt_len.
-        hidden: {layer: [M, hidden]} over the forward's logit rows (1 per prefill, N+1 per tree).
+        Called after _commit_kv. hidden: {layer: [M_h, hidden]} over the forward's hidden rows (every
+        prompt row of a prefill, root + nodes of a tree). A prefill commits its whole prompt, a
+        decode step its root and accepted nodes. The rows wait on the request until the next
+        `propose` that includes it, so no feature is lost on steps where nobody drafts.
         """
         offset = 0
-        for r, tree, result in zip(reqs, trees, results):
-            rows = torch.tensor([0, *(i + 1 for i in result.accepted_nodes)]) + offset
-            r.hidden_states = {layer: h[rows.to(h.device)] for layer, h in hidden.items()}
-            offset += tree.num_nodes + 1
+        for i, (r, tree, result) in enumerate(zip(reqs, trees, results)):
+            if i < num_prefills:
+                rows = torch.arange(offset, offset + r.prompt_len)
+                offset += r.prompt_len
+            else:
+                rows = torch.tensor([0, *(node + 1 for node in result.accepted_nodes)]) + offset
+                offset += tree.num_nodes + 1
+            if r.speculate:
+                r.pending_hidden.append({layer: h[rows.to(h.device)] for layer, h in hidden.items()})

@@ -26,7 +26,7 @@ from specserve.rope import RotaryTable
 
 @dataclass
 class ForwardOutput:
-    """logits: float[M, vocab] for the requested rows; hidden_states: {layer: [M_h, hidden]}."""
+    """logits: float[M, vocab] for `logit_rows`; hidden_states: {layer: [M_h, hidden]} for `hidden_rows`."""
 
     logits: torch.Tensor
     hidden_states: dict[int, torch.Tensor]
@@ -142,24 +142,29 @@ class LlamaModel(nn.Module):
         cache: PagedKVCache,
         logit_rows: torch.Tensor,
         hidden_layers: tuple[int, ...] = (),
+        hidden_rows: torch.Tensor | None = None,
     ) -> ForwardOutput:
         """Run new tokens of several sequences through the model.
 
         input_ids:  int64[T] new tokens of every sequence, concatenated in `seqs` order.
         positions:  int64[T] their RoPE positions.
-        logit_rows: int64[M] rows of T whose logits (and requested hidden states) are returned.
-        Returns logits float32[M, vocab] and {layer: [M, hidden]} for `hidden_layers`.
+        logit_rows: int64[M] rows of T whose logits are returned.
+        hidden_rows: int64[M_h] rows of T whose hidden states of `hidden_layers` are returned
+                    (default: `logit_rows`). EAGLE needs every prompt row's features, logits only the last.
+        Returns logits float32[M, vocab] and {layer: [M_h, hidden]}.
         """
+        if hidden_rows is None:
+            hidden_rows = logit_rows
         meta = self.backend.prepare(seqs, cache)
         x = self.embed[input_ids]  # [T, hidden]
         hidden: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             if i in hidden_layers:
-                hidden[i] = x[logit_rows]
+                hidden[i] = x[hidden_rows]
             x = layer(i, x, positions, self.rope, self.backend, meta, cache)
-        x = F.rms_norm(x[logit_rows], (x.shape[-1],), self.norm, self.config.rms_norm_eps)
         if self.config.num_layers in hidden_layers:
-            hidden[self.config.num_layers] = x
+            hidden[self.config.num_layers] = F.rms_norm(x[hidden_rows], (x.shape[-1],), self.norm, self.config.rms_norm_eps)
+        x = F.rms_norm(x[logit_rows], (x.shape[-1],), self.norm, self.config.rms_norm_eps)
         head = gemv(x, self.lm_head, None) if self.use_gemv and x.shape[0] == 1 else F.linear(x, self.lm_head)
         logits = head.float()  # [M, vocab]
         return ForwardOutput(logits=logits, hidden_states=hidden)

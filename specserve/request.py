@@ -28,6 +28,7 @@ class SpecStats:
     mean_accepted_length:   τ — tokens emitted per verify step, bonus token included (1.0 = plain).
     accepted_per_position:  [d-1] = steps in which the draft token at depth d was accepted.
     drafted_per_position:   [d-1] = steps whose tree reached depth d.
+    accepted_length_counts: [a] = steps that accepted exactly a draft tokens (emitting a + 1).
     """
 
     num_steps: int = 0
@@ -35,6 +36,7 @@ class SpecStats:
     num_drafted: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
+    accepted_length_counts: list[int] = field(default_factory=list)
 
     @property
     def mean_accepted_length(self) -> float:
@@ -55,6 +57,8 @@ class SpecStats:
             self.drafted_per_position[d] += 1
         for d in range(result.num_accepted):
             self.accepted_per_position[d] += 1
+        _grow(self.accepted_length_counts, result.num_accepted + 1)
+        self.accepted_length_counts[result.num_accepted] += 1
 
     def to_dict(self) -> dict:
         return {
@@ -63,6 +67,7 @@ class SpecStats:
             "num_drafted": self.num_drafted,
             "accepted_per_position": list(self.accepted_per_position),
             "drafted_per_position": list(self.drafted_per_position),
+            "accepted_length_counts": list(self.accepted_length_counts),
         }
 
 
@@ -91,11 +96,21 @@ class Request:
         self.generator = torch.Generator().manual_seed(
             params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
         )
-        self.hidden_states: dict[int, torch.Tensor] | None = None  # target features for the drafter
+        # Target features of committed tokens not yet handed to the drafter, one dict per step.
+        self.pending_hidden: list[dict[int, torch.Tensor]] = []
         self.arrival_time = time.perf_counter()
         self.scheduled_time: float | None = None  # admitted into the running batch (queue time ends)
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
+
+    def take_hidden(self) -> dict[int, torch.Tensor] | None:
+        """Every pending feature row, in token order ({layer: [rows, hidden]}), handed over once."""
+        if not self.pending_hidden:
+            return None
+        steps, self.pending_hidden = self.pending_hidden, []
+        if len(steps) == 1:
+            return steps[0]
+        return {layer: torch.cat([s[layer] for s in steps]) for layer in steps[0]}
 
     @property
     def token_ids(self) -> np.ndarray:
