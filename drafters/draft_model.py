@@ -33,10 +33,7 @@ not stay in the cache); the cost grows with depth × width.
 
 from __future__ import annotations
 
-import hashlib
-import itertools
 import json
-import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,13 +41,13 @@ from pathlib import Path
 import numpy as np
 import torch
 from specserve.drafters.base import Drafter, DraftRequest, TargetInfo, register
+from specserve.drafters.growing_kv import GrowingKV
+from specserve.drafters.siblings import request_generator, sample_siblings
 from specserve.verify import DraftTree
 
 from specserve.attention import SequenceSlice
-from specserve.kv_cache import PagedKVCache
 from specserve.model import LlamaModel
 
-log = logging.getLogger("specserve")
 
 # Expansion priority of sampled siblings. With a good draft (q close to p) the first draw is accepted
 # with probability near 1 whatever its q, and later siblings are only tried after rejections; so the
@@ -69,65 +66,6 @@ def _check_int(name: str, value: object, low: int, high: int) -> int:
 class _RequestState:
     num_cached: int = 0  # tokens of the request whose draft KV is valid (slots 0..num_cached-1)
     generator: torch.Generator | None = None
-
-
-class _GrowingKV:
-    """A `PagedKVCache` whose sequences and pool grow on demand (doubling; copies happen rarely).
-
-    Sequences are keyed by request id; a sequence that outgrows its blocks is re-allocated under a
-    fresh cache key and its cached entries are copied over.
-    """
-
-    def __init__(self, model: LlamaModel, block_size: int = 16, initial_slots: int = 8192) -> None:
-        cfg = model.config
-        self._shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
-        self.device, self.dtype, self.block_size = model.device, model.dtype, block_size
-        self.cache = self._new_cache(-(-initial_slots // block_size))
-        self.keys: dict[str, str] = {}
-        self._ids = itertools.count()
-
-    def _new_cache(self, num_blocks: int) -> PagedKVCache:
-        layers, kv_heads, head_dim = self._shape
-        return PagedKVCache(layers, kv_heads, head_dim, num_blocks, self.block_size, self.device, self.dtype)
-
-    def ensure(self, request_id: str, need: int, keep: int) -> str:
-        """The cache key of a sequence with room for ``need`` slots whose first ``keep`` entries are kept."""
-        key = self.keys.get(request_id)
-        if key is not None and self.cache.capacity(key) >= need:
-            return key
-        old_capacity = self.cache.capacity(key) if key is not None else 0
-        new_key = f"{request_id}#{next(self._ids)}"
-        slots = max(need, 2 * old_capacity, 4 * self.block_size)
-        if not self.cache.allocator.can_allocate(slots):
-            self._grow_pool(slots)
-        self.cache.allocate(new_key, slots)
-        if key is not None:
-            if keep:
-                index = torch.arange(keep, device=self.device)
-                self.cache.move(self.cache.slots(key, index), self.cache.slots(new_key, index))
-            self.cache.free(key)
-        self.keys[request_id] = new_key
-        return new_key
-
-    def _grow_pool(self, extra_slots: int) -> None:
-        old = self.cache
-        used = old.allocator.num_blocks - old.allocator.num_free_blocks
-        blocks = max(2 * old.allocator.num_blocks, used + old.allocator.blocks_for(extra_slots))
-        new = self._new_cache(blocks)
-        for key in self.keys.values():
-            capacity = old.capacity(key)
-            new.allocate(key, capacity)
-            k, v = old.read(key, capacity)
-            phys = new.slots(key, torch.arange(capacity, device=self.device))
-            new.k[:, phys] = k
-            new.v[:, phys] = v
-        self.cache = new
-        log.info("draft drafter: KV pool grown to %d blocks", blocks)
-
-    def free(self, request_id: str) -> None:
-        key = self.keys.pop(request_id, None)
-        if key is not None:
-            self.cache.free(key)
 
 
 @register("draft")
@@ -173,7 +111,7 @@ class DraftModelDrafter(Drafter):
         _check_same_tokenizer(self.path, target.model_dir)
         self.max_positions = cfg.max_position_embeddings
         self.device = target.device
-        self.kv = _GrowingKV(self.model)
+        self.kv = GrowingKV(self.model)
         self._state: dict[str, _RequestState] = {}
         # Slots a tree needs past the root: the expanded nodes that are fed (all but the last level).
         self._fed_slots = (self.depth - 1) * (1 if self.width == 1 else self.width)
@@ -295,7 +233,9 @@ class DraftModelDrafter(Drafter):
         probs_cpu = None
         if bool(sampled.any()):
             rows_s = sampled.nonzero().flatten()
-            tokens_s, valid_s, probs = self._sample_siblings(logq[rows_s].exp(), [rows[int(r)][0] for r in rows_s], k)
+            owners = [rows[int(r)][0] for r in rows_s]
+            generators = [self._generator(w) for w in owners]
+            tokens_s, valid_s, probs = sample_siblings(logq[rows_s].exp(), generators, k)
             ids[rows_s], valid[rows_s] = tokens_s, valid_s
             probs_cpu = torch.zeros(len(rows), k, logq.shape[1])
             probs_cpu[rows_s.cpu()] = probs.float().cpu()
@@ -316,49 +256,15 @@ class DraftModelDrafter(Drafter):
         for w in {id(w): w for w, _ in rows}.values():
             w.level_nodes[level] = [n for n in range(len(w.tokens)) if w.depths[n] == level]
 
-    def _sample_siblings(self, q: torch.Tensor, owners: list["_Work"], k: int):
-        """Draw k tokens per row without replacement, in order, by inverse CDF.
-
-        q: float32[Rs, V] draft distributions; owners: the request of each row (rows of one request
-        are consecutive; each request draws from its own generator). Returns tokens int64[Rs, k],
-        valid bool[Rs, k] (False once a row runs out of tokens with positive probability) and
-        probs float32[Rs, k, V]: sibling j's distribution, q without siblings 0..j-1, renormalised.
-        """
-        uniforms = []
-        for _, group in itertools.groupby(owners, key=id):
-            group = list(group)
-            uniforms.append(torch.rand(len(group), k, generator=self._generator(group[0]), device=q.device))
-        u = torch.cat(uniforms)  # [Rs, k]
-        rest = q.clone()
-        probs = torch.empty(q.shape[0], k, q.shape[1], device=q.device)
-        tokens = torch.empty(q.shape[0], k, dtype=torch.int64, device=q.device)
-        valid = torch.empty(q.shape[0], k, dtype=torch.bool, device=q.device)
-        for j in range(k):
-            total = rest.sum(-1, keepdim=True)  # [Rs, 1]
-            probs[:, j] = rest / total.clamp_min(1e-30)
-            cdf = probs[:, j].cumsum(-1)
-            tok = torch.searchsorted(cdf, u[:, j : j + 1] * cdf[:, -1:], right=True).clamp_(max=q.shape[1] - 1)  # [Rs, 1]
-            tokens[:, j] = tok[:, 0]
-            valid[:, j] = (total[:, 0] > 0) & (probs[:, j].gather(-1, tok)[:, 0] > 0)
-            rest.scatter_(-1, tok, 0.0)
-        return tokens, valid, probs
-
     def _expand(self, w: "_Work", level: int) -> list[int]:
         """The ``width`` best nodes of ``level`` by cumulative draft log-probability (ties: lower index)."""
         nodes = w.level_nodes.get(level, [])
         return sorted(nodes, key=lambda n: (-w.scores[n], n))[: self.width]
 
     def _generator(self, w: "_Work") -> torch.Generator:
-        """The request's draft sampler: seeded by (option seed, request seed) when the engine hands the
-        request's sampling seed over (``DraftRequest.seed``), else by (option seed, request id). Either
-        way it is a stream of its own, independent of the verifier's."""
         state = w.state
         if state.generator is None:
-            request_seed = w.req.seed
-            source = f"id:{w.req.request_id}" if request_seed is None else f"seed:{request_seed}"
-            digest = hashlib.blake2b(f"draft:{self.seed}:{source}".encode(), digest_size=8).digest()
-            state.generator = torch.Generator(device=self.device)
-            state.generator.manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+            state.generator = request_generator("draft", self.seed, w.req, self.device)
         return state.generator
 
     def __repr__(self) -> str:

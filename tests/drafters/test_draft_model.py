@@ -14,7 +14,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from specserve.drafters import DraftRequest, TargetInfo, create_drafter
-from specserve.drafters.draft_model import DraftModelDrafter, _GrowingKV
+from specserve.drafters.draft_model import DraftModelDrafter
+from specserve.drafters.growing_kv import GrowingKV
 from tiny_models import build_model
 from transformers import AutoModelForCausalLM
 
@@ -241,7 +242,7 @@ def test_incremental_catch_up_matches_fresh_drafts(small_vocab_dir, draft_dir):
 
 def test_kv_grows_per_sequence_and_pool_and_keeps_contents(draft_dir):
     model = LlamaModel.from_pretrained(draft_dir, torch.device("cpu"), torch.float32)
-    kv = _GrowingKV(model, block_size=4, initial_slots=32)
+    kv = GrowingKV(model, block_size=4, initial_slots=32)
     key = kv.ensure("a", 10, keep=0)
     index = torch.arange(10)
     kv.cache.k[:, kv.cache.slots(key, index)] = torch.arange(10, dtype=torch.float32)[None, :, None, None]
