@@ -25,7 +25,10 @@ class SequenceSlice:
 
     positions: int64[num_new] RoPE positions of the new tokens.
     new_mask:  bool[num_new, num_new] which new tokens each new token sees (row = query), or None for
-               causal order (prompt chunks, chains).
+               causal order (prompt chunks, chains). It may also be bool[num_new, tail + num_new]:
+               then its first `tail` columns are the last `tail` cached entries, which are visible
+               only where the mask says — a drafter growing a tree level by level keeps earlier
+               levels in its cache and lets each new node see only its own ancestors among them.
     """
 
     seq_id: str
@@ -79,9 +82,13 @@ class SdpaBackend:
             c, n = s.num_cached, s.num_new
             kv_index[b, : c + n] = torch.arange(c + n)
             new_slot_index.append(torch.arange(c, c + n))
-            mask[b, 0, :n, :c] = True
             new_mask = s.new_mask if s.new_mask is not None else torch.ones(n, n, dtype=torch.bool).tril_()
-            mask[b, 0, :n, c : c + n] = new_mask
+            if new_mask.shape[0] != n or not n <= new_mask.shape[1] <= c + n:
+                raise ValueError(f"sequence {s.seq_id!r}: new_mask has shape {tuple(new_mask.shape)}, expected "
+                                 f"[{n}, tail + {n}] with tail <= {c} cached entries")
+            seen = c + n - new_mask.shape[1]  # cached entries every new token sees
+            mask[b, 0, :n, :seen] = True
+            mask[b, 0, :n, seen : c + n] = new_mask
             if self.sliding_window is not None and c + n > self.sliding_window:
                 key_pos = torch.cat([torch.arange(c), s.positions])
                 too_far = (s.positions[:, None] - key_pos[None, :]) >= self.sliding_window
