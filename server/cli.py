@@ -17,7 +17,8 @@ from specserve.server.client import DEFAULT_URL
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="Hugging Face Llama-family model directory (default: the embedded model)")
-    p.add_argument("--drafter", default=None, help="drafter spec: 'ngram' or 'NAME:PATH' (default: none)")
+    p.add_argument("--drafter", default="auto",
+                     help="drafter spec: 'ngram', 'NAME:PATH' or 'none' (default 'auto': the embedded model's default drafter, else none)")
     p.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE", help="drafter knob (repeatable)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")

@@ -23,7 +23,9 @@ class LLM:
     """A target model (Hugging Face Llama-family directory) with an optional drafter.
 
     model: None uses the embedded default model (`specserve info` shows where it is).
-    drafter: a spec such as ``"ngram"`` or ``"draft:PATH"``; None decodes plainly through the same loop.
+    drafter: a spec such as ``"ngram"`` or ``"draft:PATH"``; None (or ``"none"``) decodes plainly through
+    the same loop; ``"auto"`` (the default) is the bundle's default drafter when the model is the
+    embedded default model, else plain decoding.
     kv_cache_tokens: total tokens the paged cache holds (default: max_num_seqs full contexts, capped
     at 2 GiB of cache on CPU).
     """
@@ -31,7 +33,7 @@ class LLM:
     def __init__(
         self,
         model: str | Path | None = None,
-        drafter: str | None = None,
+        drafter: str | None = "auto",
         *,
         drafter_options: dict[str, Any] | None = None,
         device: str = "auto",
@@ -67,6 +69,12 @@ class LLM:
 
             per_slot = PagedKVCache.bytes_per_slot(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
             kv_cache_tokens = min(max_num_seqs * (max_model_len + 64), (2 << 30) // per_slot)
+        if drafter == "auto":
+            from specserve.training.bundle_paths import default_drafter
+
+            drafter = default_drafter(model_dir)
+        if drafter == "none":
+            drafter = None
         self.drafter_spec = drafter
         drafter_obj = None
         if drafter is not None:

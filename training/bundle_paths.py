@@ -3,7 +3,8 @@
 The bundle is ``specserve/bundle/`` inside the installed package (``SPECSERVE_BUNDLE_DIR`` overrides
 it)::
 
-    MANIFEST.json   command, seed, corpus manifest hash, metrics, and "default_drafters": {name: subdir}
+    MANIFEST.json   command, seed, corpus manifest hash, metrics, "default_drafters": {name: subdir}
+                    and "default_drafter" (what ``drafter="auto"`` picks)
     target/         the default model (HF layout, fp16 safetensors, tokenizer)
     draft/          its draft model (``draft`` drafter)
 
@@ -79,6 +80,16 @@ def is_default_model(model_dir: str | Path | None) -> bool:
         return Path(model_dir).expanduser().resolve() == default.resolve()
     except OSError:
         return False
+
+
+def default_drafter(model_dir: str | Path | None) -> str | None:
+    """The drafter `LLM(drafter="auto")` uses: the bundle's ``default_drafter`` when the target is the
+    bundled default model and that drafter is present; otherwise None (plain decoding)."""
+    manifest = bundle_manifest()
+    if manifest is None or not is_default_model(model_dir):
+        return None
+    name = manifest.get("default_drafter")
+    return name if name in default_drafters() else None
 
 
 def resolve_drafter_path(name: str, model_dir: str | Path | None) -> str | None:
