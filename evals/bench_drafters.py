@@ -1,8 +1,9 @@
 """`specserve bench drafters`: τ and speed of drafters against plain decoding on held-out code.
 
-Prompts are windows of the default model's held-out modules (never seen in training), cut at
-`def `/`class ` lines. For each repeat, plain decoding and every drafter run the same prompts one at
-a time (batch 1, greedy, EOS ignored), interleaved, after a warm-up; outputs must be identical.
+Prompts are windows of the default model's held-out modules (never seen in training), each ending
+just after a top-level `def` line (`specserve.evals.datasets.heldout_prompts`). For each repeat,
+plain decoding and every drafter run the same prompts one at a time (batch 1, greedy, EOS ignored),
+interleaved, after a warm-up; outputs must be identical.
 """
 
 from __future__ import annotations
@@ -28,32 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, metavar="FILE")
 
 
-def heldout_prompts(count: int, chars: int) -> list[str]:
-    """Code prefixes from the bundle's held-out modules, each ending just after a def/class line."""
-    from specserve.training.bundle_paths import bundle_dir
-
-    manifest = json.loads((bundle_dir() / "corpus_manifest.json").read_text())
-    roots = manifest["roots"]
-    prompts = []
-    for entry in manifest["files"]:
-        if entry["split"] != "heldout":
-            continue
-        text = (Path(roots[entry["root"]]) / entry["path"]).read_text(encoding="utf-8")
-        for start in range(0, len(text), max(1, len(text) // 4)):
-            cut = text.find("\ndef ", start + chars // 2)
-            if cut == -1:
-                break
-            end = text.find("\n", cut + 1)
-            prompts.append(text[max(0, end - chars) : end + 1])
-            if len(prompts) == count:
-                return prompts
-    if not prompts:
-        raise ValueError("no held-out prompts found in the bundle's corpus manifest")
-    return prompts
-
-
 def run(args: argparse.Namespace) -> int:
     from specserve import LLM, SamplingParams
+    from specserve.evals.datasets import heldout_prompts
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)

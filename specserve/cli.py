@@ -1,4 +1,4 @@
-"""The `specserve` command: generate, serve, chat, info, bench (train and eval arrive with their issues).
+"""The `specserve` command: generate, serve, chat, info, eval, bench, train.
 
 Bad input prints one line to stderr and exits with status 2 — never a traceback.
 """
@@ -24,7 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
     gen.add_argument("--model", default=None, help="Hugging Face Llama-family model directory (default: the embedded model)")
-    gen.add_argument("--drafter", default=None, help="drafter spec: 'ngram' or 'NAME:PATH' (default: none)")
+    gen.add_argument("--drafter", default="auto",
+                     help="drafter spec: 'ngram', 'NAME:PATH' or 'none' (default 'auto': the embedded model's default drafter, else none)")
     gen.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
                      help="drafter knob, e.g. depth=8 (repeatable)")
     gen.add_argument("--prompt", required=True)
@@ -44,11 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true")
     info.set_defaults(handler=cmd_info)
 
-    from specserve.evals import bench_decode, bench_drafters, bench_serve
+    from specserve.evals import bench_batch, bench_decode, bench_drafters, bench_serve, bench_verify, suite
     from specserve.server import cli as server_cli
 
     _command(sub, "serve", "websocket server with a browser chat page", server_cli.add_serve_arguments, server_cli.cmd_serve)
     _command(sub, "chat", "interactive terminal chat with a running server", server_cli.add_chat_arguments, server_cli.cmd_chat)
+    _command(sub, "eval", "acceptance and speed of drafters vs plain decoding and transformers peers on a dataset",
+             suite.add_arguments, suite.run)
     bench = sub.add_parser("bench", help="microbenchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
     _command(bench_sub, "decode", "plain decode vs transformers vs the bandwidth floor; n-gram vs plain",
@@ -57,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
              bench_drafters.add_arguments, bench_drafters.run)
     _command(bench_sub, "serve", "websocket clients over loopback: TTFT, inter-token latency, server overhead",
              bench_serve.add_arguments, bench_serve.run)
+    _command(bench_sub, "verify", "verify forward cost vs draft tree size", bench_verify.add_arguments, bench_verify.run)
+    _command(bench_sub, "batch", "decode throughput vs batch size", bench_batch.add_arguments, bench_batch.run)
     from specserve.training.cli import add_train_parser
 
     add_train_parser(sub, _Parser)  # train corpus | lm | distill-data | draft | bundle

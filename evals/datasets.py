@@ -1,0 +1,237 @@
+"""Evaluation datasets: Spec-Bench JSONL files and built-ins, and how their turns become prompts.
+
+A Spec-Bench line is ``{"question_id": ..., "category": "...", "turns": ["...", ...]}`` (other
+fields, such as ``reference``, are ignored). Every turn is one prompt. Turn k's prompt holds the
+earlier turns as user messages with the target's own **plain greedy answers** in between (generated
+untimed before the timed runs, the answers the target gives in a real conversation and the ones
+greedy speculative decoding reproduces), then turn k as the last user message. The messages go
+through the tokenizer's chat template when it has one; otherwise the turns and answers are joined
+with newlines as plain text.
+
+Built-in ``builtin:heldout-code``: code prefixes from the embedded default model's held-out modules
+(never trained on), each ending just after a top-level ``def`` line, category = the module name.
+They are completion prompts: never wrapped in a chat template.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+ON_BAD_LINE = ("fail", "skip")
+
+
+@dataclass(frozen=True)
+class Record:
+    """One dataset entry. chat=False: a completion prompt (one turn, never through a chat template)."""
+
+    id: str
+    category: str
+    turns: tuple[str, ...]
+    chat: bool = True
+
+
+@dataclass(frozen=True)
+class EvalPrompt:
+    """One prompt of the run: turn `turn` (1-based) of record `record_id`, as target token ids."""
+
+    id: str
+    record_id: str
+    category: str
+    turn: int
+    token_ids: tuple[int, ...]
+
+
+# ---- Spec-Bench JSONL -----------------------------------------------------------------------------
+
+
+def parse_spec_bench(lines: Iterable[str], source: str = "<jsonl>", on_bad_line: str = "fail",
+                     warn: Callable[[str], None] | None = None) -> list[Record]:
+    """Records of a Spec-Bench JSONL stream; blank lines are ignored.
+
+    Malformed lines (bad JSON, missing/ill-typed question_id, category or turns) raise one
+    ValueError naming every bad line number (on_bad_line="fail"), or are skipped with one warning
+    listing them (on_bad_line="skip").
+    """
+    if on_bad_line not in ON_BAD_LINE:
+        raise ValueError(f"on_bad_line must be one of {ON_BAD_LINE}, got {on_bad_line!r}")
+    records: list[Record] = []
+    bad: list[tuple[int, str]] = []
+    seen: set[str] = set()
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = _parse_line(line)
+        except ValueError as exc:
+            bad.append((lineno, str(exc)))
+            continue
+        if record.id in seen:
+            bad.append((lineno, f"duplicate question_id {record.id!r}"))
+            continue
+        seen.add(record.id)
+        records.append(record)
+    if bad:
+        where = ", ".join(f"line {n} ({why})" for n, why in bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        if on_bad_line == "fail":
+            raise ValueError(f"{source}: {len(bad)} malformed line(s): {where} (--on-bad-line skip skips them)")
+        (warn or _stderr)(f"warning: {source}: skipped {len(bad)} malformed line(s): {where}")
+    return records
+
+
+def _parse_line(line: str) -> Record:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"invalid JSON: {exc.msg}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+    missing = [k for k in ("question_id", "turns") if k not in obj]
+    if missing:
+        raise ValueError(f"missing {', '.join(missing)}")
+    qid = obj["question_id"]
+    if isinstance(qid, bool) or not isinstance(qid, (str, int)):
+        raise ValueError("question_id must be a string or an integer")
+    category = obj.get("category", "default")
+    if not isinstance(category, str) or not category:
+        raise ValueError("category must be a non-empty string")
+    turns = obj["turns"]
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
+        raise ValueError("turns must be a non-empty list of non-empty strings")
+    return Record(str(qid), category, tuple(turns))
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+# ---- built-ins ------------------------------------------------------------------------------------
+
+
+def heldout_code_prefixes(count: int | None, chars: int = 400) -> list[tuple[str, str]]:
+    """(module, code prefix) pairs from the bundle's held-out modules, each prefix ending just after a
+    top-level ``def`` line. count=None: every prefix there is (up to ~5 per module)."""
+    from specserve.training.bundle_paths import bundle_dir
+
+    path = bundle_dir() / "corpus_manifest.json"
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"the held-out code prompts need the embedded bundle's corpus manifest ({path}): {exc}") from None
+    roots = [Path(r) for r in manifest["roots"]]
+    stdlib = Path(sysconfig.get_paths()["stdlib"])  # the corpus is the standard library: read ours if the
+    out: list[tuple[str, str]] = []                  # recorded root is not on this machine
+    for entry in manifest["files"]:
+        if entry["split"] != "heldout":
+            continue
+        file = roots[entry["root"]] / entry["path"]
+        if not file.is_file():
+            file = stdlib / entry["path"]
+        if not file.is_file():
+            continue
+        text = file.read_text(encoding="utf-8")
+        module = entry.get("module") or entry["path"]
+        for start in range(0, len(text), max(1, len(text) // 4)):
+            cut = text.find("\ndef ", start + chars // 2)
+            if cut == -1:
+                break
+            end = text.find("\n", cut + 1)
+            out.append((module, text[max(0, end - chars): end + 1]))
+            if count is not None and len(out) == count:
+                return out
+    if not out:
+        raise ValueError("no held-out prompts found: the bundle's corpus manifest names no held-out module on this machine")
+    return out
+
+
+def heldout_prompts(count: int, chars: int = 400) -> list[str]:
+    """Code prefixes from the bundle's held-out modules (what `specserve bench drafters` uses)."""
+    return [text for _, text in heldout_code_prefixes(count, chars)]
+
+
+def _heldout_code(limit: int | None) -> list[Record]:
+    return [Record(f"heldout-{i}", module, (text,), chat=False)
+            for i, (module, text) in enumerate(heldout_code_prefixes(limit))]
+
+
+BUILTINS: dict[str, Callable[[int | None], list[Record]]] = {"heldout-code": _heldout_code}
+
+
+def load_dataset(spec: str, on_bad_line: str = "fail", limit: int | None = None,
+                 warn: Callable[[str], None] | None = None) -> list[Record]:
+    """Records of ``FILE.jsonl`` or ``builtin:NAME``; raises ValueError for an unknown built-in, a
+    missing file, malformed lines (unless skipped) or an empty dataset. `limit` caps how many records
+    a built-in generates (a file is read whole)."""
+    if spec.startswith("builtin:"):
+        name = spec.partition(":")[2]
+        if name not in BUILTINS:
+            raise ValueError(f"unknown dataset builtin {name!r}; built-ins: {', '.join(sorted(BUILTINS))}")
+        records = BUILTINS[name](limit)
+    else:
+        path = Path(spec)
+        if not path.is_file():
+            raise ValueError(f"dataset {spec!r} does not exist (give a Spec-Bench .jsonl file or builtin:NAME)")
+        with path.open(encoding="utf-8") as f:
+            try:
+                records = parse_spec_bench(f, str(path), on_bad_line, warn)
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{spec}: not UTF-8 text: {exc}") from None
+    if not records:
+        raise ValueError(f"dataset {spec!r} is empty: no prompts to evaluate")
+    return records
+
+
+# ---- prompts --------------------------------------------------------------------------------------
+
+
+def has_chat_template(tokenizer) -> bool:
+    return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None)) and hasattr(tokenizer, "apply_chat_template")
+
+
+def render(tokenizer, record: Record, turn: int, answers: list[str]) -> list[int]:
+    """Token ids of turn `turn` (1-based): earlier turns with `answers` in between, then this turn."""
+    if tokenizer is None:
+        raise ValueError("the target has no tokenizer, and evaluation datasets are text")
+    if record.chat and has_chat_template(tokenizer):
+        messages = []
+        for k in range(turn - 1):
+            messages += [{"role": "user", "content": record.turns[k]}, {"role": "assistant", "content": answers[k]}]
+        messages.append({"role": "user", "content": record.turns[turn - 1]})
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(tokenizer.encode(text, add_special_tokens=False))  # the template renders its own specials
+    parts = []
+    for k in range(turn - 1):
+        parts += [record.turns[k], answers[k]]
+    parts.append(record.turns[turn - 1])
+    return list(tokenizer.encode("\n".join(parts), add_special_tokens=True))
+
+
+def build_prompts(records: list[Record], tokenizer, answer: Callable[[list[int]], str],
+                  max_prompts: int | None = None) -> list[EvalPrompt]:
+    """One prompt per turn, in dataset order, at most `max_prompts`. `answer(token_ids)` is the
+    target's plain greedy answer text, called only for turns followed by another one."""
+    prompts: list[EvalPrompt] = []
+    for record in records:
+        answers: list[str] = []
+        for turn in range(1, len(record.turns) + 1):
+            if max_prompts is not None and len(prompts) >= max_prompts:
+                return prompts
+            if turn > 1:
+                answers.append(answer(list(prompts[-1].token_ids)))
+            ids = render(tokenizer, record, turn, answers)
+            pid = record.id if len(record.turns) == 1 else f"{record.id}/turn{turn}"
+            prompts.append(EvalPrompt(pid, record.id, record.category, turn, tuple(ids)))
+    return prompts
+
+
+def batch_groups(prompts: list[EvalPrompt], batch_size: int) -> list[list[int]]:
+    """Prompt indices in groups of at most `batch_size`, never mixing categories (so per-category
+    speedups come from whole groups); categories in order of first appearance."""
+    by_cat: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_cat.setdefault(p.category, []).append(i)
+    return [idx[s: s + batch_size] for idx in by_cat.values() for s in range(0, len(idx), batch_size)]

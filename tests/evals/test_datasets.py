@@ -1,0 +1,115 @@
+"""Spec-Bench parsing, malformed lines, built-ins, and how turns become prompts (with and without a chat template)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specserve.evals.datasets import (
+    EvalPrompt,
+    Record,
+    batch_groups,
+    build_prompts,
+    load_dataset,
+    parse_spec_bench,
+)
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def line(qid, turns, category="writing", **extra):
+    return json.dumps({"question_id": qid, "category": category, "turns": turns, **extra})
+
+
+def test_parse_spec_bench_multi_turn_and_ignored_fields():
+    recs = parse_spec_bench([line(81, ["Write a poem.", "Now shorter."], reference=["x"]), "", line("q2", ["Hi"], "qa")])
+    assert recs == [Record("81", "writing", ("Write a poem.", "Now shorter.")), Record("q2", "qa", ("Hi",))]
+
+
+def test_malformed_lines_are_named_by_number(tmp_path):
+    lines = [line(1, ["ok"]), "{not json", line(2, []), json.dumps([1, 2]), json.dumps({"turns": ["x"]}), line(1, ["dup"])]
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError) as err:
+        load_dataset(str(path))
+    msg = str(err.value)
+    assert "5 malformed line(s)" in msg
+    for n in (2, 3, 4, 5, 6):
+        assert f"line {n} " in msg
+    assert "invalid JSON" in msg and "turns must be" in msg and "missing question_id" in msg and "duplicate" in msg
+    warnings = []
+    recs = load_dataset(str(path), on_bad_line="skip", warn=warnings.append)
+    assert [r.id for r in recs] == ["1"]
+    assert len(warnings) == 1 and "skipped 5 malformed line(s)" in warnings[0] and "line 2" in warnings[0]
+
+
+def test_empty_missing_and_unknown_datasets(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    with pytest.raises(ValueError, match="is empty"):
+        load_dataset(str(empty))
+    bad_only = tmp_path / "bad.jsonl"
+    bad_only.write_text("nope\n")
+    with pytest.raises(ValueError, match="is empty"):
+        load_dataset(str(bad_only), on_bad_line="skip", warn=lambda m: None)
+    with pytest.raises(ValueError, match="does not exist"):
+        load_dataset(str(tmp_path / "nope.jsonl"))
+    with pytest.raises(ValueError, match="unknown dataset builtin 'nope'.*heldout-code"):
+        load_dataset("builtin:nope")
+
+
+def test_builtin_heldout_code_is_code_prefixes_by_module():
+    recs = load_dataset("builtin:heldout-code", limit=3)
+    assert len(recs) == 3
+    for r in recs:
+        assert not r.chat and len(r.turns) == 1
+        assert r.turns[0].rstrip("\n").split("\n")[-1].startswith("def ")  # cut just after a def line
+        assert r.category and not r.category.endswith(".py")  # the module name
+
+
+@pytest.fixture(scope="module")
+def tokenizer(llama_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(llama_dir))
+
+
+def test_turns_without_a_chat_template_are_joined_by_newlines(tokenizer):
+    assert not getattr(tokenizer, "chat_template", None)
+    asked = []
+
+    def answer(ids):
+        asked.append(tokenizer.decode(ids))
+        return "ANSWER"
+
+    prompts = build_prompts([Record("7", "c", ("def f(x):", "class A:"))], tokenizer, answer)
+    assert [p.id for p in prompts] == ["7/turn1", "7/turn2"] and [p.turn for p in prompts] == [1, 2]
+    assert tokenizer.decode(prompts[0].token_ids) == "def f(x):"
+    assert tokenizer.decode(prompts[1].token_ids) == "def f(x):\nANSWER\nclass A:"
+    assert asked == ["def f(x):"]  # the answer to turn 1 is generated from turn 1's own prompt
+
+
+def test_turns_with_a_chat_template_alternate_user_and_assistant(tokenizer):
+    tokenizer = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    prompts = build_prompts([Record("7", "c", ("one", "two")), Record("8", "c", ("code",), chat=False)],
+                            tokenizer, lambda ids: "reply")
+    assert tokenizer.decode(prompts[0].token_ids) == "<|user|>one\n<|assistant|>"
+    assert tokenizer.decode(prompts[1].token_ids) == "<|user|>one\n<|assistant|>reply\n<|user|>two\n<|assistant|>"
+    assert tokenizer.decode(prompts[2].token_ids) == "code"  # completion prompts skip the template
+    assert prompts[2].id == "8"
+
+
+def test_max_prompts_counts_turns_and_skips_unneeded_answers(tokenizer):
+    calls = []
+    prompts = build_prompts([Record("1", "c", ("a", "b")), Record("2", "c", ("c",))], tokenizer,
+                            lambda ids: calls.append(ids) or "x", max_prompts=1)
+    assert len(prompts) == 1 and calls == []
+
+
+def test_batch_groups_never_mix_categories():
+    ps = [EvalPrompt(str(i), str(i), cat, 1, (1,)) for i, cat in enumerate("aabab")]
+    assert batch_groups(ps, 2) == [[0, 1], [3], [2, 4]]
+    assert batch_groups(ps, 1) == [[0], [1], [3], [2], [4]]
