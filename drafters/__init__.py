@@ -3,6 +3,7 @@ from specserve.drafters.base import (CommitInfo, DraftRequest, Drafter, TargetIn
                                      parse_drafter_spec, register, registered_drafters)
 from specserve.drafters import ngram as _ngram  # noqa: F401  (registers "ngram")
 from specserve.drafters import draft_model as _draft_model  # noqa: F401  (registers "draft")
+from specserve.drafters import medusa as _medusa  # noqa: F401  (registers "medusa")
 
 __all__ = ["CommitInfo", "DraftRequest", "Drafter", "TargetInfo", "create_drafter", "parse_drafter_spec",
            "register", "registered_drafters"]

@@ -1,0 +1,258 @@
+"""The ``medusa`` drafter: K heads on the target's last feature propose a token tree in one shot.
+
+``medusa:DIR`` loads heads from DIR — our layout (``specserve train medusa``) or the public Medusa
+layout (see `medusa_heads`); a bare ``medusa`` means the bundle's heads when the target is the bundled
+default model. The heads read the target's final normed hidden state (transformers' hidden layer
+``num_layers``, what its LM head reads) at the last committed position, whose next token is the root:
+head 0 proposes the depth-1 nodes (the token after the root), head k the depth-(k+1) nodes. No draft
+forward, no draft KV: one small matmul per step for the whole batch.
+
+Trees (``tree=``):
+
+- ``static`` — a fixed tree of rank paths (``choices``, Medusa's format: ``[[0], [1], [0, 0], ...]``,
+  the checkpoint's own list or `medusa_tree.DEFAULT_CHOICES` by default), cut to each request's budget
+  by its priority order (every cut is ancestor-closed).
+- ``dynamic`` — per request, the ``budget`` rank paths with the highest product of per-depth head
+  probabilities among each node's ``topk`` candidates (vectorised: no loop over nodes).
+
+Verification is greedy at temperature 0 (tokens are the heads' top ranks). At temperature T > 0 it is
+lossless rejection sampling with the heads' distributions q_d = softmax(head logits / T): every node
+draws its own children from q_{d+1} without replacement (`sample_siblings`, exact per-child q in
+``DraftTree.probs``); siblings are drawn in node order, so in a tree listing them by rank the node of
+rank j is the j-th draw. The tree's shape never depends on the tokens drawn into it — static trees are
+fixed, sampled dynamic trees are scored by the heads' confidence (max q_d), a property of q alone
+(`medusa_tree.sampled_logscores`) — so the shape carries no information about the draws and the
+verifier's output follows the target exactly. Medusa's "typical acceptance" is lossy and is not offered.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from specserve.drafters.base import Drafter, DraftRequest, TargetInfo, register
+from specserve.drafters.medusa_heads import load_heads
+from specserve.drafters.medusa_tree import (
+    DEFAULT_CHOICES,
+    StaticTree,
+    parse_choices,
+    sampled_logscores,
+    select_dynamic,
+    sibling_index,
+)
+from specserve.drafters.siblings import request_generator, sample_siblings
+from specserve.verify import DraftTree
+
+TREES = ("static", "dynamic")
+DEFAULT_DYNAMIC_BUDGET = 20
+
+
+def _check_int(name: str, value: object, low: int, high: int) -> int:
+    ok = isinstance(value, (int, np.integer)) and not isinstance(value, bool) and low <= value <= high
+    if not ok:
+        raise ValueError(f"medusa drafter option {name} must be an integer in [{low}, {high}], got {value!r}")
+    return int(value)
+
+
+@register("medusa")
+class MedusaDrafter(Drafter):
+    """Medusa heads drafter (static or dynamic trees, with draft probabilities).
+
+    Options:
+      tree:       "static" (default) or "dynamic".
+      choices:    static tree: list of rank paths, or that list as a JSON string (default: the
+                  checkpoint's list, else `DEFAULT_CHOICES`). Every prefix of a path must be a path.
+      topk:       dynamic tree: candidate ranks per node, in [1, 64] (default 4).
+      depth:      heads used = deepest tree level, in [1, num_heads] (default all heads).
+      max_budget: most nodes per tree, >= 1 (default: the static tree's size; dynamic: 20).
+      seed:       seeds the per-request samplers (temperature > 0), with the request's seed or id.
+    """
+
+    needs_hidden_states = True
+    gives_probs = True
+
+    def __init__(
+        self,
+        target: TargetInfo,
+        path: str | None = None,
+        *,
+        tree: str = "static",
+        choices: object = None,
+        topk: int | None = None,
+        depth: int | None = None,
+        max_budget: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        if tree not in TREES:
+            raise ValueError(f"medusa drafter option tree must be one of {list(TREES)}, got {tree!r}")
+        if path is None:
+            raise ValueError("the medusa drafter needs a heads directory: 'medusa:DIR' (a bare 'medusa' only works with "
+                             "the bundled default model when the bundle has Medusa heads)")
+        if tree == "static" and topk is not None:
+            raise ValueError("medusa drafter option topk applies to tree='dynamic' (a static tree's ranks come from choices)")
+        if tree == "dynamic" and choices is not None:
+            raise ValueError("medusa drafter option choices applies to tree='static'")
+        self.seed = _check_int("seed", seed, 0, 2**63 - 1)
+        model_type = getattr(getattr(target.model, "config", None), "model_type", None)
+        loaded = load_heads(path, hidden_size=target.hidden_size, vocab_size=target.vocab_size, model_type=model_type,
+                            target_dir=target.model_dir)
+        heads = loaded.heads
+        self.path = str(path)
+        self.layout = loaded.layout
+        self.num_heads = heads.num_heads
+        self.depth = heads.num_heads if depth is None else _check_int("depth", depth, 1, heads.num_heads)
+        self.tree = tree
+        vocab = target.vocab_size
+        if tree == "static":
+            self.topk = None
+            if choices is not None:
+                static = StaticTree.from_choices(parse_choices(choices))
+                if static.max_depth > self.depth:
+                    deepest = max(static.choices, key=len)
+                    raise ValueError(f"medusa choices path {list(deepest)} has depth {len(deepest)} but only {self.depth} "
+                                     f"head(s) are used (depth option / {self.num_heads} heads in the checkpoint)")
+            else:
+                recorded = loaded.config.get("choices") if loaded.layout == "specserve" else None
+                static = StaticTree.from_choices(recorded or DEFAULT_CHOICES).limited_to(self.depth)
+            if static.max_rank >= vocab:
+                raise ValueError(f"medusa choices use rank {static.max_rank} but the vocabulary has {vocab} tokens")
+            self.static = static
+            full = static.num_nodes
+            default_budget = full
+        else:
+            self.static = None
+            self.topk = _check_int("topk", 4 if topk is None else topk, 1, min(64, vocab))
+            full = sum(self.topk**d for d in range(1, self.depth + 1))
+            default_budget = min(DEFAULT_DYNAMIC_BUDGET, full)
+        self.max_budget = default_budget if max_budget is None else min(_check_int("max_budget", max_budget, 1, 1 << 20), full)
+        self.device, self.dtype = target.device, target.dtype
+        self.heads = heads.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+        self.lm_weight = None
+        if heads.lm_heads is None:
+            if target.model is None or getattr(target.model, "lm_head", None) is None:
+                raise ValueError(f"medusa heads in {self.path!r} share the target's LM head, but the target model is "
+                                 "not available")
+            self.lm_weight = target.model.lm_head.detach()
+        self.feature_layer = target.num_layers
+        self.hidden_layers = (target.num_layers,)
+        self._features: dict[str, tuple[torch.Tensor, int]] = {}  # request -> (feature [H], its position)
+        self._generators: dict[str, torch.Generator] = {}
+
+    # ---- the protocol ---------------------------------------------------------------------------
+
+    def release(self, request_id: str) -> None:
+        self._features.pop(request_id, None)
+        self._generators.pop(request_id, None)
+
+    def propose(self, requests: list[DraftRequest], budgets: list[int]) -> list[DraftTree]:
+        if len(budgets) != len(requests):
+            raise ValueError(f"propose got {len(requests)} requests but {len(budgets)} budgets")
+        trees = [DraftTree.empty() for _ in requests]
+        work: list[tuple[int, DraftRequest, int]] = []
+        for i, (req, budget) in enumerate(zip(requests, budgets)):
+            budget = int(budget)
+            if budget < 0:
+                raise ValueError(f"budget for request {req.request_id!r} must be >= 0, got {budget}")
+            self._absorb(req)  # even at budget 0: features are handed over only once
+            feature = self._features.get(req.request_id)
+            # The feature must be the last committed position's (the root's predecessor); a request
+            # whose feature is missing or stale gets no draft rather than a wrong-position one.
+            if budget and feature is not None and feature[1] == len(req.token_ids) - 2:
+                work.append((i, req, min(budget, self.max_budget)))
+        if not work:
+            return trees
+        with torch.inference_mode():
+            feats = torch.stack([self._features[req.request_id][0] for _, req, _ in work])  # [A, H]
+            logits = self.heads(feats, self.lm_weight, heads=self.depth).transpose(0, 1).float()  # [A, D, V]
+        temps = [req.temperature for _, req, _ in work]
+        greedy = [a for a, t in enumerate(temps) if t <= 0]
+        sampled = [a for a, t in enumerate(temps) if t > 0]
+        if greedy:
+            for a, tree in zip(greedy, self._greedy_trees(logits[greedy], [work[a][2] for a in greedy])):
+                trees[work[a][0]] = tree
+        if sampled:
+            reqs = [work[a][1] for a in sampled]
+            for a, tree in zip(sampled, self._sampled_trees(logits[sampled], reqs, [work[a][2] for a in sampled])):
+                trees[work[a][0]] = tree
+        return trees
+
+    # ---- trees ----------------------------------------------------------------------------------
+
+    def _absorb(self, req: DraftRequest) -> None:
+        hidden = req.hidden_states
+        if hidden is None:
+            return
+        if self.feature_layer not in hidden:
+            raise ValueError(f"medusa needs hidden layer {self.feature_layer}; got layers {sorted(hidden)}")
+        rows = hidden[self.feature_layer]
+        if rows.shape[0]:
+            self._features[req.request_id] = (rows[-1].detach().to(self.device, self.dtype), len(req.token_ids) - 2)
+
+    def _shapes(self, caps: list[int], logscores: torch.Tensor | None):
+        """(parents, depths, ranks) per request: the static tree's prefix, or the dynamic selection."""
+        if self.static is not None:
+            s = self.static
+            return [(s.parents[:c], s.depths[:c], s.ranks[:c]) for c in caps]
+        return select_dynamic(logscores, caps)
+
+    def _greedy_trees(self, logits: torch.Tensor, caps: list[int]) -> list[DraftTree]:
+        """logits: float32[G, D, V]. Nodes take their depth's head's top-ranked tokens."""
+        k = self.static.max_rank + 1 if self.static is not None else self.topk
+        top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)  # [G, D, k]
+        ids = top.indices.cpu()
+        shapes = self._shapes(caps, None if self.static is not None else top.values)
+        trees = []
+        for g, (parents, depths, ranks) in enumerate(shapes):
+            tokens = ids[g][torch.from_numpy(depths - 1), torch.from_numpy(ranks)]
+            trees.append(DraftTree(tokens.to(torch.int64), torch.from_numpy(np.ascontiguousarray(parents))))
+        return trees
+
+    def _sampled_trees(self, logits: torch.Tensor, reqs: list[DraftRequest], caps: list[int]) -> list[DraftTree]:
+        """logits: float32[S, D, V]. Each node draws its children from its depth's q without replacement."""
+        temps = torch.tensor([r.temperature for r in reqs], dtype=torch.float32, device=logits.device)
+        q = torch.softmax(logits / temps[:, None, None], dim=-1)  # [S, D, V]
+        logscores = None if self.static is not None else sampled_logscores(q.max(dim=-1).values.cpu(), self.topk)
+        shapes = self._shapes(caps, logscores)
+        if not any(len(p) for p, _, _ in shapes):
+            return [DraftTree.empty() for _ in reqs]
+        rows_q, generators, row_of_node, base = [], [], [], 0
+        for s, (req, (parents, depths, _)) in enumerate(zip(reqs, shapes)):
+            n = len(parents)
+            counts = np.bincount(parents + 1, minlength=n + 1)  # children per verify row (0 = root)
+            rows = np.flatnonzero(counts)
+            head = np.where(rows == 0, 0, depths[np.maximum(rows - 1, 0)])  # children of a depth-d row: head d
+            rows_q.append(q[s, torch.from_numpy(head).to(q.device)])
+            generators += [self._generator(req)] * len(rows)
+            lookup = np.full(n + 1, -1, dtype=np.int64)
+            lookup[rows] = np.arange(len(rows)) + base
+            row_of_node.append(lookup[parents + 1])
+            base += len(rows)
+        k = max(int(np.bincount(p + 1).max()) for p, _, _ in shapes if len(p))
+        tokens, valid, probs = sample_siblings(torch.cat(rows_q), generators, k)
+        tokens, valid = tokens.cpu(), valid.cpu()
+        trees = []
+        for (parents, depths, _), rows in zip(shapes, row_of_node):
+            if not len(parents):
+                trees.append(DraftTree.empty())
+                continue
+            r, j = torch.from_numpy(rows), torch.from_numpy(sibling_index(parents))
+            keep = valid[r, j].numpy().copy()
+            for d in range(2, int(depths.max()) + 1):  # a node whose draw failed takes its subtree along
+                at = depths == d
+                keep[at] &= keep[parents[at]]
+            index = np.cumsum(keep) - 1
+            new_parents = np.where(parents >= 0, index[np.maximum(parents, 0)], -1)[keep]
+            kept = torch.from_numpy(np.flatnonzero(keep))
+            trees.append(DraftTree(tokens[r, j][kept].to(torch.int64), torch.from_numpy(new_parents.astype(np.int64)),
+                                   probs[r[kept].to(probs.device), j[kept].to(probs.device)].float().cpu()))
+        return trees
+
+    def _generator(self, req: DraftRequest) -> torch.Generator:
+        generator = self._generators.get(req.request_id)
+        if generator is None:
+            generator = self._generators[req.request_id] = request_generator("medusa", self.seed, req, self.device)
+        return generator
+
+    def __repr__(self) -> str:
+        shape = f"{self.static.num_nodes} static nodes" if self.static is not None else f"dynamic topk={self.topk}"
+        return (f"MedusaDrafter(path={self.path!r}, layout={self.layout}, heads={self.num_heads}, depth={self.depth}, "
+                f"tree={shape}, max_budget={self.max_budget})")

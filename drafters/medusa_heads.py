@@ -1,0 +1,308 @@
+"""Medusa heads: the module, and their checkpoints in two layouts.
+
+**Ours** (written by ``specserve train medusa``)::
+
+    medusa_config.json          {"format": "specserve-medusa", "version": 1, "num_heads", "num_layers",
+                                 "hidden_size", "vocab_size", "lm_head": "own" | "shared",
+                                 "target": {"path", "model_type", "hidden_size", "vocab_size",
+                                            "num_layers", "fingerprint"}, optional "choices", "metrics"}
+    medusa_heads.safetensors    "weight" [K, L, H, H], "bias" [K, L, H], and with own LM heads
+                                "lm_heads" [K, V, H]
+
+**Public Medusa** (FasterDecoding/Medusa, Medusa-1 heads): ``config.json`` with ``medusa_num_heads``,
+``medusa_num_layers`` and ``base_model_name_or_path``; weights ``medusa_lm_head.safetensors`` (or the
+older ``medusa_lm_head.pt``) holding, for head k and residual block l, ``{k}.{l}.linear.weight`` [H, H]
+and ``{k}.{l}.linear.bias`` [H], and the head's LM head ``{k}.{num_layers}.weight`` [V, H] (the state
+dict of a ModuleList of ``Sequential(ResBlock * num_layers, Linear(H, V, bias=False))``).
+
+The target fingerprint (ours only) is the sha256 of the target's architecture fields, its tokenizer
+fingerprint and its LM head cast to fp16 — equal for an fp32 checkpoint and its fp16 export, different
+for another model of the same shape.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FORMAT = "specserve-medusa"
+VERSION = 1
+CONFIG_FILE = "medusa_config.json"
+WEIGHTS_FILE = "medusa_heads.safetensors"
+PUBLIC_CONFIG = "config.json"
+PUBLIC_WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
+LM_HEAD_MODES = ("own", "shared")
+_ARCH_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "intermediate_size", "vocab_size", "tie_word_embeddings")
+
+
+class MedusaHeads(nn.Module):
+    """K Medusa heads over the target's final normed hidden state h (what its LM head reads).
+
+    Head k: ``x <- x + SiLU(W[k, l] x + b[k, l])`` for each of ``num_layers`` blocks, then
+    ``logits = U_k x`` with U_k [V, H] its own LM head (``lm_head="own"``) or the target's
+    (``"shared"``, passed to `forward`). Blocks start at zero, so a fresh head is the target's LM
+    head. Head k at the feature of position t predicts the token at t + k + 2.
+    """
+
+    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int, lm_head: str = "own") -> None:
+        super().__init__()
+        if lm_head not in LM_HEAD_MODES:
+            raise ValueError(f"lm_head must be one of {LM_HEAD_MODES}, got {lm_head!r}")
+        for name, value, low in (("hidden_size", hidden_size, 1), ("vocab_size", vocab_size, 1),
+                                 ("num_heads", num_heads, 1), ("num_layers", num_layers, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 1 << 20:
+                raise ValueError(f"medusa {name} must be an integer >= {low}, got {value!r}")
+        self.hidden_size, self.vocab_size = hidden_size, vocab_size
+        self.num_heads, self.num_layers, self.lm_head_mode = num_heads, num_layers, lm_head
+        self.weight = nn.Parameter(torch.zeros(num_heads, num_layers, hidden_size, hidden_size))  # [K, L, H, H]
+        self.bias = nn.Parameter(torch.zeros(num_heads, num_layers, hidden_size))  # [K, L, H]
+        self.lm_heads = nn.Parameter(torch.zeros(num_heads, vocab_size, hidden_size)) if lm_head == "own" else None
+
+    def init_lm_heads(self, target_lm_head: torch.Tensor) -> None:
+        """Start every own LM head from the target's [V, H]."""
+        if self.lm_heads is not None:
+            with torch.no_grad():
+                self.lm_heads.copy_(target_lm_head.to(self.lm_heads)[None].expand_as(self.lm_heads))
+
+    def forward(self, h: torch.Tensor, lm_weight: torch.Tensor | None = None, heads: int | None = None,
+                first: int = 0) -> torch.Tensor:
+        """Logits [n, ..., V] of heads ``first .. first + n - 1`` (n = ``heads``, default all) for h [..., H].
+
+        lm_weight: the target's LM head [V, H], needed when the heads share it.
+        """
+        n = self.num_heads - first if heads is None else heads
+        idx = slice(first, first + n)
+        shape = h.shape[:-1]
+        x = h.reshape(1, -1, self.hidden_size).expand(n, -1, -1)  # [n, M, H]
+        for layer in range(self.num_layers):
+            x = x + F.silu(torch.baddbmm(self.bias[idx, layer, None, :], x, self.weight[idx, layer].transpose(1, 2)))
+        if self.lm_heads is not None:
+            logits = torch.bmm(x, self.lm_heads[idx].transpose(1, 2))
+        else:
+            if lm_weight is None:
+                raise ValueError("these Medusa heads share the target's LM head: pass lm_weight")
+            logits = (x.reshape(-1, self.hidden_size) @ lm_weight.t()).reshape(n, -1, lm_weight.shape[0])
+        return logits.reshape(n, *shape, logits.shape[-1])
+
+
+@dataclass
+class LoadedHeads:
+    heads: MedusaHeads
+    config: dict  # our medusa_config.json, or the public config.json
+    layout: str  # "specserve" | "medusa"
+
+
+# ---- the target's fingerprint ----------------------------------------------------------------------
+
+
+def target_fingerprint(model_dir: str | Path) -> str:
+    """sha256 over the target's architecture fields, tokenizer fingerprint and fp16 LM head."""
+    from safetensors import safe_open
+    from specserve.training.tokenizer import tokenizer_fingerprint
+
+    from specserve.checkpoint import checkpoint_files
+
+    model_dir = Path(model_dir)
+    config = _read_json(model_dir / "config.json", "target config")
+    arch = {k: config.get(k) for k in _ARCH_KEYS}
+    tok = tokenizer_fingerprint(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+    weight = None
+    for name in ("lm_head.weight", "model.embed_tokens.weight"):
+        for path in checkpoint_files(model_dir):
+            with safe_open(str(path), framework="pt") as f:
+                if name in f.keys():  # noqa: SIM118  (a safetensors handle, not a dict)
+                    weight = f.get_tensor(name)
+                    break
+        if weight is not None:
+            break
+    if weight is None:
+        raise ValueError(f"the target in {str(model_dir)!r} has neither lm_head.weight nor model.embed_tokens.weight")
+    digest = hashlib.sha256(json.dumps({"arch": arch, "tokenizer": tok}, sort_keys=True).encode())
+    digest.update(weight.to(torch.float16).contiguous().view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def target_record(model_dir: str | Path) -> dict:
+    """What our config says about the target heads were trained for."""
+    model_dir = Path(model_dir).expanduser().resolve()
+    config = _read_json(model_dir / "config.json", "target config")
+    return {"path": str(model_dir), "model_type": config.get("model_type"), "hidden_size": config.get("hidden_size"),
+            "vocab_size": config.get("vocab_size"), "num_layers": config.get("num_hidden_layers"),
+            "fingerprint": target_fingerprint(model_dir)}
+
+
+# ---- saving ----------------------------------------------------------------------------------------
+
+
+def save_heads(heads: MedusaHeads, out_dir: str | Path, target_dir: str | Path, *, dtype: torch.dtype = torch.float16,
+               extra: dict | None = None) -> dict:
+    """Write ``medusa_config.json`` + ``medusa_heads.safetensors`` (weights cast to ``dtype``); return the config."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {"weight": heads.weight, "bias": heads.bias}
+    if heads.lm_heads is not None:
+        tensors["lm_heads"] = heads.lm_heads
+    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in tensors.items()}
+    config = {"format": FORMAT, "version": VERSION, "num_heads": heads.num_heads, "num_layers": heads.num_layers,
+              "hidden_size": heads.hidden_size, "vocab_size": heads.vocab_size, "lm_head": heads.lm_head_mode,
+              "dtype": str(dtype).removeprefix("torch."), "target": target_record(target_dir), **(extra or {})}
+    tmp = out_dir / (WEIGHTS_FILE + ".tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.replace(out_dir / WEIGHTS_FILE)
+    tmp = out_dir / (CONFIG_FILE + ".tmp")
+    tmp.write_text(json.dumps(config, indent=1) + "\n")
+    tmp.replace(out_dir / CONFIG_FILE)
+    return config
+
+
+# ---- loading ---------------------------------------------------------------------------------------
+
+
+def load_heads(path: str | Path, *, hidden_size: int, vocab_size: int, model_type: str | None = None,
+               target_dir: str | Path | None = None) -> LoadedHeads:
+    """Load Medusa heads from ``path`` (either layout) for a target of this shape; float32 on the CPU.
+
+    ValueError names what does not match: another hidden size or vocabulary, another model type, or
+    (our layout, when ``target_dir`` is given) another target fingerprint; FileNotFoundError when
+    ``path`` is missing; ValueError for unreadable or inconsistent files.
+    """
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"medusa heads directory {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise ValueError(f"medusa heads path {str(path)!r} is not a directory")
+    if (path / CONFIG_FILE).is_file():
+        loaded = _load_ours(path)
+    elif (path / PUBLIC_CONFIG).is_file() and "medusa_num_heads" in _read_json(path / PUBLIC_CONFIG, "Medusa config"):
+        loaded = _load_public(path)
+    else:
+        raise ValueError(f"{str(path)!r} holds no Medusa heads: expected {CONFIG_FILE} (specserve train medusa) or a "
+                         f"{PUBLIC_CONFIG} with medusa_num_heads and {PUBLIC_WEIGHTS[0]} (FasterDecoding/Medusa)")
+    heads = loaded.heads
+    if heads.hidden_size != hidden_size:
+        raise ValueError(f"medusa heads in {str(path)!r} have hidden size {heads.hidden_size} but the target has "
+                         f"{hidden_size}: they were trained for another model")
+    if heads.vocab_size != vocab_size:
+        raise ValueError(f"medusa heads in {str(path)!r} have vocab_size {heads.vocab_size} but the target has "
+                         f"{vocab_size}: they were trained for another model")
+    if loaded.layout == "specserve":
+        recorded = loaded.config["target"]
+        if model_type is not None and recorded.get("model_type") not in (None, model_type):
+            raise ValueError(f"medusa heads in {str(path)!r} were trained for a {recorded.get('model_type')} model, "
+                             f"the target is {model_type}")
+        if target_dir is not None and recorded.get("fingerprint") not in (None, target_fingerprint(target_dir)):
+            raise ValueError(f"medusa heads in {str(path)!r} were trained for another target "
+                             f"({recorded.get('path')!r}; fingerprint mismatch): train heads for this one with "
+                             "`specserve train medusa`")
+    return loaded
+
+
+def _load_ours(path: Path) -> LoadedHeads:
+    config = _read_json(path / CONFIG_FILE, "medusa config")
+    if config.get("format") != FORMAT:
+        raise ValueError(f"{str(path / CONFIG_FILE)!r} is not a specserve Medusa config (format {config.get('format')!r})")
+    if config.get("version") != VERSION:
+        raise ValueError(f"{str(path / CONFIG_FILE)!r} has version {config.get('version')!r}; this specserve reads {VERSION}")
+    try:
+        heads = MedusaHeads(config["hidden_size"], config["vocab_size"], config["num_heads"], config["num_layers"],
+                            config["lm_head"])
+        if not isinstance(config["target"], dict):
+            raise TypeError("target must be an object")
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"{str(path / CONFIG_FILE)!r} is incomplete or malformed: {exc}") from exc
+    state = _read_safetensors(path / WEIGHTS_FILE)
+    expected = {name: tuple(p.shape) for name, p in heads.named_parameters()}
+    _check_state(path / WEIGHTS_FILE, state, expected)
+    heads.load_state_dict({k: v.float() for k, v in state.items()})
+    return LoadedHeads(heads, config, "specserve")
+
+
+def _load_public(path: Path) -> LoadedHeads:
+    config = _read_json(path / PUBLIC_CONFIG, "Medusa config")
+    num_heads, num_layers = config.get("medusa_num_heads"), config.get("medusa_num_layers", 1)
+    for name, value, low in (("medusa_num_heads", num_heads, 1), ("medusa_num_layers", num_layers, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{str(path / PUBLIC_CONFIG)!r}: {name} must be an integer >= {low}, got {value!r}")
+    if (path / PUBLIC_WEIGHTS[0]).is_file():
+        state = _read_safetensors(path / PUBLIC_WEIGHTS[0])
+    elif (path / PUBLIC_WEIGHTS[1]).is_file():
+        try:
+            state = torch.load(path / PUBLIC_WEIGHTS[1], map_location="cpu", weights_only=True)
+        except Exception as exc:  # torch raises assorted types for corrupt pickles
+            raise ValueError(f"{str(path / PUBLIC_WEIGHTS[1])!r} is not a readable torch state dict: {exc}") from exc
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise ValueError(f"{str(path / PUBLIC_WEIGHTS[1])!r} is not a state dict of tensors")
+    else:
+        raise ValueError(f"{str(path)!r} has a Medusa {PUBLIC_CONFIG} but no {PUBLIC_WEIGHTS[0]} or {PUBLIC_WEIGHTS[1]}")
+    state = {k.removeprefix("medusa_head."): v for k, v in state.items()}
+    head_key = f"0.{num_layers}.weight"
+    if head_key not in state or state[head_key].dim() != 2:
+        raise ValueError(f"{str(path)!r}: Medusa weights lack {head_key!r} (head 0's LM head [vocab, hidden]); "
+                         f"keys look like {sorted(state)[:4]}")
+    vocab, hidden = state[head_key].shape
+    expected = {}
+    for k in range(num_heads):
+        for layer in range(num_layers):
+            expected[f"{k}.{layer}.linear.weight"] = (hidden, hidden)
+            expected[f"{k}.{layer}.linear.bias"] = (hidden,)
+        expected[f"{k}.{num_layers}.weight"] = (vocab, hidden)
+    _check_state(path, state, expected)
+    heads = MedusaHeads(int(hidden), int(vocab), num_heads, num_layers, "own")
+    with torch.no_grad():
+        for k in range(num_heads):
+            for layer in range(num_layers):
+                heads.weight[k, layer] = state[f"{k}.{layer}.linear.weight"].float()
+                heads.bias[k, layer] = state[f"{k}.{layer}.linear.bias"].float()
+            heads.lm_heads[k] = state[f"{k}.{num_layers}.weight"].float()
+    return LoadedHeads(heads, config, "medusa")
+
+
+def _check_state(where: Path, state: dict[str, torch.Tensor], expected: dict[str, tuple]) -> None:
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {', '.join(missing[:5])}" + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+        if unexpected:
+            parts.append(f"unexpected {', '.join(unexpected[:5])}"
+                         + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""))
+        raise ValueError(f"medusa weights in {str(where)!r} do not match their config: {'; '.join(parts)}")
+    for name, shape in expected.items():
+        if tuple(state[name].shape) != shape:
+            raise ValueError(f"medusa weights in {str(where)!r}: {name!r} has shape {tuple(state[name].shape)}, "
+                             f"expected {shape}")
+        if not state[name].is_floating_point():
+            raise ValueError(f"medusa weights in {str(where)!r}: {name!r} is not a floating-point tensor")
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise ValueError(f"medusa weights {str(path)!r} are missing")
+    try:
+        return load_file(str(path))
+    except Exception as exc:  # safetensors raises its own error types for truncated/corrupt files
+        raise ValueError(f"{str(path)!r} is not a readable safetensors file (corrupt or truncated?): {exc}") from exc
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError as exc:
+        raise ValueError(f"{what} {str(path)!r} is missing") from exc
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{what} {str(path)!r} is not readable JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} {str(path)!r} must hold a JSON object")
+    return data

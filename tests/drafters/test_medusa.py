@@ -1,0 +1,515 @@
+"""The ``medusa`` drafter: lossless like every drafter (greedy equality, sampled distribution), static
+tree buffers from paths, dynamic selection, budgets, checkpoints in both layouts, wrong targets.
+
+Heads here are tiny (hidden 64, vocabulary 16): random ones that disagree with the target, and ones
+fitted in a second to the target's own greedy continuations, which agree often.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+from specserve.drafters import DraftRequest, TargetInfo, create_drafter
+from specserve.drafters import medusa as _medusa  # noqa: F401  (registers "medusa")
+from specserve.drafters.medusa_heads import MedusaHeads, load_heads, save_heads
+from specserve.drafters.medusa_tree import (
+    DEFAULT_CHOICES,
+    StaticTree,
+    choices_from_accuracies,
+    select_dynamic,
+    sibling_index,
+)
+from specserve.verify import DraftTree
+from target_stats import chi_square_p_value, exact_marginals
+from tiny_models import build_model
+from transformers import AutoModelForCausalLM
+
+from specserve import LLM, SamplingParams
+
+PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [7, 7, 7], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9], [11]]
+PROMPT = [3, 1, 4, 1, 5]
+GREEDY = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+SHAPES = {
+    "static": {},
+    "static-cut": {"max_budget": 4},
+    "static-choices": {"choices": "[[0], [1], [0, 0], [0, 1], [2], [0, 0, 0]]"},
+    "dynamic": {"tree": "dynamic"},
+    "dynamic-cut": {"tree": "dynamic", "topk": 2, "max_budget": 5, "depth": 2},
+}
+
+
+def _random_heads(seed: int, lm_head: str = "own", num_heads: int = 3) -> MedusaHeads:
+    heads = MedusaHeads(64, 16, num_heads, 1, lm_head)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_((torch.randn(p.shape, generator=gen) * 0.4).half().float())  # fp16-exact: saving is lossless
+    return heads
+
+
+def _fit_heads(target_dir, num_heads: int = 3) -> MedusaHeads:
+    """Heads fitted in a second to the target's greedy continuations of the test prompts (hard labels
+    t + k + 2): a random tiny target is chaotic, so they memorise these rather than generalise."""
+    llm = LLM(target_dir, device="cpu")
+    prompts = PROMPTS + [PROMPT]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    seqs = [p + o.token_ids for p, o in zip(prompts, outs)]
+    width = max(map(len, seqs))
+    seqs = torch.tensor([s + s[-1:] * (width - len(s)) for s in seqs])  # padding repeats the last token
+    hf = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        feats = hf.model(input_ids=seqs).last_hidden_state  # [B, T, H]
+    heads = MedusaHeads(64, 16, num_heads, 1, "own")
+    heads.init_lm_heads(hf.lm_head.weight)
+    torch.manual_seed(0)
+    opt = torch.optim.Adam(heads.parameters(), lr=2e-2)
+    for _ in range(300):
+        loss = 0.0
+        for k in range(num_heads):
+            logits = heads(feats[:, : -(k + 2)], heads=1, first=k)[0]
+            loss = loss + torch.nn.functional.cross_entropy(logits.reshape(-1, 16), seqs[:, k + 2 :].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(p.half().float())
+    return heads
+
+
+@pytest.fixture(scope="module")
+def random_dir(small_vocab_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("medusa_random")
+    save_heads(_random_heads(1), out, small_vocab_dir)
+    return out
+
+
+@pytest.fixture(scope="module")
+def fitted_dir(small_vocab_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("medusa_fitted")
+    save_heads(_fit_heads(small_vocab_dir), out, small_vocab_dir, extra={"choices": [[0], [0, 0], [1], [0, 0, 0], [0, 1]]})
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(small_vocab_dir):
+    outs = LLM(small_vocab_dir, device="cpu").generate(PROMPTS, GREEDY)
+    return [o.token_ids for o in outs]
+
+
+def target_info(model_dir, model=None) -> TargetInfo:
+    return TargetInfo(vocab_size=16, hidden_size=64, num_layers=2, device=torch.device("cpu"), dtype=torch.float32,
+                      model_dir=str(model_dir), model=model)
+
+
+def _requests(contexts, temperature=0.0, seed=None, hidden=True, prefix="r"):
+    gen = torch.Generator().manual_seed(7)
+    return [DraftRequest(f"{prefix}{i}", np.asarray(c, dtype=np.int64), temperature,
+                         {2: torch.randn(len(c) - 1, 64, generator=gen)} if hidden else None, seed)
+            for i, c in enumerate(contexts)]
+
+
+# ---- losslessness: greedy ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("heads", ["random", "fitted"])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_greedy_equals_plain(small_vocab_dir, reference, request, heads, shape, batch):
+    path = request.getfixturevalue(f"{heads}_dir")
+    llm = LLM(small_vocab_dir, drafter=f"medusa:{path}", drafter_options=SHAPES[shape], device="cpu")
+    outs = llm.generate(PROMPTS[:batch], GREEDY)
+    assert [o.token_ids for o in outs] == reference[:batch]
+    accepted = sum(sum(o.spec.accepted_per_position) for o in outs)
+    if heads == "fitted":  # agreeing heads: most steps accept something
+        assert accepted >= sum(o.spec.num_steps for o in outs)
+    alloc = llm.engine.cache.allocator
+    assert alloc.num_free_blocks == alloc.num_blocks
+    assert not llm.engine.drafter._features and not llm.engine.drafter._generators
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(tree=st.sampled_from(["static", "dynamic"]), topk=st.integers(1, 4), depth=st.integers(1, 3),
+       max_budget=st.integers(1, 30), batch=st.sampled_from([1, 2, 4]), temperature=st.sampled_from([0.0, 0.0, 0.9]))
+def test_any_tree_is_lossless_greedy_and_well_formed(small_vocab_dir, random_dir, reference, tree, topk, depth,
+                                                    max_budget, batch, temperature):
+    options = dict(tree=tree, depth=depth, max_budget=max_budget, **({"topk": topk} if tree == "dynamic" else {}))
+    llm = LLM(small_vocab_dir, drafter=f"medusa:{random_dir}", drafter_options=options, device="cpu")
+    if temperature == 0.0:
+        outs = llm.generate(PROMPTS[:batch], GREEDY)
+        assert [o.token_ids for o in outs] == reference[:batch]
+    drafter = llm.engine.drafter
+    contexts = [p + r[:5] for p, r in zip(PROMPTS[:batch], reference)]
+    for t in drafter.propose(_requests(contexts, temperature), [max_budget] * batch):
+        assert 1 <= t.num_nodes <= min(max_budget, drafter.max_budget)
+        assert t.max_depth <= depth
+        for row in range(t.num_nodes + 1):
+            kids = t.children(row)
+            assert len({int(t.tokens[k]) for k in kids}) == len(kids)
+            if tree == "dynamic":
+                assert len(kids) <= topk
+        assert (t.probs is None) == (temperature == 0.0)
+
+
+# ---- losslessness: sampling ----------------------------------------------------------------------
+
+N = 1500
+SAMPLING_CASES = {
+    "fitted-static-T1": ("fitted_dir", {}, {"temperature": 1.0}),
+    "fitted-dynamic-T0.7-topk": ("fitted_dir", {"tree": "dynamic", "topk": 3, "max_budget": 8},
+                                 {"temperature": 0.7, "top_k": 6}),
+    "random-static-T1.2-topp-minp": ("random_dir", {}, {"temperature": 1.2, "top_p": 0.9, "min_p": 0.02}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SAMPLING_CASES))
+def test_sampled_tokens_follow_target_distribution(small_vocab_dir, case, request):
+    fixture, options, sampling = SAMPLING_CASES[case]
+    path = request.getfixturevalue(fixture)
+    # max_tokens=8: the first decode step drafts 6 nodes (siblings at depths 1 and 2), and its root
+    # children and their children are the 2nd and 3rd tokens whose distributions are checked.
+    params = [SamplingParams(max_tokens=8, seed=seed, ignore_eos=True, **sampling) for seed in range(N)]
+    llm = LLM(small_vocab_dir, drafter=f"medusa:{path}", drafter_options=options, device="cpu", max_num_seqs=N)
+    outs = llm.generate([PROMPT] * N, params)
+    exact2, exact3 = exact_marginals(small_vocab_dir, PROMPT, params[0])
+    for position, exact in ((1, exact2), (2, exact3)):
+        counts = torch.bincount(torch.tensor([o.token_ids[position] for o in outs]), minlength=16).double()
+        assert float(counts[exact == 0].sum()) == 0, "emitted a token the target gives zero probability"
+        assert chi_square_p_value(counts, exact) > 1e-3
+    accepted = sum(sum(o.spec.accepted_per_position) for o in outs)
+    assert accepted > (N if fixture == "fitted_dir" else N // 10)  # drafts were accepted
+
+
+# ---- static trees from paths ---------------------------------------------------------------------
+
+
+def test_static_buffers_match_hand_computed():
+    tree = StaticTree.from_choices([[0], [1], [0, 0], [0, 1], [2], [0, 0, 0]])
+    assert tree.parents.tolist() == [-1, -1, 0, 0, -1, 2]
+    assert tree.depths.tolist() == [1, 1, 2, 2, 1, 3]
+    assert tree.ranks.tolist() == [0, 1, 0, 1, 2, 0]
+    expected = np.array([  # node i's row: itself and its ancestors
+        [1, 0, 0, 0, 0, 0],
+        [0, 1, 0, 0, 0, 0],
+        [1, 0, 1, 0, 0, 0],
+        [1, 0, 0, 1, 0, 0],
+        [0, 0, 0, 0, 1, 0],
+        [1, 0, 1, 0, 0, 1],
+    ], dtype=bool)
+    assert (tree.ancestors == expected).all()
+    assert tree.positions(10).tolist() == [10, 11, 11, 12, 12, 11, 13]
+    draft = DraftTree(torch.zeros(6, dtype=torch.int64), torch.from_numpy(tree.parents))
+    assert torch.equal(draft.ancestor_mask[1:, 1:], torch.from_numpy(expected))
+    assert draft.positions(10).tolist() == tree.positions(10).tolist()
+    assert sibling_index(tree.parents).tolist() == [0, 1, 0, 1, 2, 0]
+
+
+def test_static_order_keeps_the_list_order_and_puts_parents_first():
+    tree = StaticTree.from_choices([[0, 0], [1], [0], [1, 0]])
+    assert tree.choices == ((0,), (0, 0), (1,), (1, 0))  # [0] is pulled up to its child's place
+    assert tree.parents.tolist() == [-1, 0, -1, 2]
+    for n in range(1, tree.num_nodes + 1):  # every prefix of the node order is a tree
+        assert all(p < n for p in tree.parents[:n])
+    assert StaticTree.from_choices(DEFAULT_CHOICES).num_nodes == 20
+    assert StaticTree.from_choices(DEFAULT_CHOICES).limited_to(2).max_depth == 2
+
+
+@pytest.mark.parametrize("choices, message", [
+    ([[0], [0, 1, 0]], r"needs its prefix \[0, 1\]"),
+    ([[1, 0]], r"needs its prefix \[1\]"),
+    ([[0], [0]], "appears twice"),
+    ([[0], [-1]], "ranks >= 0"),
+    ([[0], []], "non-empty list"),
+    ([[0], [True]], "ranks >= 0"),
+    ([], "non-empty list"),
+    ("[[0], [1", "JSON"),
+    ("{\"a\": 1}", "list of lists"),
+    (5, "list of lists"),
+])
+def test_invalid_choices_are_rejected(choices, message):
+    with pytest.raises(ValueError, match=message):
+        StaticTree.from_choices(choices)
+
+
+def test_choices_from_accuracies_is_greedy_and_ancestor_closed():
+    acc = [[0.6, 0.25, 0.1], [0.5, 0.1, 0.3], [0.4, 0.1, 0.0]]  # [1][2] > [1][1]: noise, made non-increasing
+    choices = choices_from_accuracies(acc, 6)
+    assert choices == [[0], [0, 0], [1], [1, 0], [0, 0, 0], [2]]  # [0, 2] would be 0.18 without the fix
+    StaticTree.from_choices(choices)
+
+
+# ---- dynamic trees -------------------------------------------------------------------------------
+
+
+def test_dynamic_selection_is_the_best_ancestor_closed_set():
+    gen = torch.Generator().manual_seed(0)
+    r, d, k = 3, 3, 3
+    logscores = torch.log(torch.rand(r, d, k, generator=gen)).sort(dim=-1, descending=True).values
+    budgets = [1, 7, 30]
+    shapes = select_dynamic(logscores, budgets)
+    paths = [p for depth in range(1, d + 1) for p in itertools.product(range(k), repeat=depth)]
+    for i, (parents, depths, ranks) in enumerate(shapes):
+        score = {p: float(sum(logscores[i, j, x] for j, x in enumerate(p))) for p in paths}
+        best = sorted(paths, key=lambda p: -score[p])[: budgets[i]]
+        got = []
+        for n in range(len(parents)):  # rebuild each node's rank path from parents
+            path, m = [], n
+            while m != -1:
+                path.append(int(ranks[m]))
+                m = int(parents[m])
+            got.append(tuple(reversed(path)))
+        assert set(got) == set(best)
+        assert all(parents[n] < n for n in range(len(parents)))
+        assert [len(p) for p in got] == depths.tolist()
+
+
+def test_budgets_cut_trees_to_a_prefix(small_vocab_dir, random_dir):
+    drafter = create_drafter(f"medusa:{random_dir}", target_info(small_vocab_dir))
+    full = drafter.static.num_nodes
+    assert drafter.max_budget == full == 17  # the default choices limited to the checkpoint's 3 heads
+    feature = {2: torch.randn(len(PROMPT) - 1, 64)}
+    trees = drafter.propose([DraftRequest(f"r{i}", np.asarray(PROMPT), 0.0, feature) for i in range(4)], [0, 1, 3, 100])
+    assert [t.num_nodes for t in trees] == [0, 1, 3, full]
+    for t in trees[1:3]:
+        assert t.parents.tolist() == trees[3].parents[: t.num_nodes].tolist()
+        assert t.tokens.tolist() == trees[3].tokens[: t.num_nodes].tolist()
+
+
+def test_greedy_trees_take_each_heads_top_ranks(small_vocab_dir, random_dir):
+    drafter = create_drafter(f"medusa:{random_dir}", target_info(small_vocab_dir), {"tree": "dynamic", "topk": 3})
+    req = _requests([PROMPT])[0]
+    (tree,) = drafter.propose([req], [12])
+    heads = load_heads(random_dir, hidden_size=64, vocab_size=16).heads
+    with torch.no_grad():
+        logits = heads(req.hidden_states[2][-1])  # [K, V]: head k from the last committed position's feature
+    top = logits.topk(3, dim=-1).indices
+    for node in range(tree.num_nodes):
+        depth = int(tree.depths[node])
+        assert int(tree.tokens[node]) in top[depth - 1].tolist()
+    assert tree.tokens[tree.children(0)].tolist() == top[0, : len(tree.children(0))].tolist()
+    assert tree.probs is None
+
+
+def test_sampled_tree_probs_are_what_each_node_was_drawn_from(small_vocab_dir, random_dir):
+    drafter = create_drafter(f"medusa:{random_dir}", target_info(small_vocab_dir))
+    req = _requests([PROMPT], temperature=0.7)[0]
+    (tree,) = drafter.propose([req], [17])
+    assert tree.parents.tolist() == drafter.static.parents.tolist()  # no draw ran out: the full static shape
+    heads = load_heads(random_dir, hidden_size=64, vocab_size=16).heads
+    with torch.no_grad():
+        q = torch.softmax(heads(req.hidden_states[2][-1]) / 0.7, dim=-1)  # [K, V]
+    torch.testing.assert_close(tree.probs.sum(-1), torch.ones(tree.num_nodes))
+    for row in range(tree.num_nodes + 1):
+        kids = tree.children(row)
+        depth = 0 if row == 0 else int(tree.depths[row - 1])
+        for j, node in enumerate(kids):  # sibling j: q of its depth without siblings 0..j-1, renormalised
+            expected = q[depth].clone()
+            expected[tree.tokens[kids[:j]]] = 0
+            torch.testing.assert_close(tree.probs[node], expected / expected.sum(), atol=1e-5, rtol=1e-4)
+            assert float(tree.probs[node, tree.tokens[node]]) > 0
+        assert len({int(tree.tokens[k]) for k in kids}) == len(kids)
+
+
+@pytest.mark.parametrize("options", [{}, {"tree": "dynamic", "topk": 3}])
+def test_sampled_tree_shapes_do_not_depend_on_the_draws(small_vocab_dir, random_dir, options):
+    """Losslessness needs the shape fixed before drawing: different draws, same parents."""
+    shapes, tokens = set(), set()
+    for seed in range(6):
+        drafter = create_drafter(f"medusa:{random_dir}", target_info(small_vocab_dir), {**options, "seed": seed})
+        for budget in (5, 12):
+            (tree,) = drafter.propose(_requests([PROMPT], temperature=1.0, prefix=f"b{budget}-"), [budget])
+            shapes.add((budget, tuple(tree.parents.tolist())))
+            tokens.add(tuple(tree.tokens.tolist()))
+    assert len(shapes) == 2 and len(tokens) > 2
+
+
+def test_mixed_greedy_and_sampled_requests_in_one_batch(small_vocab_dir, random_dir):
+    drafter = create_drafter(f"medusa:{random_dir}", target_info(small_vocab_dir), {"tree": "dynamic"})
+    reqs = [DraftRequest(f"m{i}", np.asarray(PROMPT, dtype=np.int64), t, {2: torch.ones(4, 64) * (1 + (i % 2))})
+            for i, t in enumerate((0.0, 0.8, 0.0, 1.3))]
+    trees = drafter.propose(reqs, [6, 6, 6, 6])
+    assert [t.probs is None for t in trees] == [True, False, True, False]
+    alone = create_drafter(f"medusa:{random_dir}", target_info(small_vocab_dir), {"tree": "dynamic"})
+    (single,) = alone.propose(reqs[2:3], [6])
+    assert single.tokens.tolist() == trees[2].tokens.tolist() == trees[0].tokens.tolist()
+
+
+# ---- features -------------------------------------------------------------------------------------
+
+
+def test_features_are_kept_across_zero_budgets_and_released(small_vocab_dir, random_dir):
+    drafter = create_drafter(f"medusa:{random_dir}", target_info(small_vocab_dir))
+    first = _requests([PROMPT])
+    assert drafter.propose(first, [0])[0].num_nodes == 0  # budget 0, but the feature is kept
+    again = [DraftRequest("r0", np.asarray(PROMPT, dtype=np.int64), 0.0)]
+    assert drafter.propose(again, [4])[0].num_nodes == 4
+    stale = [DraftRequest("r0", np.asarray(PROMPT + [1], dtype=np.int64), 0.0)]  # one token on, no new feature
+    assert drafter.propose(stale, [4])[0].num_nodes == 0
+    unknown = [DraftRequest("new", np.asarray(PROMPT, dtype=np.int64), 0.0)]
+    assert drafter.propose(unknown, [4])[0].num_nodes == 0
+    drafter.release("r0")
+    drafter.release("never-seen")
+    assert not drafter._features
+
+
+def test_the_engine_hands_over_the_targets_final_normed_feature(small_vocab_dir, random_dir):
+    llm = LLM(small_vocab_dir, drafter=f"medusa:{random_dir}", device="cpu")
+    drafter = llm.engine.drafter
+    seen = []
+    original = drafter.propose
+
+    def spy(requests, budgets):
+        trees = original(requests, budgets)
+        seen.extend((r.token_ids.copy(), drafter._features[r.request_id][0].clone()) for r in requests)
+        return trees
+
+    drafter.propose = spy
+    llm.generate([PROMPTS[0]], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    hf = AutoModelForCausalLM.from_pretrained(str(small_vocab_dir), dtype=torch.float32).eval()
+    assert len(seen) >= 2
+    for tokens, feature in seen:
+        with torch.no_grad():
+            ref = hf.model(input_ids=torch.tensor([tokens[:-1].tolist()])).last_hidden_state[0, -1]
+        torch.testing.assert_close(feature, ref, atol=1e-4, rtol=1e-4)
+
+
+# ---- checkpoints ----------------------------------------------------------------------------------
+
+
+def _proposals(path, target_dir, options=None, temperature=0.0):
+    drafter = create_drafter(f"medusa:{path}", target_info(target_dir), options or {})
+    return [(t.tokens.tolist(), t.parents.tolist()) for t in drafter.propose(_requests(PROMPTS, temperature, seed=3), [9] * 4)]
+
+
+def test_round_trip_gives_the_same_proposals(small_vocab_dir, tmp_path):
+    heads = _random_heads(5)
+    save_heads(heads, tmp_path / "a", small_vocab_dir)
+    loaded = load_heads(tmp_path / "a", hidden_size=64, vocab_size=16, target_dir=small_vocab_dir)
+    for name, p in heads.named_parameters():
+        assert torch.equal(p, dict(loaded.heads.named_parameters())[name]), name
+    config = json.loads((tmp_path / "a" / "medusa_config.json").read_text())
+    assert config["target"]["vocab_size"] == 16 and len(config["target"]["fingerprint"]) == 64
+    save_heads(loaded.heads, tmp_path / "b", small_vocab_dir)
+    for temperature in (0.0, 0.9):
+        assert _proposals(tmp_path / "a", small_vocab_dir, temperature=temperature) == \
+            _proposals(tmp_path / "b", small_vocab_dir, temperature=temperature)
+
+
+@pytest.mark.parametrize("suffix", ["safetensors", "pt"])
+def test_public_medusa_layout_loads_like_ours(small_vocab_dir, tmp_path, suffix):
+    heads = _random_heads(6, num_heads=2)
+    save_heads(heads, tmp_path / "ours", small_vocab_dir)
+    public = tmp_path / "public"
+    public.mkdir()
+    (public / "config.json").write_text(json.dumps({"medusa_num_heads": 2, "medusa_num_layers": 1,
+                                                    "base_model_name_or_path": str(small_vocab_dir)}))
+    state = {}
+    for k in range(2):  # the state dict of ModuleList[Sequential(ResBlock, Linear(H, V, bias=False))]
+        state[f"{k}.0.linear.weight"] = heads.weight[k, 0].detach().clone()
+        state[f"{k}.0.linear.bias"] = heads.bias[k, 0].detach().clone()
+        state[f"{k}.1.weight"] = heads.lm_heads[k].detach().clone()
+    if suffix == "safetensors":
+        save_file(state, str(public / "medusa_lm_head.safetensors"))
+    else:
+        torch.save(state, public / "medusa_lm_head.pt")
+    assert load_heads(public, hidden_size=64, vocab_size=16).layout == "medusa"
+    for options in ({}, {"tree": "dynamic"}):
+        assert _proposals(public, small_vocab_dir, options) == _proposals(tmp_path / "ours", small_vocab_dir, options)
+    del state["1.0.linear.bias"]
+    save_file(state, str(public / "medusa_lm_head.safetensors"))
+    with pytest.raises(ValueError, match=r"missing 1\.0\.linear\.bias"):
+        load_heads(public, hidden_size=64, vocab_size=16)
+
+
+def test_shared_lm_head_reads_the_targets(small_vocab_dir, tmp_path):
+    shared = _random_heads(8, lm_head="shared")
+    save_heads(shared, tmp_path / "shared", small_vocab_dir)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "shared" / "medusa_heads.safetensors"), "pt") as f:
+        assert sorted(f.keys()) == ["bias", "weight"]  # no LM head stored
+    assert json.loads((tmp_path / "shared" / "medusa_config.json").read_text())["lm_head"] == "shared"
+    llm = LLM(small_vocab_dir, drafter=f"medusa:{tmp_path / 'shared'}", device="cpu")
+    own = MedusaHeads(64, 16, 3, 1, "own")
+    own.load_state_dict({**shared.state_dict(), "lm_heads": llm.model.lm_head.detach()[None].expand(3, -1, -1).clone()})
+    save_heads(own, tmp_path / "own", small_vocab_dir, dtype=torch.float32)
+    assert _proposals(tmp_path / "own", small_vocab_dir) == [
+        (t.tokens.tolist(), t.parents.tolist())
+        for t in llm.engine.drafter.propose(_requests(PROMPTS, seed=3), [9] * 4)]
+    with pytest.raises(ValueError, match="share the target's LM head"):
+        create_drafter(f"medusa:{tmp_path / 'shared'}", target_info(small_vocab_dir))  # no target model given
+
+
+def test_wrong_targets_and_broken_files_are_clear_errors(small_vocab_dir, llama_dir, random_dir, tmp_path):
+    with pytest.raises(ValueError, match="vocab_size 16 but the target has"):
+        LLM(llama_dir, drafter=f"medusa:{random_dir}", device="cpu")
+    other = build_model(tmp_path / "other", "llama", vocab_size=16, tokenizer=False, init_std=0.3, seed=1)
+    with pytest.raises(ValueError, match="trained for another target"):
+        LLM(other, drafter=f"medusa:{random_dir}", device="cpu")
+    wide = build_model(tmp_path / "wide", "llama", vocab_size=16, tokenizer=False, hidden_size=32, heads=2, kv_heads=1)
+    with pytest.raises(ValueError, match="hidden size 64 but the target has 32"):
+        LLM(wide, drafter=f"medusa:{random_dir}", device="cpu")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        create_drafter(f"medusa:{tmp_path / 'nope'}", target_info(small_vocab_dir))
+    with pytest.raises(ValueError, match="holds no Medusa heads"):
+        create_drafter(f"medusa:{small_vocab_dir}", target_info(small_vocab_dir))
+    with pytest.raises(ValueError, match="needs a heads directory"):
+        create_drafter("medusa", target_info(small_vocab_dir))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "medusa_config.json").write_text((random_dir / "medusa_config.json").read_text())
+    (broken / "medusa_heads.safetensors").write_bytes((random_dir / "medusa_heads.safetensors").read_bytes()[:100])
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        create_drafter(f"medusa:{broken}", target_info(small_vocab_dir))
+    (broken / "medusa_heads.safetensors").unlink()
+    with pytest.raises(ValueError, match="are missing"):
+        create_drafter(f"medusa:{broken}", target_info(small_vocab_dir))
+    (broken / "medusa_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not readable JSON"):
+        create_drafter(f"medusa:{broken}", target_info(small_vocab_dir))
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"tree": "beam"}, "tree must be one of"),
+    ({"topk": 2}, "topk applies to tree='dynamic'"),
+    ({"tree": "dynamic", "choices": [[0]]}, "choices applies to tree='static'"),
+    ({"tree": "dynamic", "topk": 0}, "topk"),
+    ({"tree": "dynamic", "topk": 17}, "topk"),
+    ({"depth": 0}, "depth"),
+    ({"depth": 4}, "depth"),
+    ({"max_budget": 0}, "max_budget"),
+    ({"seed": -1}, "seed"),
+    ({"choices": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]}, "has depth 4 but only 3"),
+    ({"choices": [[0], [0, 0]], "depth": 1}, "has depth 2 but only 1"),
+    ({"choices": [[16]]}, "vocabulary has 16"),
+    ({"choices": [[0, 1]]}, "needs its prefix"),
+    ({"branching": 2}, "unknown option"),
+])
+def test_bad_options(small_vocab_dir, random_dir, options, message):
+    with pytest.raises(ValueError, match=message):
+        create_drafter(f"medusa:{random_dir}", target_info(small_vocab_dir), options)
+
+
+def test_options_and_defaults(small_vocab_dir, random_dir, fitted_dir):
+    static = create_drafter(f"medusa:{fitted_dir}", target_info(small_vocab_dir))
+    assert static.static.num_nodes == static.max_budget == 5  # the checkpoint's own choices
+    assert static.hidden_layers == (2,) and static.needs_hidden_states and static.gives_probs
+    dynamic = create_drafter(f"medusa:{random_dir}", target_info(small_vocab_dir), {"tree": "dynamic", "topk": 2, "depth": 2})
+    assert dynamic.max_budget == 2 + 4
+    json_choices = create_drafter(f"medusa:{random_dir}", target_info(small_vocab_dir), {"choices": "[[0], [1], [0, 0]]"})
+    assert json_choices.max_budget == 3
+
+
+def test_seeded_sampling_reproduces_across_calls(small_vocab_dir, fitted_dir):
+    llm = LLM(small_vocab_dir, drafter=f"medusa:{fitted_dir}", drafter_options={"tree": "dynamic"})
+    params = SamplingParams(max_tokens=20, temperature=0.9, seed=77, ignore_eos=True)
+    first = llm.generate([[3, 1, 4, 1, 5]], params)[0]
+    again = llm.generate([[3, 1, 4, 1, 5]], params)[0]
+    assert first.token_ids == again.token_ids

@@ -1,0 +1,381 @@
+"""``specserve train medusa``: Medusa heads for a frozen target, from its self-distillation data.
+
+Head k reads the target's final normed hidden state at position t (what its LM head reads) and learns
+the target's distribution of the token at t + k + 2. The labels are the data's soft labels one row
+further: row t + k + 1 holds the target's top-k next-token distribution after the prefix through
+t + k + 1. Where the tokens in between are the target's own samples (the continuations, T = 1) this is
+an unbiased, lower-variance estimate of exactly the distribution head k should match — the target's
+marginal over the token k + 2 ahead — so every head uses soft labels (no hard next-token labels).
+
+Loss: sum_k decay**k * KL(p || q_k) / sum_k decay**k, with p the target's top-k renormalised (as in
+``train draft``). Held-out metrics per head, at every eval: ``h{k}_kl``, ``h{k}_top1`` (head argmax =
+target argmax), ``h{k}_top5`` (target argmax among the head's top 5) and ``h{k}_top1_chain`` (heads
+0..k all right: the greedy chain reaches depth k+1); ``eval_loss`` the weighted KL. The final held-out
+rank accuracies (conditional on the prefix being right, see `_evaluate`) choose the checkpoint's
+static tree (`choices_from_accuracies`).
+
+Target features are computed by transformers' model body, one sequence at a time (so a resumed run
+sees bit-identical features), under no_grad, and cached in fp16 the first time a sequence is used:
+the first epoch pays for them once, later epochs read them.
+
+Output: ``medusa_config.json`` + ``medusa_heads.safetensors`` (fp16; see drafters/medusa_heads.py),
+``train_log.jsonl``, ``loss_curve.png``, ``train_summary.json``, ``run_config.json``, ``checkpoint/``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+from specserve.drafters.medusa_heads import CONFIG_FILE, LM_HEAD_MODES, WEIGHTS_FILE, MedusaHeads, save_heads
+from specserve.drafters.medusa_tree import choices_from_accuracies, expected_accepted
+from specserve.training.data import IndexSampler
+from specserve.training.distill import DistillSet, DistillSettings, load_distill, make_distill_data
+from specserve.training.outputs import prepare_out_dir, read_json, write_json
+from specserve.training.plots import plot_loss_curve
+from specserve.training.presets import TrainSettings
+from specserve.training.tokenizer import tokenizer_fingerprint
+from specserve.training.trainer import LOG_FILE, Trainer, read_log, setup_distributed, teardown_distributed
+from torch import nn
+
+# Sized for the small default target on 2 CPU cores: ~1.45 s/step in the first epoch (features
+# included), ~1.15 s after, so 800 steps of 8 sequences (~3 epochs of the default distill data) take
+# ~17 minutes; the 20-minute budget is the safety stop. Three heads: a fourth one's depth-4 nodes were
+# reached by the greedy chain 0.3 % of the time in a trial, while it costs a third more per step.
+DEFAULT_SETTINGS = TrainSettings(seq_len=256, batch_size=8, lr=2e-3, max_steps=800, warmup_steps=30, min_lr_ratio=0.1,
+                                 weight_decay=0.0, log_every=10, eval_every=100, eval_batches=4, checkpoint_every=50,
+                                 max_minutes=20.0)
+DEFAULT_HEADS = {"num_heads": 3, "num_layers": 1, "lm_head": "shared", "decay": 0.8}
+RANKS = 10  # rank accuracies measured per head (for the static tree)
+TREE_SIZE = 20  # nodes of the static tree written into the checkpoint
+CACHE_LIMIT_BYTES = 4 << 30  # cache target features up to this size (fp16), else recompute each batch
+
+
+def train_medusa(
+    target: str | Path,
+    out: str | Path,
+    *,
+    data: str | Path | None = None,
+    num_heads: int | None = None,
+    num_layers: int | None = None,
+    lm_head: str | None = None,
+    decay: float | None = None,
+    device: str = "auto",
+    max_minutes: float | None = None,
+    resume: bool = False,
+    force: bool = False,
+    max_steps: int | None = None,
+    batch_size: int | None = None,
+    lr: float | None = None,
+    seed: int | None = None,
+    stop_at_step: int | None = None,
+    distill_settings: DistillSettings | None = None,
+    argv: list[str] | None = None,
+) -> dict:
+    """Train (or resume) Medusa heads for ``target``; return the run summary."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if resume and force:
+        raise ValueError("--resume and --force contradict each other: pick one")
+    out_dir = Path(out).expanduser()
+    given_heads = {"num_heads": num_heads, "num_layers": num_layers, "lm_head": lm_head, "decay": decay}
+    overrides = {"max_steps": max_steps, "batch_size": batch_size, "lr": lr, "seed": seed, "max_minutes": max_minutes}
+    if resume:
+        recorded = _recorded(out_dir)
+        spec = dict(recorded["heads"])
+        changed = sorted(k for k, v in given_heads.items() if v is not None and v != spec[k])
+        if changed:
+            raise ValueError(f"--resume: the run in {str(out_dir)!r} was started with other {', '.join(changed)}")
+        base = TrainSettings(**recorded["settings"])
+        if data is None:
+            data = recorded.get("data")
+    else:
+        spec = {k: (DEFAULT_HEADS[k] if v is None else v) for k, v in given_heads.items()}
+        base = DEFAULT_SETTINGS
+    settings = replace(base, **{k: v for k, v in overrides.items() if v is not None}).validate()
+    _check_spec(spec)
+    if stop_at_step is not None and stop_at_step < 1:
+        raise ValueError(f"stop_at_step must be >= 1, got {stop_at_step}")
+    target_dir = Path(target).expanduser().resolve()
+    if not (target_dir / "config.json").is_file():
+        raise ValueError(f"target directory {str(target_dir)!r} has no config.json")
+    target_config = AutoConfig.from_pretrained(str(target_dir))
+    if data is None:
+        distill_settings = (distill_settings or DistillSettings()).validate(
+            target_config.max_position_embeddings, target_config.vocab_size)
+    dist = setup_distributed(device)
+    if dist.world > 1:
+        raise ValueError("train medusa runs as a single process, not under torchrun")
+    try:
+        prepare_out_dir(out_dir, resume=resume, force=force)
+        if force:  # prepare_out_dir removes the files every training command writes; these are ours
+            for name in (CONFIG_FILE, WEIGHTS_FILE):
+                (out_dir / name).unlink(missing_ok=True)
+        if not resume:
+            write_json(out_dir / "run_config.json", {
+                "command": "train medusa", "argv": argv, "heads": spec, "settings": asdict(settings),
+                "target": str(target_dir), "data": str(data) if data is not None else None, "device": str(dist.device),
+            })
+        if data is None:
+            distill_dir = out_dir / "distill"
+            make_distill_data(target_dir, distill_dir, distill_settings, device=device, resume=distill_dir.is_dir(),
+                              force=False)
+        data_dir = Path(data).expanduser() if data is not None else out_dir / "distill"
+        train_set, manifest = load_distill(data_dir, "train")
+        heldout_set, _ = load_distill(data_dir, "heldout")
+        if train_set is None:
+            raise ValueError(f"{str(data_dir)!r} holds no training sequences")
+        if (target_dir / "tokenizer.json").is_file() and manifest.get("target_tokenizer") != tokenizer_fingerprint(target_dir):
+            raise ValueError(f"the distillation data in {str(data_dir)!r} was made with another tokenizer than "
+                             f"{str(target_dir)!r}'s")
+        if manifest.get("vocab_size") not in (None, target_config.vocab_size):
+            raise ValueError(f"the distillation data in {str(data_dir)!r} has vocab_size {manifest.get('vocab_size')}, "
+                             f"the target {target_config.vocab_size}")
+        if not manifest.get("complete", False):
+            print("warning: the distillation data is incomplete (its run stopped early)", file=sys.stderr)
+
+        teacher = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).to(dist.device).eval()
+        teacher.requires_grad_(False)
+        lm_weight = teacher.get_output_embeddings().weight.detach()
+        hidden, vocab = lm_weight.shape[1], lm_weight.shape[0]
+        torch.manual_seed(settings.seed)
+        heads = MedusaHeads(hidden, vocab, spec["num_heads"], spec["num_layers"], spec["lm_head"])
+        heads.init_lm_heads(lm_weight)
+        model = _Trainable(heads, lm_weight)
+        evalset = heldout_set if heldout_set is not None else _take(train_set, settings.eval_batches * settings.batch_size)
+        features = {"train": _Features(teacher.model, train_set, dist.device),
+                    "eval": _Features(teacher.model, evalset, dist.device)}
+        weights = [spec["decay"] ** k for k in range(spec["num_heads"])]
+        sampler = IndexSampler(len(train_set), settings.batch_size, settings.seed)
+        print(f"medusa: {spec['num_heads']} heads x {spec['num_layers']} block(s), {spec['lm_head']} LM head, "
+              f"{sum(p.numel() for p in heads.parameters()) / 1e6:.2f}M trainable parameters; {len(train_set)} train / "
+              f"{len(evalset)} held-out sequences", file=sys.stderr)
+        latest: dict = {}
+
+        def batch_fn(step: int, rank: int, world: int):
+            return _batch(train_set, features["train"], sampler.ids(step, rank, world), dist.device)
+
+        def loss_fn(module, batch):
+            return _loss(module, batch, weights)
+
+        def eval_fn(module) -> dict[str, float]:
+            metrics, ranks = _evaluate(module, evalset, features["eval"], weights, settings, dist.device)
+            latest["rank_accuracy"] = ranks
+            return metrics
+
+        mean_len = float(train_set.lengths.float().mean())
+        trainer = Trainer(
+            model, settings, out_dir, dist=dist, batch_fn=batch_fn, loss_fn=loss_fn, eval_fn=eval_fn,
+            tokens_per_step=round(settings.batch_size * mean_len),
+            run_key={"heads": spec, "batch_size": settings.batch_size, "seed": settings.seed, "lr": settings.lr,
+                     "data": str(data_dir.resolve()), "target": str(target_dir)},
+            desc=f"train medusa/{spec['num_heads']}x{spec['lm_head']}",
+        )
+        started = time.perf_counter()
+        summary = trainer.run(resume=resume, stop_at_step=stop_at_step)
+        if "rank_accuracy" not in latest:  # the run ended right after a log record: evaluate now
+            record = {"step": trainer.step, "tokens": trainer.tokens, "elapsed_s": round(trainer.train_seconds, 2)}
+            record.update({k: round(v, 5) for k, v in trainer.evaluate().items()})
+            with open(out_dir / LOG_FILE, "a") as log:
+                log.write(json.dumps(record) + "\n")
+            summary["last_eval"] = trainer.last_eval
+        rank_accuracy = latest["rank_accuracy"]
+        choices = choices_from_accuracies(rank_accuracy, TREE_SIZE)
+        metrics = {k: round(v, 5) for k, v in trainer.last_eval.items()}
+        config = save_heads(trainer.module.heads, out_dir, target_dir, extra={
+            "choices": choices, "metrics": metrics, "rank_accuracy": [[round(a, 5) for a in row] for row in rank_accuracy],
+            "distill_data": str(data_dir.resolve()), "decay": spec["decay"], "step": trainer.step,
+        })
+        records = read_log(out_dir / LOG_FILE)
+        losses = [r["loss"] for r in records if "loss" in r]
+        plot_loss_curve(records, out_dir / "loss_curve.png",
+                        f"medusa {spec['num_heads']} heads ({spec['lm_head']} LM head): weighted KL to the target")
+        size = (out_dir / WEIGHTS_FILE).stat().st_size
+        summary.update({
+            "kind": "medusa", "heads": spec, "target": str(target_dir), "argv": argv,
+            "num_trainable_params": sum(p.numel() for p in trainer.module.heads.parameters()),
+            "checkpoint_bytes": size, "choices": choices,
+            "expected_accepted_static": round(expected_accepted(choices, rank_accuracy), 3),
+            "wall_seconds_this_session": round(time.perf_counter() - started, 2),
+            "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
+            "fingerprint": config["target"]["fingerprint"],
+        })
+        write_json(out_dir / "train_summary.json", summary)
+        return summary
+    finally:
+        teardown_distributed(dist)
+
+
+class _Trainable(nn.Module):
+    """The heads plus the target's frozen LM head (a non-persistent buffer: not trained, not saved)."""
+
+    def __init__(self, heads: MedusaHeads, lm_weight: torch.Tensor) -> None:
+        super().__init__()
+        self.heads = heads
+        self.register_buffer("lm_weight", lm_weight.clone(), persistent=False)
+
+
+class _Features:
+    """Target features of a DistillSet's sequences, computed one sequence at a time and cached (fp16)."""
+
+    def __init__(self, body: nn.Module, data: DistillSet, device: torch.device) -> None:
+        self.body, self.data, self.device = body, data, device
+        n, t = data.tokens.shape
+        hidden = body.config.hidden_size
+        self.cache = None
+        if n * t * hidden * 2 <= CACHE_LIMIT_BYTES:
+            self.cache = torch.empty(n, t, hidden, dtype=torch.float16)
+            self.done = torch.zeros(n, dtype=torch.bool)
+
+    def get(self, ids: torch.Tensor, length: int) -> torch.Tensor:
+        """float32[B, length, H]: final normed hidden states of sequences ``ids`` (positions < length)."""
+        out = []
+        for i in ids.tolist():
+            if self.cache is not None and self.done[i]:
+                out.append(self.cache[i, :length])
+                continue
+            with torch.no_grad():
+                h = self.body(input_ids=self.data.tokens[i : i + 1].to(self.device)).last_hidden_state[0].float().cpu()
+            if self.cache is not None:
+                self.cache[i] = h.half()
+                self.done[i] = True
+                h = self.cache[i]
+            out.append(h[:length])
+        return torch.stack(out).float().to(self.device)
+
+
+def _batch(data: DistillSet, features: _Features, ids: torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:
+    lengths = data.lengths[ids]
+    t = int(lengths.max())
+    mask = torch.arange(t)[None, :] < lengths[:, None]
+    return {
+        "features": features.get(ids, t),
+        "mask": mask.to(device),
+        "topk_ids": data.topk_ids[ids, :t].to(device),
+        "topk_logprobs": data.topk_logprobs[ids, :t].float().to(device),
+    }
+
+
+def _head_terms(module: _Trainable, batch, k: int):
+    """Head k on every position t with a label row t + k + 1: (logq [B, T', V], kl [B, T'], mask [B, T'])."""
+    shift = k + 1
+    h = batch["features"]
+    if h.shape[1] <= shift:
+        return None
+    lm = None if module.heads.lm_heads is not None else module.lm_weight
+    logits = module.heads(h[:, : h.shape[1] - shift], lm, heads=1, first=k)[0].float()  # [B, T', V]
+    logq = torch.log_softmax(logits, dim=-1)
+    logp = torch.log_softmax(batch["topk_logprobs"][:, shift:], dim=-1)  # the target's top-k, renormalised
+    kl = (logp.exp() * (logp - logq.gather(-1, batch["topk_ids"][:, shift:]))).sum(-1)
+    return logq, kl, batch["mask"][:, shift:]
+
+
+def _loss(module: _Trainable, batch, weights: list[float]) -> torch.Tensor:
+    total = 0.0
+    norm = 0.0
+    for k, w in enumerate(weights):
+        terms = _head_terms(module, batch, k)
+        if terms is None or not bool(terms[2].any()):
+            continue
+        _, kl, mask = terms
+        total = total + w * (kl * mask).sum() / mask.sum()
+        norm += w
+    if norm == 0.0:
+        raise ValueError("the training sequences are too short for the Medusa heads (need > num_heads + 1 tokens)")
+    return total / norm
+
+
+def _evaluate(module, evalset: DistillSet, features: _Features, weights, settings: TrainSettings, device):
+    """Held-out weighted KL and per-head KL/top-1/top-5, plus rank accuracies for the static tree.
+
+    Returns (metrics, ranks): ``ranks[k][j]`` is how often the target's argmax is head k's rank-j
+    token *given that heads 0..k-1 all had it at rank 0* (head 0: unconditionally). A depth-(k+1)
+    node is only reached when its prefix was accepted, and heads err together (a predictable stretch
+    of text is predictable for all of them), so conditional rates size deep trees better than a
+    product of marginals would. ``h{k}_top1_chain`` is how often heads 0..k are all right.
+    """
+    num_heads = len(weights)
+    sums = [{"kl": 0.0, "n": 0, "top": torch.zeros(RANKS + 1, dtype=torch.float64),
+             "cond": torch.zeros(RANKS + 1, dtype=torch.float64), "chain": 0} for _ in range(num_heads)]
+    limit = min(len(evalset), settings.eval_batches * settings.batch_size)
+    for start in range(0, limit, settings.batch_size):
+        batch = _batch(evalset, features, torch.arange(start, min(start + settings.batch_size, limit)), device)
+        prefix_ok = None  # [B, T_k]: heads 0..k-1 all had the target's argmax at rank 0
+        for k in range(num_heads):
+            terms = _head_terms(module, batch, k)
+            if terms is None:
+                break
+            logq, kl, mask = terms
+            best = batch["topk_ids"][:, k + 1 :, 0]  # the target's argmax at the label row
+            rank = (logq > logq.gather(-1, best[..., None])).sum(-1).clamp(max=RANKS)  # [B, T']
+            ok = mask if prefix_ok is None else mask & prefix_ok[:, : mask.shape[1]]
+            s = sums[k]
+            s["kl"] += float((kl * mask).sum())
+            s["n"] += int(mask.sum())
+            s["top"] += torch.bincount(rank[mask].cpu(), minlength=RANKS + 1).double()
+            s["cond"] += torch.bincount(rank[ok].cpu(), minlength=RANKS + 1).double()
+            prefix_ok = ok & (rank == 0)
+            s["chain"] += int(prefix_ok.sum())
+    metrics: dict[str, float] = {}
+    ranks = []
+    weighted, norm = 0.0, 0.0
+    for k, s in enumerate(sums):
+        n = max(s["n"], 1)
+        top = (s["top"][:RANKS] / n).tolist()
+        cond = (s["cond"][:RANKS] / max(float(s["cond"].sum()), 1.0)).tolist()
+        ranks.append(cond)
+        metrics[f"h{k}_kl"] = s["kl"] / n
+        metrics[f"h{k}_top1"] = top[0]
+        metrics[f"h{k}_top5"] = sum(top[:5])
+        metrics[f"h{k}_top1_chain"] = s["chain"] / n
+        if s["n"]:
+            weighted += weights[k] * s["kl"] / n
+            norm += weights[k]
+    return {"eval_loss": weighted / max(norm, 1e-12), **metrics}, ranks
+
+
+def _take(data: DistillSet, n: int) -> DistillSet:
+    return DistillSet(data.tokens[:n], data.lengths[:n], data.topk_ids[:n], data.topk_logprobs[:n])
+
+
+def _check_spec(spec: dict) -> None:
+    for name, low, high in (("num_heads", 1, 16), ("num_layers", 0, 8)):
+        value = spec[name]
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+    if spec["lm_head"] not in LM_HEAD_MODES:
+        raise ValueError(f"lm_head must be one of {list(LM_HEAD_MODES)}, got {spec['lm_head']!r}")
+    decay = spec["decay"]
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay <= 1:
+        raise ValueError(f"decay must be a number in (0, 1], got {decay!r}")
+
+
+def _recorded(out_dir: Path) -> dict:
+    if not out_dir.is_dir():
+        raise ValueError(f"--resume: {str(out_dir)!r} does not exist")
+    path = out_dir / "run_config.json"
+    if not path.is_file():
+        raise ValueError(f"--resume: {str(out_dir)!r} has no run_config.json (is it a training run?)")
+    recorded = read_json(path)
+    if recorded.get("command") != "train medusa" or "heads" not in recorded or "settings" not in recorded:
+        raise ValueError(f"--resume: the run in {str(out_dir)!r} is not a `train medusa` run")
+    return recorded
+
+
+def cmd_medusa(args) -> int:
+    """Handler of ``specserve train medusa`` (registered in training/cli.py)."""
+    from specserve.training.cli import _distill_settings, _report, _set_threads
+
+    _set_threads(args.threads)
+    summary = train_medusa(
+        args.target, args.out, data=args.data, num_heads=args.heads, num_layers=args.layers, lm_head=args.lm_head,
+        decay=args.decay, device=args.device, max_minutes=args.max_minutes, resume=args.resume, force=args.force,
+        max_steps=args.max_steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+        stop_at_step=args.stop_at_step, distill_settings=_distill_settings(args), argv=sys.argv[1:],
+    )
+    _report(summary, args.out)
+    return 0
