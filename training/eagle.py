@@ -1,0 +1,419 @@
+"""``specserve train eagle``: an EAGLE head for a frozen target, trained on self-distillation data.
+
+Each step takes a batch of distillation sequences, runs the frozen target over them once (no grad;
+transformers' model, which our `LlamaModel` matches feature for feature) for its features and
+logits, and trains the head (drafters/eagle_head.py) on every position at once:
+
+- ``eagle3`` (default): the head's draft-vocabulary distribution against the target's next-token
+  distribution renormalised over the draft vocabulary (soft labels from the target's full logits),
+  as a KL, with **training-time test**: the head is unrolled ``--ttt-steps`` times on its own output
+  features (`EagleHead.unroll`, the attention drafting sees), step i weighted ``0.8 ** i``. The draft
+  vocabulary is the ``--draft-vocab`` most frequent tokens of the training data (default: a quarter
+  of the target's vocabulary, at least 2,048; the small target's 2,048 of 8,192 cover 88.6 % of its
+  tokens and 99.5 % of its held-out argmaxes); the head's norm and LM head start from the target's.
+- ``eagle1``: feature regression (smooth L1 between the predicted and the target's next final
+  normed feature) + 0.1 x the KL of the target's LM head over the predicted feature to the target's
+  distribution, as EAGLE does; ``--ttt-steps`` (default 1) unrolls it too.
+
+Held-out metrics each eval: ``eval_loss`` (the training loss), ``agree_d{j}`` — how often the head's
+top token equals the target's at unroll step j-1, teacher-forced tokens (≈ the acceptance rate at
+tree depth j of a greedy chain, given the earlier depths were accepted) — and ``tau_chain``
+= 1 + sum_j prod_{i<=j} agree_d{i}, the mean accepted length of a greedy chain those rates imply.
+
+The output directory is a head (``eagle_config.json`` + ``eagle_head.safetensors``, served as
+``eagle:OUT``) plus the run's records: ``train_log.jsonl``, ``loss_curve.png``, ``agreement.png``,
+``train_summary.json``, ``run_config.json`` and a resumable ``checkpoint/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+# Defaults for the small default target on 2 CPU cores (see training/README.md for measured figures).
+EAGLE_SETTINGS = dict(seq_len=256, batch_size=8, lr=3e-3, max_steps=1100, warmup_steps=40, log_every=10, eval_every=100,
+                      eval_batches=4, checkpoint_every=100, max_minutes=30.0, weight_decay=0.0)
+DEFAULT_TTT = {"eagle3": 3, "eagle1": 1}
+EVAL_DEPTHS = 4
+STEP_DECAY = 0.8
+EAGLE1_TOKEN_WEIGHT = 0.1
+
+
+def train_eagle(
+    target: str | Path,
+    out: str | Path,
+    *,
+    data: str | Path | None = None,
+    mode: str | None = None,
+    ttt_steps: int | None = None,
+    draft_vocab: int | None = None,
+    feature_layers: tuple[int, ...] | None = None,
+    save_dtype: str = "float16",
+    device: str = "auto",
+    max_minutes: float | None = None,
+    resume: bool = False,
+    force: bool = False,
+    max_steps: int | None = None,
+    batch_size: int | None = None,
+    lr: float | None = None,
+    seed: int | None = None,
+    stop_at_step: int | None = None,
+    distill_settings=None,
+    argv: list[str] | None = None,
+) -> dict:
+    """Train (or resume) an EAGLE head for ``target``; return the run summary."""
+    import torch
+
+    from specserve.drafters.eagle_head import EagleHead, new_head_config, save_head
+    from specserve.training.data import IndexSampler
+    from specserve.training.distill import DistillSettings, load_distill, make_distill_data
+    from specserve.training.outputs import prepare_out_dir, read_json, write_json
+    from specserve.training.plots import plot_loss_curve
+    from specserve.training.presets import TrainSettings
+    from specserve.training.tokenizer import tokenizer_fingerprint
+    from specserve.training.trainer import LOG_FILE, Trainer, read_log, setup_distributed, teardown_distributed
+
+    if resume and force:
+        raise ValueError("--resume and --force contradict each other: pick one")
+    if save_dtype not in ("float16", "float32"):
+        raise ValueError(f"save_dtype must be float16 or float32, got {save_dtype!r}")
+    if stop_at_step is not None and stop_at_step < 1:
+        raise ValueError(f"stop_at_step must be >= 1, got {stop_at_step}")
+    out_dir = Path(out).expanduser()
+    target_dir = Path(target).expanduser().resolve()
+    if not (target_dir / "config.json").is_file():
+        raise ValueError(f"target directory {str(target_dir)!r} has no config.json")
+    if resume:
+        recorded = _recorded(out_dir, read_json)
+        for name, given in (("mode", mode), ("ttt_steps", ttt_steps), ("draft_vocab", draft_vocab),
+                            ("feature_layers", list(feature_layers) if feature_layers else None)):
+            if given is not None and given != recorded[name]:
+                raise ValueError(f"--resume: the run in {str(out_dir)!r} uses {name} {recorded[name]!r}, not {given!r}")
+        mode, ttt_steps, draft_vocab = recorded["mode"], recorded["ttt_steps"], recorded["draft_vocab"]
+        feature_layers = tuple(recorded["feature_layers"]) if recorded["feature_layers"] else None
+        base = recorded["train"]
+        if data is None:
+            data = recorded.get("data")
+    else:
+        base = dict(EAGLE_SETTINGS)
+    mode = mode or "eagle3"
+    if mode not in ("eagle3", "eagle1"):
+        raise ValueError(f"mode must be eagle3 or eagle1, got {mode!r}")
+    ttt_steps = DEFAULT_TTT[mode] if ttt_steps is None else ttt_steps
+    if isinstance(ttt_steps, bool) or not isinstance(ttt_steps, int) or not 1 <= ttt_steps <= 16:
+        raise ValueError(f"ttt_steps must be an integer in [1, 16], got {ttt_steps!r}")
+    overrides = {k: v for k, v in dict(max_steps=max_steps, batch_size=batch_size, lr=lr, seed=seed,
+                                       max_minutes=max_minutes).items() if v is not None}
+    settings = TrainSettings(**{**base, **overrides}).validate()
+    config = read_json(target_dir / "config.json")
+    vocab = int(config["vocab_size"])
+    if draft_vocab is not None and (isinstance(draft_vocab, bool) or not 1 <= draft_vocab <= vocab):
+        raise ValueError(f"draft_vocab must be in [1, {vocab}], got {draft_vocab!r}")
+    if mode == "eagle1" and draft_vocab not in (None, vocab):
+        raise ValueError("--draft-vocab is for eagle3 heads: an eagle1 head uses the target's LM head (full vocabulary)")
+    if data is None:
+        distill_settings = (distill_settings or DistillSettings()).validate(int(config["max_position_embeddings"]), vocab)
+
+    dist = setup_distributed(device)
+    try:
+        if dist.world > 1:
+            raise ValueError("train eagle runs as a single process, not under torchrun")
+        prepare_out_dir(out_dir, resume=resume, force=force)
+        if force:  # files prepare_out_dir does not know
+            for name in ("eagle_config.json", "eagle_head.safetensors", "agreement.png"):
+                (out_dir / name).unlink(missing_ok=True)
+        if data is None:
+            distill_dir = out_dir / "distill"
+            make_distill_data(target_dir, distill_dir, distill_settings, device=device, resume=distill_dir.is_dir(), force=False)
+        data_dir = Path(data).expanduser() if data is not None else out_dir / "distill"
+        train_set, manifest = load_distill(data_dir, "train")
+        heldout_set, _ = load_distill(data_dir, "heldout")
+        if train_set is None:
+            raise ValueError(f"{str(data_dir)!r} holds no training sequences")
+        if (target_dir / "tokenizer.json").is_file() and manifest.get("target_tokenizer") != tokenizer_fingerprint(target_dir):
+            raise ValueError(f"the distillation data in {str(data_dir)!r} was made with another tokenizer than {str(target_dir)!r}'s")
+        if not manifest.get("complete", False):
+            print("warning: the distillation data is incomplete (its run stopped early)", file=sys.stderr)
+        if int(train_set.tokens.max()) >= vocab:
+            raise ValueError(f"the distillation data in {str(data_dir)!r} has token ids outside the target's vocabulary")
+
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(settings.seed)
+        teacher = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).to(dist.device).eval()
+        teacher.requires_grad_(False)
+        if mode == "eagle3" and draft_vocab is None:
+            draft_vocab = default_draft_vocab(vocab)
+        draft_ids = _draft_vocabulary(train_set, vocab, draft_vocab if mode == "eagle3" else vocab)
+        cfg = new_head_config(target_dir, mode, len(draft_ids), feature_layers)
+        if any(not 0 <= layer <= cfg.target["num_layers"] for layer in cfg.feature_layers):
+            raise ValueError(f"feature layers {cfg.feature_layers} must lie in 0..{cfg.target['num_layers']}")
+        head = EagleHead(cfg, teacher.get_input_embeddings().weight, teacher.get_output_embeddings().weight, dist.device)
+        with torch.no_grad():
+            head.draft_to_target.copy_(draft_ids.to(dist.device))
+            if mode == "eagle3":  # start from the target's own output layer, restricted to the draft vocabulary
+                head.norm.copy_(teacher.model.norm.weight)
+                head.lm_head.copy_(teacher.get_output_embeddings().weight[draft_ids.to(dist.device)])
+        if not resume:
+            write_json(out_dir / "run_config.json", {
+                "command": "train eagle", "argv": argv, "target": str(target_dir), "device": str(dist.device),
+                "data": str(data) if data is not None else None,
+                "eagle": {"mode": mode, "ttt_steps": ttt_steps, "draft_vocab": draft_vocab,
+                          "feature_layers": list(feature_layers) if feature_layers else None,
+                          "train": asdict(settings)},
+            })
+        print(f"eagle head ({mode}, layers {list(cfg.feature_layers)}, draft vocabulary {len(draft_ids)}): "
+              f"{sum(p.numel() for p in head.parameters()) / 1e6:.2f}M parameters; {len(train_set)} train / "
+              f"{len(heldout_set) if heldout_set else 0} held-out sequences; {ttt_steps} unroll step(s)", file=sys.stderr)
+
+        sampler = IndexSampler(len(train_set), settings.batch_size, settings.seed)
+        evalset = heldout_set if heldout_set is not None else train_set
+        features = _Features(teacher, cfg.feature_layers, mode, head.draft_to_target)
+
+        def batch_fn(step: int, rank: int, world: int):
+            return features(train_set, sampler.ids(step, rank, world), dist.device)
+
+        def loss_fn(model, batch):
+            return eagle_loss(model, batch, ttt_steps)[0]
+
+        def eval_fn(model) -> dict[str, float]:
+            limit = min(len(evalset), settings.eval_batches * settings.batch_size)
+            sums: dict[str, float] = {}
+            for start in range(0, limit, settings.batch_size):
+                batch = features(evalset, torch.arange(start, min(start + settings.batch_size, limit)), dist.device)
+                n = float(batch["mask"].sum())
+                for k, v in eagle_metrics(model, batch, ttt_steps).items():
+                    sums[k] = sums.get(k, 0.0) + v * n
+                sums["_n"] = sums.get("_n", 0.0) + n
+            n = max(sums.pop("_n", 0.0), 1.0)
+            metrics = {k: v / n for k, v in sums.items()}
+            chain, tau = 1.0, 1.0
+            for d in range(1, EVAL_DEPTHS + 1):
+                chain *= metrics[f"agree_d{d}"]
+                tau += chain
+            metrics["tau_chain"] = tau
+            return metrics
+
+        mean_len = float(train_set.lengths.float().mean())
+        trainer = Trainer(
+            head, settings, out_dir, dist=dist, batch_fn=batch_fn, loss_fn=loss_fn, eval_fn=eval_fn,
+            tokens_per_step=round(settings.batch_size * mean_len),
+            run_key={"mode": mode, "ttt_steps": ttt_steps, "head": cfg.to_dict(), "batch_size": settings.batch_size,
+                     "seed": settings.seed, "lr": settings.lr, "max_steps": settings.max_steps,
+                     "data": str(data_dir.resolve()), "target": str(target_dir)},
+            desc=f"train eagle/{mode}",
+        )
+        started = time.perf_counter()
+        summary = trainer.run(resume=resume, stop_at_step=stop_at_step)
+        save_head(trainer.module, out_dir, getattr(torch, save_dtype))
+        records = read_log(out_dir / LOG_FILE)
+        plot_loss_curve(records, out_dir / "loss_curve.png", f"EAGLE head ({mode}, {ttt_steps} unroll steps)")
+        _plot_agreement(records, out_dir / "agreement.png", mode)
+        size = sum(f.stat().st_size for f in (out_dir / "eagle_head.safetensors", out_dir / "eagle_config.json"))
+        summary.update({
+            "kind": "eagle", "mode": mode, "ttt_steps": ttt_steps, "feature_layers": list(cfg.feature_layers),
+            "draft_vocab_size": cfg.draft_vocab_size, "num_params": sum(p.numel() for p in trainer.module.parameters()),
+            "head_bytes": size, "save_dtype": save_dtype, "target": str(target_dir), "data": str(data_dir.resolve()),
+            "argv": argv, "settings": asdict(settings), "wall_seconds_this_session": round(time.perf_counter() - started, 2),
+            "first_loss": records[0]["loss"] if records else None, "final_loss": records[-1]["loss"] if records else None,
+        })
+        write_json(out_dir / "train_summary.json", summary)
+        return summary
+    finally:
+        teardown_distributed(dist)
+
+
+def default_draft_vocab(vocab: int) -> int:
+    """An eagle3 head's vocabulary by default: a quarter of the target's, at least 2,048 tokens
+    (the small target: 2,048 of 8,192; Llama 3's 128,256: 32,064, about what EAGLE-3 uses)."""
+    return min(vocab, max(2048, vocab // 4))
+
+
+def _recorded(out_dir: Path, read_json) -> dict:
+    if not out_dir.is_dir():
+        raise ValueError(f"--resume: {str(out_dir)!r} does not exist")
+    path = out_dir / "run_config.json"
+    if not path.is_file():
+        raise ValueError(f"--resume: {str(out_dir)!r} has no run_config.json (is it a train eagle run?)")
+    run = read_json(path)
+    if run.get("command") != "train eagle" or "eagle" not in run:
+        raise ValueError(f"--resume: {str(out_dir)!r} is not a train eagle run")
+    return {**run["eagle"], "data": run.get("data")}
+
+
+def _draft_vocabulary(train_set, vocab: int, size: int | None):
+    """The ``size`` most frequent tokens of the training sequences (ties: lower id), ascending: int64[size]."""
+    import torch
+
+    size = vocab if size is None else size
+    if size >= vocab:
+        return torch.arange(vocab)
+    mask = torch.arange(train_set.tokens.shape[1])[None, :] < train_set.lengths[:, None]
+    counts = torch.bincount(train_set.tokens[mask], minlength=vocab).double()
+    counts -= torch.arange(vocab, dtype=torch.float64) * 1e-9  # ties toward the lower id
+    return counts.topk(size).indices.sort().values
+
+
+class _Features:
+    """A batch of sequences with the frozen target's features and soft labels (no grad).
+
+    Returns tokens int64[B, T], mask bool[B, T] (t < length), layers: [B, T, H] per feature layer,
+    top: [B, T, H] the final normed feature (eagle1's regression target), logp [B, T, V'] the target's
+    next-token log-probabilities (eagle3: renormalised over the draft vocabulary), argmax int64[B, T]
+    the target's top token (full vocabulary).
+    """
+
+    def __init__(self, teacher, feature_layers, mode: str, draft_to_target) -> None:
+        self.teacher, self.layers, self.mode = teacher, tuple(feature_layers), mode
+        self.draft_ids = draft_to_target.detach().clone()
+        self.num_layers = teacher.config.num_hidden_layers
+
+    def __call__(self, data, ids, device) -> dict:
+        import torch
+
+        lengths = data.lengths[ids]
+        t = int(lengths.max())
+        tokens = data.tokens[ids, :t].to(device)
+        mask = (torch.arange(t)[None, :] < lengths[:, None]).to(device)
+        with torch.no_grad():
+            out = self.teacher(input_ids=tokens, output_hidden_states=True)
+            logits = out.logits.float()
+            batch = {"tokens": tokens, "mask": mask, "argmax": logits.argmax(-1),
+                     "layers": [out.hidden_states[layer].float() for layer in self.layers]}
+            if self.mode == "eagle3":
+                batch["logp"] = torch.log_softmax(logits[..., self.draft_ids.to(device)], dim=-1)
+            else:
+                batch["logp"] = torch.log_softmax(logits, dim=-1)
+                batch["top"] = out.hidden_states[self.num_layers].float()
+        return batch
+
+
+def _unrolled(head, batch: dict, steps: int):
+    """Pairs (f_i, t_{i+1}) for i = 0..T-2 through `EagleHead.unroll`; per-step outputs and valid masks."""
+    tokens_in = batch["tokens"][:, 1:]  # t_{i+1}
+    feats = head.fuse([x[:, :-1] for x in batch["layers"]])  # f_i
+    outs = head.unroll(tokens_in, feats, steps)
+    valid = batch["mask"][:, 1:]  # pair i exists when t_{i+1} does; its label (row i+1) then exists too
+    positions = torch_arange_like(valid)
+    return outs, [valid & (positions >= s) for s in range(steps)]
+
+
+def torch_arange_like(mask):
+    import torch
+
+    return torch.arange(mask.shape[1], device=mask.device)[None, :].expand_as(mask)
+
+
+def _step_terms(head, batch: dict, out, valid):
+    """(loss, head log q [B, P, V']) of one unroll step, averaged over valid pairs."""
+    import torch
+    import torch.nn.functional as F
+
+    logq = torch.log_softmax(head.logits(out), dim=-1)
+    logp = batch["logp"][:, 1:]
+    kl = (logp.exp() * (logp - logq)).sum(-1)  # [B, P]
+    n = valid.sum().clamp_min(1)
+    loss = (kl * valid).sum() / n
+    if head.mode == "eagle1":
+        reg = F.smooth_l1_loss(out, batch["top"][:, 1:], reduction="none").mean(-1)
+        loss = (reg * valid).sum() / n + EAGLE1_TOKEN_WEIGHT * loss
+    return loss, logq
+
+
+def eagle_loss(head, batch: dict, steps: int):
+    """Weighted mean over unroll steps (weights 0.8 ** step) of each step's loss; also the per-step losses."""
+    outs, valids = _unrolled(head, batch, steps)
+    total, weights, per_step = 0.0, 0.0, []
+    for s, (out, valid) in enumerate(zip(outs, valids)):
+        loss, _ = _step_terms(head, batch, out, valid)
+        total = total + STEP_DECAY**s * loss
+        weights += STEP_DECAY**s
+        per_step.append(loss)
+    return total / weights, per_step
+
+
+def eagle_metrics(head, batch: dict, ttt_steps: int) -> dict[str, float]:
+    """Held-out loss (as trained) and the top-1 agreement with the target at each of EVAL_DEPTHS unroll steps."""
+    steps = max(ttt_steps, EVAL_DEPTHS)
+    outs, valids = _unrolled(head, batch, steps)
+    metrics, total, weights = {}, 0.0, 0.0
+    target_top = batch["argmax"][:, 1:]
+    for s, (out, valid) in enumerate(zip(outs, valids)):
+        loss, logq = _step_terms(head, batch, out, valid)
+        if s < ttt_steps:
+            total += STEP_DECAY**s * float(loss)
+            weights += STEP_DECAY**s
+        if s < EVAL_DEPTHS:
+            agree = head.draft_to_target[logq.argmax(-1)] == target_top
+            metrics[f"agree_d{s + 1}"] = float((agree & valid).sum()) / max(float(valid.sum()), 1.0)
+    metrics["eval_loss"] = total / weights
+    return metrics
+
+
+def _plot_agreement(records: list[dict], path: Path, mode: str) -> None:
+    rows = [r for r in records if "agree_d1" in r]
+    if not rows:
+        return
+    try:
+        import matplotlib
+    except ImportError:
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    for d in range(1, EVAL_DEPTHS + 1):
+        ax.plot([r["tokens"] / 1e6 for r in rows], [r[f"agree_d{d}"] for r in rows], "o-", ms=3, label=f"depth {d}")
+    ax.set_xlabel("tokens seen (millions)")
+    ax.set_ylabel("top-1 agreement with the target (held-out)")
+    ax.set_title(f"EAGLE head ({mode}): acceptance estimate per depth")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# ---- command line -------------------------------------------------------------------------------
+
+
+def add_eagle_args(p: argparse.ArgumentParser) -> None:
+    """The ``train eagle`` arguments of its own (run and distill arguments come from training/cli.py)."""
+    p.add_argument("--target", required=True, help="target model directory (with its tokenizer)")
+    p.add_argument("--out", required=True, help="output head directory (serve it as eagle:OUT)")
+    p.add_argument("--data", default=None, help="distill-data directory (default: generate one in OUT/distill)")
+    p.add_argument("--mode", default=None, choices=["eagle3", "eagle1"], help="head kind (default eagle3; resume: the run's)")
+    p.add_argument("--ttt-steps", type=int, default=None,
+                   help="training-time-test unroll steps on the head's own features (default: eagle3 3, eagle1 1)")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="eagle3: size of the head's own vocabulary, the most frequent tokens of the data "
+                        "(default: a quarter of the target's, at least 2048)")
+    p.add_argument("--feature-layers", default=None,
+                   help="target layers the head reads, comma-separated, transformers numbering (default: EAGLE's choice)")
+    p.add_argument("--save-dtype", default="float16", choices=["float16", "float32"], help="dtype of the saved head")
+
+
+def cmd_eagle(args: argparse.Namespace) -> int:
+    from specserve.training.cli import _distill_settings, _report, _set_threads
+
+    _set_threads(args.threads)
+    layers = None
+    if args.feature_layers:
+        try:
+            layers = tuple(int(x) for x in args.feature_layers.split(","))
+        except ValueError as exc:
+            raise ValueError(f"--feature-layers must be comma-separated integers, got {args.feature_layers!r}") from exc
+    summary = train_eagle(
+        args.target, args.out, data=args.data, mode=args.mode, ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab,
+        feature_layers=layers, save_dtype=args.save_dtype, device=args.device, max_minutes=args.max_minutes,
+        resume=args.resume, force=args.force, max_steps=args.max_steps, batch_size=args.batch_size, lr=args.lr,
+        seed=args.seed, stop_at_step=args.stop_at_step, distill_settings=_distill_settings(args), argv=sys.argv[1:],
+    )
+    _report(summary, args.out)
+    print(json.dumps({"out": args.out, "mode": summary["mode"], "head_bytes": summary["head_bytes"],
+                      "last_eval": summary["last_eval"]}))
+    return 0
