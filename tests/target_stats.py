@@ -41,3 +41,20 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
     dof = int(keep.sum()) - 1
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+# Sampling tests check the 2nd and 3rd emitted tokens, but let requests run on: with max_tokens=3 the
+# engine caps the first verify step's tree at one node (the tokens still to come), so siblings (and
+# the verifier's residual between them) would never be exercised.
+SAMPLED_MAX_TOKENS = 8
+
+
+def assert_follows_target(outs, model_dir, prompt: list[int], params: SamplingParams) -> None:
+    """The 2nd and 3rd tokens of `outs` (many seeded requests on `prompt`) match the exact target
+    marginals: no token the target rules out, and a chi-square p-value above 1e-3 at each position."""
+    exact2, exact3 = exact_marginals(model_dir, prompt, params)
+    for position, exact in ((1, exact2), (2, exact3)):
+        counts = torch.bincount(torch.tensor([o.token_ids[position] for o in outs]), minlength=exact.numel()).double()
+        assert float(counts[exact == 0].sum()) == 0, f"token {position + 1}: emitted a token the target gives zero probability"
+        p_value = chi_square_p_value(counts, exact)
+        assert p_value > 1e-3, f"token {position + 1}: chi-square p-value {p_value:.2e}"
