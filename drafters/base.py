@@ -94,6 +94,15 @@ class Drafter(ABC):
         """The request finished or was cancelled: drop its state. Default: stateless."""
 
 
+def check_int_option(drafter: str, name: str, value: object, low: int, high: int | None = None) -> int:
+    """A drafter option that must be an integer in [low, high] (no upper bound when high is None)."""
+    ok = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+    if ok and value >= low and (high is None or value <= high):
+        return int(value)
+    allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
+    raise ValueError(f"{drafter} drafter option {name} must be an integer {allowed}, got {value!r}")
+
+
 _REGISTRY: dict[str, type[Drafter]] = {}
 
 

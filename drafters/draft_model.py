@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from specserve.drafters.base import Drafter, DraftRequest, TargetInfo, register
+from specserve.drafters.base import check_int_option, Drafter, DraftRequest, TargetInfo, register
 from specserve.drafters.growing_kv import GrowingKV
 from specserve.drafters.siblings import request_generator, sample_siblings
 from specserve.verify import DraftTree
@@ -49,17 +49,14 @@ from specserve.attention import SequenceSlice
 from specserve.model import LlamaModel
 
 
+def _check(name: str, value: object, low: int, high: int | None = None) -> int:
+    return check_int_option("draft", name, value, low, high)
+
+
 # Expansion priority of sampled siblings. With a good draft (q close to p) the first draw is accepted
 # with probability near 1 whatever its q, and later siblings are only tried after rejections; so the
 # j-th drawn sibling is scored as accepted with probability 0.8 * 0.2**j (log), not by its q.
 _SAMPLED_LOG_ACCEPT = [math.log(0.8) + j * math.log(0.2) for j in range(64)]
-
-
-def _check_int(name: str, value: object, low: int, high: int) -> int:
-    ok = isinstance(value, (int, np.integer)) and not isinstance(value, bool) and low <= value <= high
-    if not ok:
-        raise ValueError(f"draft drafter option {name} must be an integer in [{low}, {high}], got {value!r}")
-    return int(value)
 
 
 @dataclass
@@ -94,12 +91,12 @@ class DraftModelDrafter(Drafter):
         max_budget: int | None = None,
         seed: int = 0,
     ) -> None:
-        self.depth = _check_int("depth", depth, 1, 64)
-        self.topk = _check_int("topk", topk, 1, 64)
-        self.width = _check_int("width", width, 1, 64)
+        self.depth = _check("depth", depth, 1, 64)
+        self.topk = _check("topk", topk, 1, 64)
+        self.width = _check("width", width, 1, 64)
         full = self.topk * (1 + (self.depth - 1) * self.width)
-        self.max_budget = full if max_budget is None else min(_check_int("max_budget", max_budget, 1, 1 << 20), full)
-        self.seed = _check_int("seed", seed, 0, 2**63 - 1)
+        self.max_budget = full if max_budget is None else min(_check("max_budget", max_budget, 1, 1 << 20), full)
+        self.seed = _check("seed", seed, 0, 2**63 - 1)
         self.path = _resolve_path(target, path)
         self.model = LlamaModel.from_pretrained(self.path, target.device, target.dtype)
         cfg = self.model.config

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from specserve.attention import SequenceSlice
-from specserve.drafters.base import Drafter, DraftRequest, TargetInfo, register
+from specserve.drafters.base import check_int_option, Drafter, DraftRequest, TargetInfo, register
 from specserve.drafters.eagle_head import load_head
 from specserve.drafters.eagle_tree import DynamicTree
 from specserve.drafters.growing_kv import GrowingKV
@@ -42,11 +42,8 @@ from specserve.drafters.siblings import request_generator
 from specserve.verify import DraftTree
 
 
-def _check_int(name: str, value: object, low: int, high: int) -> int:
-    ok = isinstance(value, (int, np.integer)) and not isinstance(value, bool) and low <= value <= high
-    if not ok:
-        raise ValueError(f"eagle drafter option {name} must be an integer in [{low}, {high}], got {value!r}")
-    return int(value)
+def _check(name: str, value: object, low: int, high: int | None = None) -> int:
+    return check_int_option("eagle", name, value, low, high)
 
 
 @dataclass
@@ -77,11 +74,11 @@ class EagleDrafter(Drafter):
 
     def __init__(self, target: TargetInfo, path: str | None = None, *, depth: int = 5, topk: int = 2,
                  max_budget: int | None = None, seed: int = 0) -> None:
-        self.depth = _check_int("depth", depth, 1, 32)
-        self.topk = _check_int("topk", topk, 1, 16)
+        self.depth = _check("depth", depth, 1, 32)
+        self.topk = _check("topk", topk, 1, 16)
         full = self.topk + (self.depth - 1) * self.topk * self.topk
-        self.max_budget = min(8, full) if max_budget is None else min(_check_int("max_budget", max_budget, 1, 1 << 20), full)
-        self.seed = _check_int("seed", seed, 0, 2**63 - 1)
+        self.max_budget = min(8, full) if max_budget is None else min(_check("max_budget", max_budget, 1, 1 << 20), full)
+        self.seed = _check("seed", seed, 0, 2**63 - 1)
         if path is None:
             raise ValueError("the eagle drafter needs a head directory: 'eagle:DIR' (a bare 'eagle' only works with "
                              "the bundled default model when the bundle has a head)")

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from specserve.drafters.base import Drafter, DraftRequest, TargetInfo, register
+from specserve.drafters.base import check_int_option, Drafter, DraftRequest, TargetInfo, register
 from specserve.drafters.medusa_heads import load_heads
 from specserve.drafters.medusa_tree import (
     DEFAULT_CHOICES,
@@ -46,11 +46,8 @@ TREES = ("static", "dynamic")
 DEFAULT_DYNAMIC_BUDGET = 20
 
 
-def _check_int(name: str, value: object, low: int, high: int) -> int:
-    ok = isinstance(value, (int, np.integer)) and not isinstance(value, bool) and low <= value <= high
-    if not ok:
-        raise ValueError(f"medusa drafter option {name} must be an integer in [{low}, {high}], got {value!r}")
-    return int(value)
+def _check(name: str, value: object, low: int, high: int | None = None) -> int:
+    return check_int_option("medusa", name, value, low, high)
 
 
 @register("medusa")
@@ -91,7 +88,7 @@ class MedusaDrafter(Drafter):
             raise ValueError("medusa drafter option topk applies to tree='dynamic' (a static tree's ranks come from choices)")
         if tree == "dynamic" and choices is not None:
             raise ValueError("medusa drafter option choices applies to tree='static'")
-        self.seed = _check_int("seed", seed, 0, 2**63 - 1)
+        self.seed = _check("seed", seed, 0, 2**63 - 1)
         model_type = getattr(getattr(target.model, "config", None), "model_type", None)
         loaded = load_heads(path, hidden_size=target.hidden_size, vocab_size=target.vocab_size, model_type=model_type,
                             target_dir=target.model_dir)
@@ -99,7 +96,7 @@ class MedusaDrafter(Drafter):
         self.path = str(path)
         self.layout = loaded.layout
         self.num_heads = heads.num_heads
-        self.depth = heads.num_heads if depth is None else _check_int("depth", depth, 1, heads.num_heads)
+        self.depth = heads.num_heads if depth is None else _check("depth", depth, 1, heads.num_heads)
         self.tree = tree
         vocab = target.vocab_size
         if tree == "static":
@@ -120,10 +117,10 @@ class MedusaDrafter(Drafter):
             default_budget = full
         else:
             self.static = None
-            self.topk = _check_int("topk", 4 if topk is None else topk, 1, min(64, vocab))
+            self.topk = _check("topk", 4 if topk is None else topk, 1, min(64, vocab))
             full = sum(self.topk**d for d in range(1, self.depth + 1))
             default_budget = min(DEFAULT_DYNAMIC_BUDGET, full)
-        self.max_budget = default_budget if max_budget is None else min(_check_int("max_budget", max_budget, 1, 1 << 20), full)
+        self.max_budget = default_budget if max_budget is None else min(_check("max_budget", max_budget, 1, 1 << 20), full)
         self.device, self.dtype = target.device, target.dtype
         self.heads = heads.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
         self.lm_weight = None

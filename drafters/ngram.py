@@ -22,17 +22,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specserve.drafters.base import DraftRequest, Drafter, TargetInfo, register
+from specserve.drafters.base import check_int_option, DraftRequest, Drafter, TargetInfo, register
 from specserve.drafters.ngram_match import build_ngram_tree
 from specserve.verify import DraftTree
 
 
-def _check_int(name: str, value: object, low: int, high: int | None = None) -> int:
-    ok = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-    if ok and value >= low and (high is None or value <= high):
-        return int(value)
-    allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
-    raise ValueError(f"ngram drafter option {name} must be an integer {allowed}, got {value!r}")
+def _check(name: str, value: object, low: int, high: int | None = None) -> int:
+    return check_int_option("ngram", name, value, low, high)
 
 
 @register("ngram")
@@ -64,11 +60,11 @@ class NgramDrafter(Drafter):
         if path is not None:
             raise ValueError(f"the ngram drafter takes no path, got {path!r}")
         self.target = target
-        self.min_ngram = _check_int("min_ngram", min_ngram, 1)
-        self.max_ngram = _check_int("max_ngram", max_ngram, self.min_ngram)
-        self.branching = _check_int("branching", branching, 1)
-        self.depth = _check_int("depth", depth, 1)
-        self.max_budget = _check_int("max_budget", max_budget, 1)
+        self.min_ngram = _check("min_ngram", min_ngram, 1)
+        self.max_ngram = _check("max_ngram", max_ngram, self.min_ngram)
+        self.branching = _check("branching", branching, 1)
+        self.depth = _check("depth", depth, 1)
+        self.max_budget = _check("max_budget", max_budget, 1)
 
     def propose(self, requests: list[DraftRequest], budgets: list[int]) -> list[DraftTree]:
         if len(budgets) != len(requests):
