@@ -1,14 +1,17 @@
-"""``specserve train bundle``: the embedded default model and its draft model, from one command.
+"""``specserve train bundle``: the embedded default model and its drafters, from one command.
 
 Stages (each resumable; a finished stage is skipped with ``--resume``), under ``--work``:
 
 1. ``target/``  — ``train lm --preset small`` on the default corpus (the stdlib);
 2. ``distill/`` — ``train distill-data`` from the target;
 3. ``draft/``   — ``train draft --preset draft`` on that data;
-4. measure: speculative acceptance (tau) of the draft drafter on held-out prompts, greedy and sampled;
-5. export to the bundle directory (default ``specserve/bundle/``): both models with fp16 weights,
-   tokenizers, and ``MANIFEST.json`` — the command, seed, corpus manifest hash, library versions,
-   metrics, sizes and the ``default_drafters`` map that `bundle_paths` reads.
+4. ``medusa/``, ``eagle/`` — ``train medusa`` and ``train eagle`` on the same data, each within its
+   wall-clock budget (a head run that used its budget counts as finished);
+5. measure: speculative acceptance (tau) of every drafter on held-out prompts, greedy and sampled;
+6. export to the bundle directory (default ``specserve/bundle/``): the models with fp16 weights,
+   tokenizers, the heads, and ``MANIFEST.json`` — the command, seed, corpus manifest hash, library
+   versions, metrics, sizes, the ``default_drafters`` map that `bundle_paths` reads and the
+   ``default_drafter`` that ``drafter="auto"`` picks (eagle when it was built).
 """
 
 from __future__ import annotations
@@ -17,12 +20,48 @@ import platform
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Callable
 
 from specserve.training import bundle_paths
 from specserve.training.distill import GEN_THREADS_CPU, DistillSettings, cpu_threads, make_distill_data
 from specserve.training.outputs import MODEL_FILES, read_json, write_json
+
+
+@dataclass(frozen=True)
+class HeadStage:
+    """A drafter head trained on the target's distillation data and shipped in the bundle.
+
+    name: drafter name and bundle subdirectory; files: what the bundle keeps of the run;
+    train: ``(target_dir, out_dir, data=, device=, max_minutes=, max_steps=, resume=, force=, seed=, argv=)``.
+    """
+
+    name: str
+    files: tuple[str, ...]
+    train: Callable[..., dict]
+    minutes: float
+
+
+def _train_medusa(target_dir, out_dir, **kw) -> dict:
+    from specserve.training.medusa import train_medusa
+
+    return train_medusa(target_dir, out_dir, **kw)
+
+
+def _train_eagle(target_dir, out_dir, **kw) -> dict:
+    from specserve.training.eagle import train_eagle
+
+    return train_eagle(target_dir, out_dir, **kw)
+
+
+# The issues' CPU budgets: Medusa heads in 20 minutes, the EAGLE head in 30 (2 cores).
+HEAD_STAGES = {
+    "medusa": HeadStage("medusa", ("medusa_config.json", "medusa_heads.safetensors"), _train_medusa, 20.0),
+    "eagle": HeadStage("eagle", ("eagle_config.json", "eagle_head.safetensors"), _train_eagle, 30.0),
+}
+DEFAULT_DRAFTER_ORDER = ("eagle", "medusa", "draft")  # drafter="auto": the first one the bundle has
 
 
 def build_bundle(
@@ -41,14 +80,22 @@ def build_bundle(
     resume: bool = False,
     force: bool = False,
     size_limit_mb: float = 48.0,
+    heads: tuple[str, ...] = ("medusa", "eagle"),
+    head_max_steps: int | None = None,
     argv: list[str] | None = None,
 ) -> dict:
-    """Run every stage and write the bundle; return its manifest."""
+    """Run every stage and write the bundle; return its manifest.
+
+    With ``resume``, an existing bundle is replaced (it is rebuilt from the same work directory).
+    """
     from specserve.training.draft import train_draft
     from specserve.training.lm import train_lm
 
     if resume and force:
         raise ValueError("--resume and --force contradict each other: pick one")
+    unknown = sorted(set(heads) - set(HEAD_STAGES))
+    if unknown:
+        raise ValueError(f"unknown head(s) {unknown}; available: {sorted(HEAD_STAGES)}")
     if not size_limit_mb > 0:
         raise ValueError(f"size_limit_mb must be > 0, got {size_limit_mb}")
     work = Path(work).expanduser()
@@ -57,8 +104,9 @@ def build_bundle(
         if not (target_bundle / bundle_paths.MANIFEST).is_file():
             raise ValueError(f"{str(target_bundle)!r} is not empty and holds no bundle ({bundle_paths.MANIFEST}): "
                              "refusing to replace it")
-        if not force:
-            raise ValueError(f"a bundle already exists in {str(target_bundle)!r}: pass --force to replace it")
+        if not (force or resume):
+            raise ValueError(f"a bundle already exists in {str(target_bundle)!r}: pass --force to replace it "
+                             "(or --resume to rebuild it from its work directory)")
     if work.is_dir() and any(work.iterdir()) and not (resume or force):
         raise ValueError(f"work directory {str(work)!r} is not empty: pass --resume to continue it or --force to start over")
     work.mkdir(parents=True, exist_ok=True)
@@ -91,12 +139,28 @@ def build_bundle(
     if not _finished(draft_dir):
         raise ValueError(f"the draft run in {str(draft_dir)!r} stopped early (time budget): rerun with --resume")
 
+    head_dirs: dict[str, Path] = {}
+    for name in heads:
+        stage, run_dir = HEAD_STAGES[name], work / name
+        t0 = time.perf_counter()
+        if not _head_finished(run_dir, stage):
+            resumable = _resumable(run_dir, resume)
+            stage.train(target_dir, run_dir, data=distill_dir, device=device, max_minutes=stage.minutes,
+                        max_steps=head_max_steps, resume=resumable, force=force or (resume and not resumable),
+                        seed=seed, argv=argv)
+        timings[f"{name}_s"] = time.perf_counter() - t0
+        if not _head_finished(run_dir, stage):
+            raise ValueError(f"the {name} run in {str(run_dir)!r} did not finish: rerun with --resume")
+        head_dirs[name] = run_dir
+
     t0 = time.perf_counter()
-    acceptance = measure_acceptance(target_dir, draft_dir, device=device)
+    specs = {"draft": f"draft:{draft_dir}", **{name: f"{name}:{path}" for name, path in head_dirs.items()}}
+    acceptance = {name: measure_acceptance(target_dir, spec, device=device) for name, spec in specs.items()}
     timings["measure_s"] = time.perf_counter() - t0
     timings["total_s"] = time.perf_counter() - started
     return export_bundle(target_dir, draft_dir, distill_dir, target_bundle, acceptance=acceptance, seed=seed,
-                         argv=argv, size_limit_mb=size_limit_mb, timings={k: round(v, 1) for k, v in timings.items()})
+                         argv=argv, size_limit_mb=size_limit_mb, timings={k: round(v, 1) for k, v in timings.items()},
+                         head_dirs=head_dirs)
 
 
 def _finished(run_dir: Path) -> bool:
@@ -104,13 +168,21 @@ def _finished(run_dir: Path) -> bool:
     return path.is_file() and read_json(path).get("stopped") == "complete" and (run_dir / "model.safetensors").is_file()
 
 
+def _head_finished(run_dir: Path, stage: HeadStage) -> bool:
+    """A head run is done when it completed its steps or used its wall-clock budget, and saved its files."""
+    path = run_dir / "train_summary.json"
+    return (path.is_file() and read_json(path).get("stopped") in ("complete", "budget")
+            and all((run_dir / f).is_file() for f in stage.files))
+
+
 def _resumable(run_dir: Path, resume: bool) -> bool:
     return resume and (run_dir / "checkpoint" / "state.pt").is_file()
 
 
-def measure_acceptance(target_dir: Path, draft_dir: Path, *, device: str = "auto", num_prompts: int = 16,
-                       prompt_tokens: int = 48, max_tokens: int = 64, depth: int = 4) -> dict:
-    """Mean accepted length (tau, bonus included) of ``draft:DIR`` on held-out prompts, greedy and T=1.
+def measure_acceptance(target_dir: Path, drafter: str, *, device: str = "auto", num_prompts: int = 16,
+                       prompt_tokens: int = 48, max_tokens: int = 64) -> dict:
+    """Mean accepted length (tau, bonus included) of a drafter spec (its default options) on held-out
+    prompts, greedy and T=1.
 
     Prompt and output lengths shrink to fit the target's context window when it is short.
     """
@@ -127,9 +199,8 @@ def measure_acceptance(target_dir: Path, draft_dir: Path, *, device: str = "auto
         raise ValueError("the held-out split is too short to measure acceptance")
     starts = np.random.default_rng(1234).integers(0, len(stream) - prompt_tokens, size=num_prompts)
     prompts = [stream[a : a + prompt_tokens].tolist() for a in starts]
-    llm = LLM(target_dir, drafter=f"draft:{draft_dir}", drafter_options={"depth": depth}, device=device,
-              max_num_seqs=num_prompts)
-    out = {"depth": depth, "num_prompts": num_prompts, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens}
+    llm = LLM(target_dir, drafter=drafter, device=device, max_num_seqs=num_prompts)
+    out = {"num_prompts": num_prompts, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens}
     for name, temperature in (("greedy", 0.0), ("t1", 1.0)):
         params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=i, ignore_eos=True)
                   for i in range(num_prompts)]
@@ -159,7 +230,8 @@ def export_model(src: Path, dst: Path) -> None:
 
 
 def export_bundle(target_dir: Path, draft_dir: Path, distill_dir: Path, bundle_dir: Path, *, acceptance: dict,
-                  seed: int, argv: list[str] | None, size_limit_mb: float, timings: dict) -> dict:
+                  seed: int, argv: list[str] | None, size_limit_mb: float, timings: dict,
+                  head_dirs: dict[str, Path] | None = None) -> dict:
     """Write the bundle next to ``bundle_dir`` and swap it in once complete and within the size limit."""
     import tokenizers
     import torch
@@ -173,7 +245,12 @@ def export_bundle(target_dir: Path, draft_dir: Path, distill_dir: Path, bundle_d
     draft_config = read_json(draft_dir / "draft_config.json")
     draft_config.update({"target": "../target", "distill_data": None})
     write_json(tmp / "draft" / "draft_config.json", draft_config)
-    for run, name in ((target_dir, "target"), (draft_dir, "draft")):
+    head_dirs = head_dirs or {}
+    for name, run in head_dirs.items():
+        (tmp / name).mkdir()
+        for file in HEAD_STAGES[name].files:
+            shutil.copy2(run / file, tmp / name / file)  # heads are saved in fp16 already
+    for run, name in ((target_dir, "target"), (draft_dir, "draft"), *((d, n) for n, d in head_dirs.items())):
         if (run / "loss_curve.png").is_file():
             shutil.copy2(run / "loss_curve.png", tmp / f"{name}_loss_curve.png")
     shutil.copy2(target_dir / "corpus_manifest.json", tmp / "corpus_manifest.json")
@@ -191,13 +268,15 @@ def export_bundle(target_dir: Path, draft_dir: Path, distill_dir: Path, bundle_d
         "command": "specserve " + " ".join(argv) if argv else "specserve train bundle",
         "seed": seed,
         "default_model": "target",
-        "default_drafters": {"draft": "draft"},
+        "default_drafters": {"draft": "draft", **{name: name for name in head_dirs}},
+        "default_drafter": next(n for n in DEFAULT_DRAFTER_ORDER if n == "draft" or n in head_dirs),
         "corpus": {"sha256": corpus["sha256"], "totals": corpus["totals"], "roots": corpus["roots"]},
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__, "tokenizers": tokenizers.__version__},
         "metrics": {
             "target": _run_metrics(target_summary),
             "draft": _run_metrics(draft_summary),
+            **{name: _run_metrics(read_json(run / "train_summary.json")) for name, run in head_dirs.items()},
             "acceptance": acceptance,
             "distill": read_json(distill_dir / "distill_manifest.json").get("stats"),
         },
@@ -210,8 +289,8 @@ def export_bundle(target_dir: Path, draft_dir: Path, distill_dir: Path, bundle_d
         shutil.rmtree(bundle_dir)
     tmp.rename(bundle_dir)
     manifest["bundle_dir"] = str(bundle_dir)
-    print(f"bundle: {bundle_dir} ({size_mb:.1f} MiB); tau greedy {acceptance['tau_greedy']}, T=1 {acceptance['tau_t1']}",
-          file=sys.stderr)
+    taus = "; ".join(f"{name} tau {a['tau_greedy']} greedy, {a['tau_t1']} at T=1" for name, a in acceptance.items())
+    print(f"bundle: {bundle_dir} ({size_mb:.1f} MiB); {taus}", file=sys.stderr)
     return manifest
 
 

@@ -1,4 +1,4 @@
-"""``specserve train ...``: corpus, lm, distill-data, draft, bundle.
+"""``specserve train ...``: corpus, lm, distill-data, draft, medusa, eagle, bundle.
 
 Registered by `specserve.cli` with `add_train_parser`; heavy imports happen inside the handlers.
 """
@@ -13,7 +13,9 @@ import sys
 
 def add_train_parser(sub, parser_class) -> None:
     """Register ``train`` and its subcommands on the top-level subparsers ``sub``."""
-    train = sub.add_parser("train", help="train the models specserve serves: corpus, lm, distill-data, draft, bundle")
+    from specserve.training.eagle import add_eagle_args  # light: heavy imports live in its functions
+
+    train = sub.add_parser("train", help="train the models specserve serves: corpus, lm, distill-data, draft, medusa, eagle, bundle")
     tsub = train.add_subparsers(dest="train_command", required=True, parser_class=parser_class)
 
     corpus = tsub.add_parser("corpus", help="collect a corpus, split it by module and write its manifest")
@@ -46,7 +48,27 @@ def add_train_parser(sub, parser_class) -> None:
     _distill_args(draft, prefix="distill options (only when --data is not given)")
     draft.set_defaults(handler=cmd_draft)
 
-    bundle = tsub.add_parser("bundle", help="train the embedded default model and its draft model (long: see README)")
+    medusa = tsub.add_parser("medusa", help="train Medusa heads on a frozen target (serve them as medusa:OUT)")
+    medusa.add_argument("--target", required=True, help="target model directory (with its tokenizer)")
+    medusa.add_argument("--out", required=True, help="output heads directory")
+    medusa.add_argument("--data", default=None, help="distill-data directory (default: generate one in OUT/distill)")
+    medusa.add_argument("--heads", type=int, default=None, help="number of heads = tree depth (default 3; resume: the run's)")
+    medusa.add_argument("--layers", type=int, default=None, help="residual blocks per head (default 1)")
+    medusa.add_argument("--lm-head", default=None, choices=["shared", "own"],
+                        help="shared: every head reads through the target's LM head (small); own: one trained LM head "
+                             "per head (default shared)")
+    medusa.add_argument("--decay", type=float, default=None, help="head k's loss weight is decay**k (default 0.8)")
+    _run_args(medusa, seq_len=False)
+    _distill_args(medusa, prefix="distill options (only when --data is not given)")
+    medusa.set_defaults(handler=cmd_medusa)
+
+    eagle = tsub.add_parser("eagle", help="train an EAGLE head on a frozen target (serve it as eagle:OUT)")
+    add_eagle_args(eagle)
+    _run_args(eagle, seq_len=False)
+    _distill_args(eagle, prefix="distill options (only when --data is not given)")
+    eagle.set_defaults(handler=cmd_eagle)
+
+    bundle = tsub.add_parser("bundle", help="train the embedded default model and its drafters (long: see README)")
     bundle.add_argument("--work", default="bundle-work", help="working directory for the runs (default: ./bundle-work)")
     bundle.add_argument("--bundle-dir", default=None, help="where the bundle goes (default: the package's specserve/bundle)")
     bundle.add_argument("--lm-preset", default="small", choices=["tiny", "small"])
@@ -54,6 +76,9 @@ def add_train_parser(sub, parser_class) -> None:
     _corpus_args(bundle)
     bundle.add_argument("--lm-max-steps", type=int, default=None)
     bundle.add_argument("--draft-max-steps", type=int, default=None)
+    bundle.add_argument("--heads", default="medusa,eagle",
+                        help="drafter heads to train and ship, comma-separated (default medusa,eagle; '' for none)")
+    bundle.add_argument("--head-max-steps", type=int, default=None, help="cap the head runs' steps (tests)")
     bundle.add_argument("--seed", type=int, default=0)
     bundle.add_argument("--size-limit-mb", type=float, default=48.0)
     _distill_args(bundle)
@@ -171,6 +196,18 @@ def cmd_draft(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_medusa(args: argparse.Namespace) -> int:
+    from specserve.training.medusa import cmd_medusa as run
+
+    return run(args)
+
+
+def cmd_eagle(args: argparse.Namespace) -> int:
+    from specserve.training.eagle import cmd_eagle as run
+
+    return run(args)
+
+
 def cmd_bundle(args: argparse.Namespace) -> int:
     _set_threads(args.threads)
     _single_process("bundle")  # multi-GPU: torchrun `train lm --out WORK/target` first, then `train bundle --resume`
@@ -181,6 +218,7 @@ def cmd_bundle(args: argparse.Namespace) -> int:
         corpus=args.corpus, heldout_fraction=args.heldout_fraction, lm_max_steps=args.lm_max_steps,
         draft_max_steps=args.draft_max_steps, seed=args.seed, distill=_distill_settings(args), device=args.device,
         resume=args.resume, force=args.force, size_limit_mb=args.size_limit_mb, argv=sys.argv[1:],
+        heads=tuple(h.strip() for h in args.heads.split(",") if h.strip()), head_max_steps=args.head_max_steps,
     )
     print(json.dumps({"bundle": manifest["bundle_dir"], "size_mb": manifest["size_mb"], "metrics": manifest["metrics"]}))
     return 0

@@ -45,7 +45,8 @@ def bundle(trained_lm, distill_dir, trained_draft, tmp_path_factory):
     shutil.copytree(trained_draft, work / "draft")
     out = work.parent / (work.name + "-bundle")
     manifest = build_bundle(work=work, bundle_dir=out, lm_preset="tiny", draft_preset="tiny", distill=FIXTURE_DISTILL,
-                            device="cpu", resume=True, seed=0, argv=["train", "bundle", "--lm-preset", "tiny"])
+                            device="cpu", resume=True, seed=0, head_max_steps=4,
+                            argv=["train", "bundle", "--lm-preset", "tiny"])
     return out, manifest, work
 
 
@@ -53,12 +54,16 @@ def test_bundle_layout_and_manifest(bundle):
     out, manifest, _ = bundle
     on_disk = json.loads((out / "MANIFEST.json").read_text())
     assert on_disk["command"] == "specserve train bundle --lm-preset tiny" and on_disk["seed"] == 0
-    assert on_disk["default_model"] == "target" and on_disk["default_drafters"] == {"draft": "draft"}
+    assert on_disk["default_model"] == "target"
+    assert on_disk["default_drafters"] == {"draft": "draft", "medusa": "medusa", "eagle": "eagle"}
+    assert on_disk["default_drafter"] == "eagle"
     assert len(on_disk["corpus"]["sha256"]) == 64
     assert on_disk["size_mb"] <= 48 and on_disk["size_mb"] == manifest["size_mb"]
     metrics = on_disk["metrics"]
     assert "eval_loss" in metrics["target"]["eval"] and "accept_t1" in metrics["draft"]["eval"]
-    assert metrics["acceptance"]["tau_greedy"] >= 1.0 and metrics["acceptance"]["tau_t1"] >= 1.0
+    for name in ("draft", "medusa", "eagle"):
+        assert metrics["acceptance"][name]["tau_greedy"] >= 1.0 and metrics["acceptance"][name]["tau_t1"] >= 1.0
+        assert name == "draft" or metrics[name]["step"] == 4
     for model in ("target", "draft"):
         with safe_open(str(out / model / "model.safetensors"), "pt") as f:
             assert all(f.get_tensor(k).dtype == torch.float16 for k in f.keys())
@@ -71,12 +76,17 @@ def test_bundle_is_the_default_model_and_draft(bundle, monkeypatch):
     out, _, work = bundle
     monkeypatch.setenv(bundle_paths.ENV_VAR, str(out))
     assert bundle_paths.default_model_dir() == out / "target"
-    assert bundle_paths.default_drafters() == {"draft": str(out / "draft")}
+    assert bundle_paths.default_drafters() == {name: str(out / name) for name in ("draft", "eagle", "medusa")}
+    assert bundle_paths.default_drafter(out / "target") == "eagle" and bundle_paths.default_drafter(work / "target") is None
     assert bundle_paths.is_default_model(out / "target") and not bundle_paths.is_default_model(work / "target")
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     plain = LLM(out / "target", device="cpu").generate(["import json\n"], params)[0]
-    spec = LLM(out / "target", drafter="draft", device="cpu").generate(["import json\n"], params)[0]  # bare name
-    assert plain.token_ids == spec.token_ids
+    for name in ("draft", "medusa", "eagle"):  # bare names resolve to the bundle's drafters
+        spec = LLM(out / "target", drafter=name, device="cpu").generate(["import json\n"], params)[0]
+        assert plain.token_ids == spec.token_ids
+    auto = LLM(out / "target", device="cpu")
+    assert auto.drafter_spec == "eagle" and auto.generate(["import json\n"], params)[0].token_ids == plain.token_ids
+    assert LLM(out / "target", drafter="none", device="cpu").drafter_spec is None
     # fp16 on disk changes the weights a little; transformers still loads the bundle.
     hf = AutoModelForCausalLM.from_pretrained(str(out / "target"), dtype=torch.float32)
     assert hf.config.vocab_size == json.loads((work / "target" / "config.json").read_text())["vocab_size"]
@@ -85,7 +95,7 @@ def test_bundle_is_the_default_model_and_draft(bundle, monkeypatch):
 def test_existing_bundles_and_foreign_directories_are_protected(bundle, tmp_path, capsys):
     out, _, work = bundle
     with pytest.raises(ValueError, match="already exists"):
-        build_bundle(work=work, bundle_dir=out, resume=True)
+        build_bundle(work=work, bundle_dir=out)  # --resume (rebuild from the work directory) may replace it
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("x")
     with pytest.raises(ValueError, match="refusing to replace"):
