@@ -41,7 +41,7 @@ from torch import nn
 
 from specserve.attention import SdpaBackend, SequenceSlice
 from specserve.config import ModelConfig, config_from_hf
-from specserve.gemv import gemv
+from specserve import gemv
 from specserve.kv_cache import PagedKVCache
 from specserve.rope import RotaryTable
 
@@ -190,7 +190,7 @@ class EagleHead(nn.Module):
             self.target_lm_head = None
         self.rope = RotaryTable(mc, device, dtype)
         self.backend = SdpaBackend()
-        self.use_gemv = False  # inference on CPU fp32: single rows through specserve.gemv
+        self.use_gemv = False  # inference on CPU fp32: few-row products through specserve.gemv
         # What GrowingKV reads to size a cache for this head (one layer).
         self.kv_spec = SimpleNamespace(config=SimpleNamespace(num_layers=1, num_kv_heads=self.num_kv_heads, head_dim=hd),
                                        device=device, dtype=dtype)
@@ -202,8 +202,8 @@ class EagleHead(nn.Module):
     # ---- pieces shared by inference and training -------------------------------------------------
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.use_gemv and x.dim() == 2 and x.shape[0] == 1:
-            return gemv(x, weight, bias)
+        if self.use_gemv and x.dim() == 2:
+            return gemv.linear(x, weight, bias)
         return F.linear(x, weight, bias)
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

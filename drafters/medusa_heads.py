@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve import gemv
+
 FORMAT = "specserve-medusa"
 VERSION = 1
 CONFIG_FILE = "medusa_config.json"
@@ -72,10 +74,11 @@ class MedusaHeads(nn.Module):
                 self.lm_heads.copy_(target_lm_head.to(self.lm_heads)[None].expand_as(self.lm_heads))
 
     def forward(self, h: torch.Tensor, lm_weight: torch.Tensor | None = None, heads: int | None = None,
-                first: int = 0) -> torch.Tensor:
+                first: int = 0, cpu_kernels: bool = False) -> torch.Tensor:
         """Logits [n, ..., V] of heads ``first .. first + n - 1`` (n = ``heads``, default all) for h [..., H].
 
         lm_weight: the target's LM head [V, H], needed when the heads share it.
+        cpu_kernels: inference on CPU fp32 — the shared LM head product goes through `specserve.gemv`.
         """
         n = self.num_heads - first if heads is None else heads
         idx = slice(first, first + n)
@@ -88,7 +91,9 @@ class MedusaHeads(nn.Module):
         else:
             if lm_weight is None:
                 raise ValueError("these Medusa heads share the target's LM head: pass lm_weight")
-            logits = (x.reshape(-1, self.hidden_size) @ lm_weight.t()).reshape(n, -1, lm_weight.shape[0])
+            rows = x.reshape(-1, self.hidden_size)  # [n * M, H]
+            logits = gemv.linear(rows, lm_weight) if cpu_kernels else rows @ lm_weight.t()
+            logits = logits.reshape(n, -1, lm_weight.shape[0])
         return logits.reshape(n, *shape, logits.shape[-1])
 
 

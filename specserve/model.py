@@ -1,8 +1,9 @@
 """Our Llama-family decoder: one forward for prefill, decode and tree verification over a paged cache.
 
 Weights are loaded from a Hugging Face directory and stored fused (q|k|v in one matrix, gate|up in
-another) so a layer is four matmuls. On CPU in fp32, single-row products (batch-1 decode) go through
-`specserve.gemv` (numpy's OpenBLAS), which streams weights about twice as fast as torch's sgemv here. Hidden states follow transformers' `hidden_states` numbering:
+another) so a layer is four matmuls. On CPU in fp32, products of up to 16 rows (batch-1 decode, small
+verify trees) go through `specserve.gemv`, which streams weights much faster than torch's MKL there.
+Hidden states follow transformers' `hidden_states` numbering:
 index 0 is the embedding output, index i the output of layer i-1, and index `num_layers` the final
 normed state (what the LM head reads) — so drafter heads trained against transformers line up.
 """
@@ -19,7 +20,7 @@ from torch import nn
 from specserve.attention import BACKENDS, SequenceSlice
 from specserve.checkpoint import load_state_dict
 from specserve.config import ModelConfig, load_config
-from specserve.gemv import gemv, pin_openblas_to_one_thread
+from specserve import gemv
 from specserve.kv_cache import PagedKVCache
 from specserve.rope import RotaryTable
 
@@ -50,7 +51,7 @@ class DecoderLayer(nn.Module):
         self.gate_up_bias = _param(2 * inter) if cfg.mlp_bias else None
         self.down = _param(h, inter)
         self.down_bias = _param(h) if cfg.mlp_bias else None
-        self.use_gemv = False  # set by LlamaModel: CPU fp32 single rows through specserve.gemv
+        self.use_gemv = False  # set by LlamaModel: CPU fp32 products through specserve.gemv
 
     def forward(self, layer_idx, x, positions, rope, backend, meta, cache):  # x: [T, hidden]
         t = x.shape[0]
@@ -68,8 +69,8 @@ class DecoderLayer(nn.Module):
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [T, in] @ weight [out, in]^T (+ bias) -> [T, out]."""
-        if self.use_gemv and x.shape[0] == 1:
-            return gemv(x, weight, bias)
+        if self.use_gemv:
+            return gemv.linear(x, weight, bias)
         return F.linear(x, weight, bias)
 
 
@@ -90,7 +91,7 @@ class LlamaModel(nn.Module):
         self.lm_head = self.embed if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
         self.use_gemv = device.type == "cpu" and dtype == torch.float32
         if self.use_gemv:
-            pin_openblas_to_one_thread()
+            gemv.pin_openblas_to_one_thread()
         for layer in self.layers:
             layer.use_gemv = self.use_gemv
         self.rope = RotaryTable(cfg, device, dtype)
@@ -165,6 +166,6 @@ class LlamaModel(nn.Module):
         if self.config.num_layers in hidden_layers:
             hidden[self.config.num_layers] = F.rms_norm(x[hidden_rows], (x.shape[-1],), self.norm, self.config.rms_norm_eps)
         x = F.rms_norm(x[logit_rows], (x.shape[-1],), self.norm, self.config.rms_norm_eps)
-        head = gemv(x, self.lm_head, None) if self.use_gemv and x.shape[0] == 1 else F.linear(x, self.lm_head)
+        head = gemv.linear(x, self.lm_head) if self.use_gemv else F.linear(x, self.lm_head)
         logits = head.float()  # [M, vocab]
         return ForwardOutput(logits=logits, hidden_states=hidden)
