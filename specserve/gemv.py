@@ -35,6 +35,12 @@ def pin_openblas_to_one_thread() -> None:
         _blas_limit = threadpool_limits(limits=1, user_api="blas")
 
 
+def warm_up() -> None:
+    """Compile (or load from numba's disk cache) the kernel now, not inside a request's first step."""
+    x = np.ones((2, 4), dtype=np.float32)
+    rows_matmul(x, x, np.empty((2, 2), dtype=np.float32))
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [1, in] (fp32, CPU) @ weight [out, in]^T (+ bias [out]) -> [1, out]."""
     out = np.dot(weight.numpy(), x.reshape(-1).numpy())

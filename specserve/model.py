@@ -92,6 +92,7 @@ class LlamaModel(nn.Module):
         self.use_gemv = device.type == "cpu" and dtype == torch.float32
         if self.use_gemv:
             gemv.pin_openblas_to_one_thread()
+            gemv.warm_up()
         for layer in self.layers:
             layer.use_gemv = self.use_gemv
         self.rope = RotaryTable(cfg, device, dtype)
