@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"built a random ~110M Llama in {model_dir}", file=sys.stderr)
     else:
         model_dir = Path(args.model)
-    plain = LLM(model_dir, device=args.device, max_num_seqs=1)
+    plain = LLM(model_dir, drafter=None, device=args.device, max_num_seqs=1)
     vocab = plain.model.config.vocab_size
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, vocab, (args.prompt_tokens,), generator=gen).tolist()

@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     specs = args.drafter or ["draft", "ngram"]
     prompts = heldout_prompts(args.prompts, args.prompt_chars)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    llms = {"plain": LLM(args.model)} | {spec: LLM(args.model, drafter=spec) for spec in specs}
+    llms = {"plain": LLM(args.model, drafter=None)} | {spec: LLM(args.model, drafter=spec) for spec in specs}
     for llm in llms.values():
         llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     rates: dict[str, list[float]] = {name: [] for name in llms}

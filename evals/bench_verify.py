@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    llm = LLM(args.model, device=args.device, max_num_seqs=1)
+    llm = LLM(args.model, drafter=None, device=args.device, max_num_seqs=1)
     model, cfg = llm.model, llm.model.config
     prefix = args.prefix_tokens
     need = prefix + sizes[-1] + 1

@@ -36,7 +36,9 @@ WRITE_EVERY_S = 5.0
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="target model directory (default: the embedded model)")
-    p.add_argument("--drafter", action="append", required=True, metavar="SPEC", help="drafter spec (repeatable)")
+    p.add_argument("--drafter", action="append", required=True, metavar="SPEC[#LABEL]",
+                   help="drafter spec (repeatable); '#LABEL' names a variant, so one drafter can run with several "
+                        "option sets: --drafter eagle#chain --drafter-option eagle#chain:topk=1")
     p.add_argument("--dataset", required=True, help="Spec-Bench JSONL file, or builtin:heldout-code")
     p.add_argument("--max-prompts", type=int, default=None, help="at most N prompts (each turn of a record is one)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens every system generates per prompt")
@@ -177,7 +179,7 @@ def run_eval(cfg: EvalConfig) -> dict:
         }
 
     try:
-        plain = LLM(cfg.model, device=cfg.device, max_num_seqs=cfg.batch_size)
+        plain = LLM(cfg.model, drafter=None, device=cfg.device, max_num_seqs=cfg.batch_size)
         state["device"] = plain.device
         llms = {PLAIN: plain}
         for spec in cfg.drafters:
@@ -253,8 +255,8 @@ def _load_drafter_llm(cfg: EvalConfig, spec: str):
     from specserve import LLM
 
     try:
-        return LLM(cfg.model, drafter=spec, drafter_options=cfg.drafter_options.get(spec) or None, device=cfg.device,
-                   max_num_seqs=cfg.batch_size)
+        return LLM(cfg.model, drafter=spec.partition("#")[0], drafter_options=cfg.drafter_options.get(spec) or None,
+                   device=cfg.device, max_num_seqs=cfg.batch_size)
     except Exception as exc:  # a drafter that cannot load is bad input: one line naming it and why
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ValueError(f"drafter {spec!r} failed to load: {first}") from exc

@@ -42,11 +42,11 @@ def references(llama_dir, dataset):
 
 def test_tau_of_always_right_is_depth_plus_one_and_always_wrong_is_one(llama_dir, dataset, references, tmp_path):
     options = {mode: {"mode": mode, "references": references, "max_budget": DEPTH} for mode in ("all_right", "all_wrong")}
-    cfg = EvalConfig(drafters=["scripted:all_right", "scripted:all_wrong"], dataset=str(dataset), out=str(tmp_path / "out"),
+    cfg = EvalConfig(drafters=["scripted#all_right", "scripted#all_wrong"], dataset=str(dataset), out=str(tmp_path / "out"),
                      model=str(llama_dir), max_tokens=MAX_TOKENS, repeats=2, batch_size=2, device="cpu", progress=False,
-                     drafter_options={f"scripted:{m}": o for m, o in options.items()})
+                     drafter_options={f"scripted#{m}": o for m, o in options.items()})
     res = run_eval(cfg)
-    right, wrong = res["drafters"]["scripted:all_right"], res["drafters"]["scripted:all_wrong"]
+    right, wrong = res["drafters"]["scripted#all_right"], res["drafters"]["scripted#all_wrong"]
     assert right["tau"] == DEPTH + 1 and right["acceptance_per_position"] == [1.0] * DEPTH
     assert right["accept_length_histogram"] == [0.0] * DEPTH + [1.0]
     assert right["draft_tokens_per_step"] == DEPTH and right["accepted_tokens_per_step"] == DEPTH
@@ -62,7 +62,7 @@ def test_tau_of_always_right_is_depth_plus_one_and_always_wrong_is_one(llama_dir
     out = tmp_path / "out"
     assert json.loads((out / "results.json").read_text())["tau"] == res["tau"]
     report = (out / "report.md").read_text()
-    assert "scripted:all_right" in report and "| plain |" in report
+    assert "scripted#all_right" in report and "| plain |" in report
     for png in ("accept_length_hist.png", "acceptance_per_position.png", "speedup.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     assert {"python", "torch", "transformers", "specserve"} <= set(res["versions"])
