@@ -120,7 +120,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
     import specserve
     from specserve.drafters import registered_drafters
-    from specserve.training.bundle_paths import default_drafters, default_model_dir
+    from specserve.training.bundle_paths import default_drafter, default_drafters, default_model_dir
 
     info = {
         "version": specserve.__version__,
@@ -131,6 +131,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         "attention_backends": ["sdpa"],
         "default_model": str(default_model_dir()) if default_model_dir() else None,
         "default_drafters": default_drafters(),
+        "default_drafter": default_drafter(default_model_dir()),  # what --drafter auto picks
     }
     if args.json:
         print(json.dumps(info))
