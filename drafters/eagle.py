@@ -1,7 +1,7 @@
 """The ``eagle`` drafter: an EAGLE head drafts EAGLE-2 dynamic trees from the target's own features.
 
 ``eagle:DIR`` loads a head from DIR (``specserve train eagle``, or a public EAGLE-1/2/3 layout;
-see drafters/eagle_head.py); a bare ``eagle`` means the bundle's head when the target is the
+see drafters/eagle_checkpoint.py); a bare ``eagle`` means the bundle's head when the target is the
 bundled default model. The head has its own one-layer paged KV cache (`GrowingKV`).
 
 Each step, for all requests of the batch together:
@@ -35,7 +35,7 @@ import torch
 
 from specserve.attention import SequenceSlice
 from specserve.drafters.base import check_int_option, Drafter, DraftRequest, TargetInfo, register
-from specserve.drafters.eagle_head import load_head
+from specserve.drafters.eagle_checkpoint import load_head
 from specserve.drafters.eagle_tree import DynamicTree
 from specserve.drafters.growing_kv import GrowingKV
 from specserve.drafters.siblings import request_generator

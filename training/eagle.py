@@ -68,7 +68,8 @@ def train_eagle(
     """Train (or resume) an EAGLE head for ``target``; return the run summary."""
     import torch
 
-    from specserve.drafters.eagle_head import EagleHead, new_head_config, save_head
+    from specserve.drafters.eagle_checkpoint import new_head_config, save_head
+    from specserve.drafters.eagle_head import EagleHead
     from specserve.training.data import IndexSampler
     from specserve.training.distill import DistillSettings, load_distill, make_distill_data
     from specserve.training.outputs import prepare_out_dir, read_json, write_json

@@ -23,7 +23,8 @@ import specserve.drafters.eagle  # noqa: F401  (registers "eagle")
 from specserve import LLM, SamplingParams
 from specserve.drafters import DraftRequest, TargetInfo, create_drafter
 from specserve.drafters.eagle import EagleDrafter
-from specserve.drafters.eagle_head import EagleHead, load_head, new_head_config, save_head
+from specserve.drafters.eagle_checkpoint import load_head, new_head_config, save_head
+from specserve.drafters.eagle_head import EagleHead
 from specserve.model import LlamaModel
 
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [7, 7, 7], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9], [11]]

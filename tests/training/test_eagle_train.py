@@ -17,7 +17,7 @@ from tiny_models import build_model
 import specserve.drafters.eagle  # noqa: F401  (registers "eagle")
 from specserve import LLM, SamplingParams
 from specserve.cli import main
-from specserve.drafters.eagle_head import target_fingerprint
+from specserve.drafters.eagle_checkpoint import target_fingerprint
 from specserve.training.distill import DistillSettings, make_distill_data
 from specserve.training.trainer import LOG_FILE, read_log
 
