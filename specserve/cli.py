@@ -103,7 +103,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         out = llm.generate([args.prompt], params)[0]
         print(json.dumps({
-            "model": args.model, "drafter": args.drafter, "prompt": args.prompt,
+            "model": llm.model_dir, "drafter": llm.drafter_spec, "prompt": args.prompt,
             "prompt_token_ids": out.prompt_token_ids, "token_ids": out.token_ids, "text": out.text,
             "finish_reason": out.finish_reason, "spec": out.spec.to_dict(), "ttft_s": out.ttft_s, "e2e_s": out.e2e_s,
         }))
