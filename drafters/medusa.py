@@ -43,7 +43,9 @@ from specserve.drafters.siblings import request_generator, sample_siblings
 from specserve.verify import DraftTree
 
 TREES = ("static", "dynamic")
-DEFAULT_DYNAMIC_BUDGET = 20
+# Default nodes per tree: on the 2-core CPU, 8 nodes is where the larger tree stops paying for its
+# verify rows (BENCHMARKS.md, Medusa heads); the adaptive budget policy will choose per step.
+DEFAULT_BUDGET = 8
 
 
 def _check(name: str, value: object, low: int, high: int | None = None) -> int:
@@ -60,7 +62,7 @@ class MedusaDrafter(Drafter):
                   checkpoint's list, else `DEFAULT_CHOICES`). Every prefix of a path must be a path.
       topk:       dynamic tree: candidate ranks per node, in [1, 64] (default 4).
       depth:      heads used = deepest tree level, in [1, num_heads] (default all heads).
-      max_budget: most nodes per tree, >= 1 (default: the static tree's size; dynamic: 20).
+      max_budget: most nodes per tree, >= 1 (default 8, or the whole tree when smaller).
       seed:       seeds the per-request samplers (temperature > 0), with the request's seed or id.
     """
 
@@ -114,12 +116,12 @@ class MedusaDrafter(Drafter):
                 raise ValueError(f"medusa choices use rank {static.max_rank} but the vocabulary has {vocab} tokens")
             self.static = static
             full = static.num_nodes
-            default_budget = full
+            default_budget = min(DEFAULT_BUDGET, full)
         else:
             self.static = None
             self.topk = _check("topk", 4 if topk is None else topk, 1, min(64, vocab))
             full = sum(self.topk**d for d in range(1, self.depth + 1))
-            default_budget = min(DEFAULT_DYNAMIC_BUDGET, full)
+            default_budget = min(DEFAULT_BUDGET, full)
         self.max_budget = default_budget if max_budget is None else min(_check("max_budget", max_budget, 1, 1 << 20), full)
         self.device, self.dtype = target.device, target.dtype
         self.heads = heads.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)

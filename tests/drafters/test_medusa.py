@@ -267,7 +267,8 @@ def test_dynamic_selection_is_the_best_ancestor_closed_set():
 
 
 def test_budgets_cut_trees_to_a_prefix(small_vocab_dir, random_dir):
-    drafter = create_drafter(f"medusa:{random_dir}", target_info(small_vocab_dir))
+    assert create_drafter(f"medusa:{random_dir}", target_info(small_vocab_dir)).max_budget == 8  # the default
+    drafter = create_drafter(f"medusa:{random_dir}", target_info(small_vocab_dir), {"max_budget": 1000})
     full = drafter.static.num_nodes
     assert drafter.max_budget == full == 17  # the default choices limited to the checkpoint's 3 heads
     feature = {2: torch.randn(len(PROMPT) - 1, 64)}
@@ -294,7 +295,7 @@ def test_greedy_trees_take_each_heads_top_ranks(small_vocab_dir, random_dir):
 
 
 def test_sampled_tree_probs_are_what_each_node_was_drawn_from(small_vocab_dir, random_dir):
-    drafter = create_drafter(f"medusa:{random_dir}", target_info(small_vocab_dir))
+    drafter = create_drafter(f"medusa:{random_dir}", target_info(small_vocab_dir), {"max_budget": 17})
     req = _requests([PROMPT], temperature=0.7)[0]
     (tree,) = drafter.propose([req], [17])
     assert tree.parents.tolist() == drafter.static.parents.tolist()  # no draw ran out: the full static shape
