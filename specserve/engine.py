@@ -190,7 +190,8 @@ class Engine:
                 slices.append(SequenceSlice(r.request_id, r.num_cached, pos, tree.ancestor_mask if tree.num_nodes else None))
                 ids.append(torch.cat([torch.tensor([int(r.token_ids[-1])]), tree.tokens]))
                 logit_rows.append(torch.arange(row, row + n))
-            hidden_rows.append(torch.arange(row, row + n))
+            if self._hidden_layers:
+                hidden_rows.append(torch.arange(row, row + n))
             positions.append(pos)
             row += n
         device = self.model.device

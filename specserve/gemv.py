@@ -1,17 +1,18 @@
 """Few-row matrix products on the CPU (fp32): batch-1 decode and small verify trees.
 
-Why: decode and tree verification multiply a handful of rows by every weight matrix, so their cost
-is how fast the weights stream from memory, not arithmetic. Measured on our CPUs (AMD EPYC, one
-thread, the small default model inside a real forward; BENCHMARKS.md "Verify cost"):
+Why: decode and tree verification multiply a handful of rows by every weight matrix. Measured on our
+CPUs (AMD EPYC, one thread, the small default model; BENCHMARKS.md "Verify cost and batch throughput"):
 
 - one row: numpy's OpenBLAS sgemv streams weights about twice as fast as torch's MKL sgemv;
-- 2–16 rows: torch's sgemm packs each weight matrix before using it, so a 2-row forward costs
-  about 2.5x a 1-row one. `rows_matmul` below reads each weight row once and applies it to every
-  input row while it sits in L1, so 4 rows cost about 1.3x one row.
+- 2–16 rows: torch's sgemm packs each weight matrix before using it, so a 2-row forward cost
+  1.6–2.5x a 1-row one. `rows_matmul` below reads each weight row once and applies it to every
+  input row while it sits in L1: a forward over root + 8 draft nodes costs 1.14x a 1-row one.
 
-OpenBLAS is pinned to one thread: its own thread pool and torch's OpenMP pool spin against each
-other on two cores (a 25x slowdown measured when both had two threads). The numba kernel is
-single-threaded and releases the GIL.
+`linear` is the one entry point: it takes this path for 2-D fp32 CPU inputs outside autograd (model
+forwards and drafter heads at inference) and torch's everywhere else (GPU, training, many rows), so
+callers need no flag of their own. `prepare` (at model load) pins OpenBLAS to one thread — its own
+thread pool and torch's OpenMP pool spin against each other on two cores (a 25x slowdown measured
+when both had two threads) — and compiles the numba kernel, which is single-threaded.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 # Above this many rows torch's sgemm wins: the packing cost is shared by enough rows.
 MAX_SMALL_ROWS = 16
@@ -26,45 +28,32 @@ MAX_SMALL_ROWS = 16
 _blas_limit = None
 
 
-def pin_openblas_to_one_thread() -> None:
-    """Limit numpy's BLAS to one thread, once per process (threadpoolctl finds the library)."""
+def prepare() -> None:
+    """Once per process, before the first request: pin OpenBLAS to one thread and compile the kernel
+    (or load it from numba's disk cache), so neither happens inside a request's first step."""
     global _blas_limit
     if _blas_limit is None:
         from threadpoolctl import threadpool_limits
 
         _blas_limit = threadpool_limits(limits=1, user_api="blas")
-
-
-def warm_up() -> None:
-    """Compile (or load from numba's disk cache) the kernel now, not inside a request's first step."""
-    x = np.ones((2, 4), dtype=np.float32)
-    rows_matmul(x, x, np.empty((2, 2), dtype=np.float32))
-
-
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [1, in] (fp32, CPU) @ weight [out, in]^T (+ bias [out]) -> [1, out]."""
-    out = np.dot(weight.numpy(), x.reshape(-1).numpy())
-    if bias is not None:
-        out += bias.numpy()
-    return torch.from_numpy(out).unsqueeze(0)
-
-
-def small_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, in] (fp32, CPU, M <= MAX_SMALL_ROWS) @ weight [out, in]^T (+ bias [out]) -> [M, out]."""
-    if x.shape[0] == 1:
-        return gemv(x, weight, bias)
-    out = np.empty((x.shape[0], weight.shape[0]), dtype=np.float32)
-    rows_matmul(np.ascontiguousarray(x.numpy()), weight.numpy(), out)
-    if bias is not None:
-        out += bias.numpy()
-    return torch.from_numpy(out)
+        x = np.ones((2, 4), dtype=np.float32)
+        rows_matmul(x, x, np.empty((2, 2), dtype=np.float32))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The product a CPU fp32 forward uses: few rows here, many rows through torch."""
-    if x.shape[0] <= MAX_SMALL_ROWS:
-        return small_rows_linear(x, weight, bias)
-    return torch.nn.functional.linear(x, weight, bias)
+    """x [M, in] @ weight [out, in]^T (+ bias [out]) -> [M, out], through the fastest path for its shape."""
+    few_rows = x.dim() == 2 and x.shape[0] <= MAX_SMALL_ROWS
+    if not (few_rows and x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu"
+            and not torch.is_grad_enabled()):
+        return F.linear(x, weight, bias)
+    if x.shape[0] == 1:
+        out = np.dot(weight.numpy(), x.reshape(-1).numpy())[None]
+    else:
+        out = np.empty((x.shape[0], weight.shape[0]), dtype=np.float32)
+        rows_matmul(np.ascontiguousarray(x.numpy()), weight.numpy(), out)
+    if bias is not None:
+        out += bias.numpy()
+    return torch.from_numpy(out)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True, boundscheck=False)

@@ -51,27 +51,20 @@ class DecoderLayer(nn.Module):
         self.gate_up_bias = _param(2 * inter) if cfg.mlp_bias else None
         self.down = _param(h, inter)
         self.down_bias = _param(h) if cfg.mlp_bias else None
-        self.use_gemv = False  # set by LlamaModel: CPU fp32 products through specserve.gemv
 
     def forward(self, layer_idx, x, positions, rope, backend, meta, cache):  # x: [T, hidden]
         t = x.shape[0]
-        qkv = self._linear(F.rms_norm(x, (x.shape[-1],), self.input_norm, self.eps), self.qkv, self.qkv_bias)
+        qkv = gemv.linear(F.rms_norm(x, (x.shape[-1],), self.input_norm, self.eps), self.qkv, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = rope.apply(q, k, positions)
         attn = backend.attend(layer_idx, q, k, v, meta, cache)  # [T, heads * head_dim]
-        x = x + self._linear(attn, self.o_proj, self.o_bias)
+        x = x + gemv.linear(attn, self.o_proj, self.o_bias)
         normed = F.rms_norm(x, (x.shape[-1],), self.post_attn_norm, self.eps)
-        gate, up = self._linear(normed, self.gate_up, self.gate_up_bias).chunk(2, dim=-1)
-        return x + self._linear(F.silu(gate) * up, self.down, self.down_bias)
-
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [T, in] @ weight [out, in]^T (+ bias) -> [T, out]."""
-        if self.use_gemv:
-            return gemv.linear(x, weight, bias)
-        return F.linear(x, weight, bias)
+        gate, up = gemv.linear(normed, self.gate_up, self.gate_up_bias).chunk(2, dim=-1)
+        return x + gemv.linear(F.silu(gate) * up, self.down, self.down_bias)
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -89,12 +82,8 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = _param(cfg.hidden_size)
         self.lm_head = self.embed if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
-        self.use_gemv = device.type == "cpu" and dtype == torch.float32
-        if self.use_gemv:
-            gemv.pin_openblas_to_one_thread()
-            gemv.warm_up()
-        for layer in self.layers:
-            layer.use_gemv = self.use_gemv
+        if device.type == "cpu" and dtype == torch.float32:
+            gemv.prepare()
         self.rope = RotaryTable(cfg, device, dtype)
         self.backend = BACKENDS[attention](sliding_window=cfg.sliding_window)
 
@@ -167,6 +156,6 @@ class LlamaModel(nn.Module):
         if self.config.num_layers in hidden_layers:
             hidden[self.config.num_layers] = F.rms_norm(x[hidden_rows], (x.shape[-1],), self.norm, self.config.rms_norm_eps)
         x = F.rms_norm(x[logit_rows], (x.shape[-1],), self.norm, self.config.rms_norm_eps)
-        head = gemv.linear(x, self.lm_head) if self.use_gemv else F.linear(x, self.lm_head)
+        head = gemv.linear(x, self.lm_head)
         logits = head.float()  # [M, vocab]
         return ForwardOutput(logits=logits, hidden_states=hidden)
