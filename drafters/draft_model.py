@@ -34,7 +34,6 @@ not stay in the cache); the cost grows with depth × width.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,8 +41,8 @@ import numpy as np
 import torch
 from specserve.drafters.base import check_int_option, Drafter, DraftRequest, TargetInfo, register
 from specserve.drafters.growing_kv import GrowingKV
-from specserve.drafters.siblings import request_generator, sample_siblings
-from specserve.verify import DraftTree
+from specserve.drafters.siblings import SAMPLED_SIBLING_LOGP, request_generator, sample_siblings
+from specserve.verify import DraftTree, tree_kernels
 
 from specserve.attention import SequenceSlice
 from specserve.model import LlamaModel
@@ -51,12 +50,6 @@ from specserve.model import LlamaModel
 
 def _check(name: str, value: object, low: int, high: int | None = None) -> int:
     return check_int_option("draft", name, value, low, high)
-
-
-# Expansion priority of sampled siblings. With a good draft (q close to p) the first draw is accepted
-# with probability near 1 whatever its q, and later siblings are only tried after rejections; so the
-# j-th drawn sibling is scored as accepted with probability 0.8 * 0.2**j (log), not by its q.
-_SAMPLED_LOG_ACCEPT = [math.log(0.8) + j * math.log(0.2) for j in range(64)]
 
 
 @dataclass
@@ -196,11 +189,11 @@ class DraftModelDrafter(Drafter):
             fed = w.expanded
             depth = torch.tensor([w.depths[n] for n in fed])
             index = {n: j for j, n in enumerate(fed)}
-            mask = torch.zeros(len(fed), len(fed), dtype=torch.bool)
-            for j, n in enumerate(fed):
-                while n != -1:
-                    mask[j, index[n]] = True
-                    n = w.parents[n]
+            # Every ancestor of an expanded node was expanded too: the fed nodes' mask is the tree's
+            # ancestor mask restricted to them.
+            rows_fed = np.asarray(fed, dtype=np.int64) + 1
+            tree_mask = tree_kernels.ancestor_mask(np.asarray(w.parents, dtype=np.int64))
+            mask = torch.from_numpy(tree_mask[np.ix_(rows_fed, rows_fed)])
             pos = w.length - 1 + depth
             ids.append(torch.tensor([w.tokens[n] for n in fed]))
             slices.append(SequenceSlice(w.key, w.length, pos, mask))
@@ -247,7 +240,7 @@ class DraftModelDrafter(Drafter):
                 w.tokens.append(ids[r][j])
                 w.parents.append(parent)
                 w.depths.append(level)
-                w.scores.append(base + (_SAMPLED_LOG_ACCEPT[j] if w.sampled else child_logq[r][j]))
+                w.scores.append(base + (SAMPLED_SIBLING_LOGP[j] if w.sampled else child_logq[r][j]))
                 if w.sampled:
                     w.probs.append(probs_cpu[r, j])
         for w in {id(w): w for w, _ in rows}.values():

@@ -86,6 +86,7 @@ class EagleDrafter(Drafter):
         self.head = load_head(self.path, target)
         self.head.use_gemv = target.device.type == "cpu" and target.dtype == torch.float32
         self.mode = self.head.mode
+        self._id_map = self.head.draft_to_target.cpu()  # draft id -> target id, on the host where trees are built
         self.feature_layers = self.head.cfg.feature_layers
         self.hidden_layers = tuple(sorted(set(self.feature_layers)))
         self.device = target.device
@@ -141,7 +142,7 @@ class EagleDrafter(Drafter):
             front = tree.add_level(logq.view(len(active), self.topk, -1).cpu(), active)
             prev = torch.zeros(len(work), self.topk, out.shape[-1], dtype=out.dtype, device=out.device)
             prev[active.to(out.device)] = out
-        id_map = self.head.draft_to_target.cpu()
+        id_map = self._id_map
         vocab = self.head.cfg.vocab_size
         for (i, *_), (tokens, parents, probs) in zip(work, tree.finish([cap for _, _, cap, _, _ in work])):
             if not len(tokens):
@@ -194,7 +195,7 @@ class EagleDrafter(Drafter):
         """Feed the frontier of level ``level - 1`` for the ``active`` requests; output features [A', k, H]."""
         k = self.topk
         pos_in_front = torch.searchsorted(front.requests, active)
-        tokens = self.head.draft_to_target.cpu()[front.tokens[pos_in_front]]  # [A', k] target ids
+        tokens = self._id_map[front.tokens[pos_in_front]]  # [A', k] target ids
         parent_slot = front.parent_slot[pos_in_front]  # [A', k]
         act_dev = active.to(prev.device)
         feats = prev[act_dev[:, None], parent_slot.to(prev.device)]  # [A', k, H]

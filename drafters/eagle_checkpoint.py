@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from specserve.drafters.checkpoint_io import read_json as _read_json
+from specserve.drafters.checkpoint_io import read_safetensors as _read_safetensors
 from specserve.drafters.eagle_head import (CONFIG_FILE, FORMAT_VERSION, MODES, WEIGHTS_FILE, EagleHead, EagleHeadConfig,
                                            default_feature_layers)
 
@@ -137,25 +139,6 @@ def load_head(path: str | Path, target, device: torch.device | None = None, dtyp
             tensor.copy_(state[name].to(tensor.dtype))
     head.requires_grad_(False)
     return head
-
-
-def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(str(file))
-    except Exception as exc:  # safetensors raises its own types for truncated/corrupt files
-        raise ValueError(f"{str(file)!r} is not a readable safetensors file (corrupt or truncated?): {exc}") from exc
-
-
-def _read_json(file: Path) -> dict:
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise ValueError(f"{str(file)!r} is not readable JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ValueError(f"{str(file)!r} must hold a JSON object")
-    return data
 
 
 def _read_ours(path: Path) -> tuple[EagleHeadConfig, dict]:

@@ -31,9 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.drafters.siblings import sample_siblings
+from specserve.drafters.siblings import SAMPLED_SIBLING_LOGP, sample_siblings
 
-SAMPLED_SIBLING_LOGP = [math.log(0.8) + j * math.log(0.2) for j in range(64)]
 
 
 @dataclass
@@ -70,6 +69,7 @@ class DynamicTree:
         self.sampled = torch.tensor(sampled, dtype=torch.bool)
         self.generators = generators
         self.vocab = vocab
+        self._sampled_logp = torch.tensor(SAMPLED_SIBLING_LOGP[:topk])  # score terms of sibling draws 0..k-1
         a, g = self.num, self.size
         self.scores = torch.full((a, g), -math.inf, device=self.device)
         self.tokens = torch.zeros(a, g, dtype=torch.int64, device=self.device)
@@ -125,7 +125,7 @@ class DynamicTree:
             gens = [self.generators[int(row_req[r])] for r in srows]
             tok_s, valid_s, probs = sample_siblings(rows[srows].exp(), gens, k)  # probs [R_s, k, V]
             ids[srows], valid[srows] = tok_s, valid_s
-            child_logq[srows] = torch.tensor(SAMPLED_SIBLING_LOGP[:k], device=rows.device).expand(len(srows), k)
+            child_logq[srows] = self._sampled_logp.to(rows.device).expand(len(srows), k)
             self._store_probs(row_req[srows], srows, probs, level, width)
         scores = parent_scores.reshape(-1, 1) + torch.where(valid, child_logq, -math.inf)  # [R, k]
         # Place the children: row r = (request, frontier slot f) holds nodes offset + f k + j.

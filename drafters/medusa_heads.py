@@ -32,6 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve import gemv
+from specserve.drafters.checkpoint_io import read_json as _read_json
+from specserve.drafters.checkpoint_io import read_safetensors
 
 FORMAT = "specserve-medusa"
 VERSION = 1
@@ -291,23 +293,6 @@ def _check_state(where: Path, state: dict[str, torch.Tensor], expected: dict[str
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     if not path.is_file():
         raise ValueError(f"medusa weights {str(path)!r} are missing")
-    try:
-        return load_file(str(path))
-    except Exception as exc:  # safetensors raises its own error types for truncated/corrupt files
-        raise ValueError(f"{str(path)!r} is not a readable safetensors file (corrupt or truncated?): {exc}") from exc
-
-
-def _read_json(path: Path, what: str) -> dict:
-    try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError as exc:
-        raise ValueError(f"{what} {str(path)!r} is missing") from exc
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{what} {str(path)!r} is not readable JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ValueError(f"{what} {str(path)!r} must hold a JSON object")
-    return data
+    return read_safetensors(path)

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specserve.verify import tree_kernels
+
 # 20 nodes for 4 heads, best first: deep along the top-1 path, then second and third guesses near the
 # root. Trained checkpoints carry their own list (built from held-out rank accuracies, see
 # `choices_from_accuracies`), which the drafter prefers.
@@ -90,14 +92,10 @@ class StaticTree:
                 priority[path[:end]] = min(priority[path[:end]], i)
         ordered = sorted(paths, key=lambda p: (priority[p], len(p)))
         index = {p: i for i, p in enumerate(ordered)}
-        n = len(ordered)
         parents = np.array([index[p[:-1]] if len(p) > 1 else -1 for p in ordered], dtype=np.int64)
         depths = np.array([len(p) for p in ordered], dtype=np.int64)
         ranks = np.array([p[-1] for p in ordered], dtype=np.int64)
-        ancestors = np.zeros((n, n), dtype=bool)
-        for i, p in enumerate(ordered):
-            for end in range(1, len(p) + 1):
-                ancestors[i, index[p[:end]]] = True
+        ancestors = np.ascontiguousarray(tree_kernels.ancestor_mask(parents)[1:, 1:])  # without the root's row and column
         return StaticTree(tuple(ordered), parents, depths, ranks, ancestors)
 
     @property

@@ -8,10 +8,17 @@ renormalised. Every drafter that samples its trees (draft model, Medusa, EAGLE) 
 from __future__ import annotations
 
 import hashlib
+import math
 
 import torch
 
 from specserve.drafters.base import DraftRequest
+
+# Expansion/rerank score of the j-th drawn sibling (log): with a good draft (q close to p) the first
+# draw is accepted with probability near 1 whatever its q, and later siblings are only tried after
+# rejections; so sibling j is scored as accepted with probability 0.8 * 0.2**j, never by its drawn
+# value — which keeps a sampled tree's shape independent of its draws (draft model, EAGLE).
+SAMPLED_SIBLING_LOGP = [math.log(0.8) + j * math.log(0.2) for j in range(64)]
 
 
 def sample_siblings(q: torch.Tensor, generators: list[torch.Generator], k: int):
