@@ -10,12 +10,12 @@ Plain decoding by default; --drafter measures a drafter the same way.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
+
+from specserve.evals.common import set_threads, sync, write_json
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,10 +49,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.max_tokens < 2:
         raise ValueError(f"--max-tokens must be >= 2 (one token comes from prefill), got {args.max_tokens}")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     llm = LLM(args.model, drafter=args.drafter, device=args.device, max_num_seqs=sizes[-1])
     if args.prompt_tokens + args.max_tokens > llm.engine.config.max_model_len:
         raise ValueError(f"--prompt-tokens + --max-tokens exceed the context window ({llm.engine.config.max_model_len})")
@@ -63,10 +60,10 @@ def run(args: argparse.Namespace) -> int:
 
     def timed(batch: int, max_tokens: int) -> float:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         llm.generate(prompts[:batch], params)
-        _sync(device)
+        sync(device)
         return time.perf_counter() - t0
 
     for b in sizes:  # warm-up
@@ -101,11 +98,5 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:
         print(f"{r['batch']:>6} {r['decode_tokens_per_s']:>13.1f} {r['decode_min']:>8.1f}-{r['decode_max']:<8.1f} "
               f"{r['decode_tokens_per_s_per_request']:>12.1f} {r['tokens_per_s_with_prefill']:>13.1f} {r['relative_to_smallest']:>7.2f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    write_json(result, args.json)
     return 0
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

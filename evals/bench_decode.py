@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from specserve.evals.common import host, set_threads, use_model_dir, write_json
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -82,28 +81,25 @@ def _median_spread(xs: list[float]) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    set_threads(args.threads)
+    torch.manual_seed(0)
+    with use_model_dir(args.model, build_random_llama, "a random ~110M Llama") as path:
+        results = _measure(args, path)
+    print(json.dumps(results, indent=2))
+    write_json(results, args.json)
+    return 0
+
+
+def _measure(args: argparse.Namespace, model_dir: Path) -> dict:
     from specserve import LLM
 
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    tmp = None
-    if args.model is None:
-        tmp = tempfile.TemporaryDirectory()
-        model_dir = build_random_llama(Path(tmp.name))
-        print(f"built a random ~110M Llama in {model_dir}", file=sys.stderr)
-    else:
-        model_dir = Path(args.model)
     plain = LLM(model_dir, drafter=None, device=args.device, max_num_seqs=1)
     vocab = plain.model.config.vocab_size
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, vocab, (args.prompt_tokens,), generator=gen).tolist()
 
     results: dict = {
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "threads": torch.get_num_threads(), "torch": torch.__version__},
+        "machine": host() | {"threads": torch.get_num_threads(), "torch": torch.__version__},
         "model": {"dir": str(args.model or "random ~110M Llama"), "params": plain.model.config.num_params,
                   "bytes_read_per_token": plain.model.bytes_read_per_token()},
         "settings": {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "repeats": args.repeats,
@@ -158,9 +154,4 @@ def run(args: argparse.Namespace) -> int:
         "tau": statistics.median(taus),
         "outputs_identical": identical,
     }
-    print(json.dumps(results, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
-    if tmp is not None:
-        tmp.cleanup()
-    return 0
+    return results

@@ -13,9 +13,11 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
+
+from specserve.evals.common import set_threads, write_json
+from specserve.evals.metrics import SpecCounts
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,8 +35,7 @@ def run(args: argparse.Namespace) -> int:
     from specserve import LLM, SamplingParams
     from specserve.evals.datasets import heldout_prompts
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     specs = args.drafter or ["draft", "ngram"]
     prompts = heldout_prompts(args.prompts, args.prompt_chars)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
@@ -55,21 +56,16 @@ def run(args: argparse.Namespace) -> int:
     result = {"prompts": len(prompts), "max_tokens": args.max_tokens, "repeats": args.repeats,
               "threads": torch.get_num_threads(), "plain_tokens_per_s": plain_rate, "drafters": {}}
     for name in specs:
-        spec = stats[name]
-        steps = sum(s.num_steps for s in spec)
-        depth = max(len(s.accepted_per_position) for s in spec)
-        acc = [sum(s.accepted_per_position[d] for s in spec if d < len(s.accepted_per_position)) for d in range(depth)]
-        dra = [sum(s.drafted_per_position[d] for s in spec if d < len(s.drafted_per_position)) for d in range(depth)]
+        counts = SpecCounts.total(stats[name])
         result["drafters"][name] = {
             "tokens_per_s": statistics.median(rates[name]),
             "speedup": statistics.median(rates[name]) / plain_rate,
-            "tau": sum(s.num_emitted for s in spec) / steps,
-            "acceptance_per_position": [a / d if d else 0.0 for a, d in zip(acc, dra)],
+            "tau": counts.tau,
+            "acceptance_per_position": counts.acceptance_per_position,
             "identical_to_plain": outputs[name] == outputs["plain"],
         }
     print(json.dumps(result, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    write_json(result, args.json)
     return 0
 
 

@@ -27,11 +27,12 @@ import platform
 import re
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+from specserve.evals.common import host, use_model_dir, write_json
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -209,18 +210,17 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--concurrency levels must be in [1, 256], got {levels}")
     if args.warmup < 0 or args.duration <= 0:
         raise ValueError("--warmup must be >= 0 and --duration > 0")
-    tmp = None
-    if args.model is None:
-        tmp = tempfile.TemporaryDirectory()
-        model_dir = build_small_llama(Path(tmp.name))
-        print(f"built a small random Llama in {model_dir}", file=sys.stderr)
-    else:
-        model_dir = Path(args.model)
+    with use_model_dir(args.model, build_small_llama, "a small random Llama") as path:
+        figures = _measure(args, path, levels)
+    write_json(figures, args.json)
+    return 0
+
+
+def _measure(args: argparse.Namespace, model_dir: Path, levels: list[int]) -> dict:
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     proc, url = start_server(model_dir, args, max(levels))
     figures: dict = {
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpus": os.cpu_count(), "python": platform.python_version()},
+        "machine": host() | {"cpus": os.cpu_count(), "python": platform.python_version()},
         "settings": {"model": str(args.model or "small random Llama (4 layers, hidden 256, 2k BPE vocab)"),
                      "drafter": args.drafter, "prompt_tokens": args.prompt_tokens,
                      "max_output_tokens": args.max_output_tokens, "requests_per_client": args.requests,
@@ -238,11 +238,7 @@ def run(args: argparse.Namespace) -> int:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
-        if tmp is not None:
-            tmp.cleanup()
-    if args.json:
-        Path(args.json).write_text(json.dumps(figures, indent=2))
-    return 0
+    return figures
 
 
 def _print_level(level: dict) -> None:

@@ -9,12 +9,12 @@ the figure is its median time relative to N = 0 (plain decoding's forward). Spec
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
+
+from specserve.evals.common import set_threads, sync, write_json
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,10 +56,7 @@ def run(args: argparse.Namespace) -> int:
     for name in ("repeats", "branching", "prefix_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     llm = LLM(args.model, drafter=None, device=args.device, max_num_seqs=1)
     model, cfg = llm.model, llm.model.config
     prefix = args.prefix_tokens
@@ -87,10 +84,10 @@ def run(args: argparse.Namespace) -> int:
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for rep in range(args.repeats + 2):  # two warm-up rounds
         for n, (ids, sl, rows, _) in cases.items():
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             forward(ids, sl, rows)  # writes tree KV after the prefix; nothing is committed
-            _sync(device)
+            sync(device)
             if rep >= 2:
                 times[n].append(time.perf_counter() - t0)
     cache.free("bench")
@@ -107,11 +104,5 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'nodes':>6} {'depth':>6} {'ms':>9} {'min-max ms':>17} {'x N=0':>7}")
     for r in rows:
         print(f"{r['nodes']:>6} {r['depth']:>6} {r['ms']:>9.3f} {r['ms_min']:>8.3f}-{r['ms_max']:<8.3f} {r['relative']:>7.2f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    write_json(result, args.json)
     return 0
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

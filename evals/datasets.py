@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
+from specserve.chat_template import has_chat_template
+
 ON_BAD_LINE = ("fail", "skip")
 
 
@@ -186,10 +188,6 @@ def load_dataset(spec: str, on_bad_line: str = "fail", limit: int | None = None,
 
 
 # ---- prompts --------------------------------------------------------------------------------------
-
-
-def has_chat_template(tokenizer) -> bool:
-    return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None)) and hasattr(tokenizer, "apply_chat_template")
 
 
 def render(tokenizer, record: Record, turn: int, answers: list[str]) -> list[int]:

@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specserve.evals.common import sync
+
 PEERS = ("transformers", "transformers-assisted", "transformers-prompt-lookup")
 
 
@@ -66,7 +68,7 @@ class Peer:
                       **sample, **self.generate_kwargs)
         batches = [[p] for p in prompts] if self.one_at_a_time else [prompts]
         outputs: list[list[int]] = []
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         for i, batch in enumerate(batches):
             width = max(len(p) for p in batch)
@@ -77,15 +79,8 @@ class Peer:
             with torch.inference_mode():
                 out = self.model.generate(ids, attention_mask=mask, **kwargs)
             outputs += out[:, width:].tolist()
-        _sync(device)
+        sync(device)
         return time.perf_counter() - t0, outputs
-
-
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def load_peers(names: list[str], model_dir: str, *, draft_dir: str | None, device, dtype,

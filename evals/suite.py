@@ -27,6 +27,7 @@ from specserve.evals.datasets import (
     build_prompts,
     load_dataset,
 )
+from specserve.evals.common import sync
 from specserve.evals.peers import parse_peers, resolve_peer_draft
 from specserve.evals.report import write_json, write_report
 from specserve.evals.summary import PLAIN, RunData, summarize
@@ -205,10 +206,10 @@ def run_eval(cfg: EvalConfig) -> dict:
             if name in peers:
                 seconds, outs = peers[name].run(ids, max_tokens, cfg.temperature, cfg.seed + 100_003 * repeat + idx[0])
                 return seconds, outs, None
-            _sync(plain.device)
+            sync(plain.device)
             t0 = time.perf_counter()
             outs = llms[name].generate(ids, params_for(idx, repeat, max_tokens))
-            _sync(plain.device)
+            sync(plain.device)
             return time.perf_counter() - t0, [o.token_ids for o in outs], (None if name == PLAIN else [o.spec for o in outs])
 
         systems = [*llms, *peers]
@@ -296,13 +297,6 @@ def _progress(cfg: EvalConfig, total: int):
 
     return tqdm(total=total, desc="eval", unit="run", file=sys.stderr, dynamic_ncols=True,
                 disable=None if cfg.progress else True)
-
-
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _settings(cfg: EvalConfig, data: RunData | None, threads: int) -> dict:

@@ -7,11 +7,8 @@ ending with ``assistant:`` so the model continues as the assistant — see :func
 
 from __future__ import annotations
 
+from specserve.chat_template import has_chat_template
 from specserve.server.protocol import ProtocolError
-
-
-def has_chat_template(tokenizer) -> bool:
-    return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None)) and hasattr(tokenizer, "apply_chat_template")
 
 
 def messages_to_text(tokenizer, messages: list[dict]) -> tuple[str, bool]:

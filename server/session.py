@@ -94,15 +94,18 @@ class Session:
     def describe(self) -> dict:
         """The ``session`` object of session.created / session.updated."""
         server = self.server
-        drafters = ([server.drafter_spec] if server.drafter_spec else []) + ["none"]
         return {
             "id": self.id,
             "model": server.model_name,
             "drafter": server.drafter_spec if self.speculate else None,
-            "available_drafters": drafters,
+            "available_drafters": self._available_drafters(),
             "defaults": {**self.defaults, "stop": list(self.defaults["stop"])},
             "limits": server.limits(),
         }
+
+    def _available_drafters(self) -> list[str]:
+        """What a session may choose: the server's drafter (when it loaded one), or "none"."""
+        return ([self.server.drafter_spec] if self.server.drafter_spec else []) + ["none"]
 
     # ---- client events ----------------------------------------------------------------------------
 
@@ -215,7 +218,7 @@ class Session:
                 speculate = True
             else:
                 loaded = f"drafter {server.drafter_spec!r}" if server.drafter_spec else "no drafter"
-                allowed = ", ".join(repr(d) for d in ([server.drafter_spec] if server.drafter_spec else []) + ["none"])
+                allowed = ", ".join(repr(d) for d in self._available_drafters())
                 raise ProtocolError(
                     "drafter_unavailable",
                     f"drafter {ev.drafter[:64]!r} is not loaded: this server loaded {loaded}; a session may use {allowed}",

@@ -1,0 +1,53 @@
+"""Small pieces the `specserve bench` commands and `specserve eval` share."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import platform
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable, Iterator
+
+
+def sync(device) -> None:
+    """Wait for queued CUDA work on `device` (a no-op elsewhere), so a timer reads finished work."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def set_threads(threads: int | None) -> None:
+    """--threads: torch's intra-op threads (None keeps torch's choice)."""
+    if threads is None:
+        return
+    if threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def write_json(result: dict, path: str | None) -> None:
+    """--json FILE: the figures, indented; nothing when no file was asked for."""
+    if path:
+        Path(path).write_text(json.dumps(result, indent=2))
+
+
+def host() -> dict:
+    """The platform string and processor of this machine."""
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine()}
+
+
+@contextlib.contextmanager
+def use_model_dir(model: str | None, build: Callable[[Path], Path], what: str) -> Iterator[Path]:
+    """`model` as a Path, or (None) a model `build` writes into a temporary directory removed on exit."""
+    if model is not None:
+        yield Path(model)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        built = build(Path(tmp))
+        print(f"built {what} in {built}", file=sys.stderr)
+        yield built
