@@ -33,6 +33,7 @@ import torch
 from specserve.training.corpus import build_corpus, corpus_from_manifest
 from specserve.training.data import encode_stream, load_stream
 from specserve.training.outputs import prepare_out_dir, read_json, write_json
+from specserve.training.presets import check_float, check_int
 from specserve.training.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 MANIFEST = "distill_manifest.json"
@@ -56,21 +57,15 @@ class DistillSettings:
     seed: int = 0
 
     def validate(self, max_positions: int, vocab_size: int) -> "DistillSettings":
-        def check(name: str, low: int, high: int) -> None:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-                raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
-
-        check("num_prompts", 1, 1 << 24)
-        check("heldout_prompts", 0, 1 << 24)
-        check("prompt_tokens", 1, max_positions - 1)
-        check("new_tokens", 1, max_positions - self.prompt_tokens)
-        check("topk", 1, min(vocab_size, 256))
-        check("batch_size", 1, 4096)
-        check("shard_size", 1, 1 << 20)
-        check("seed", 0, 2**31 - 1)
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or not 0 < self.temperature <= 10:
-            raise ValueError(f"temperature must be a number in (0, 10], got {self.temperature!r}")
+        check_int("num_prompts", self.num_prompts, 1, 1 << 24)
+        check_int("heldout_prompts", self.heldout_prompts, 0, 1 << 24)
+        check_int("prompt_tokens", self.prompt_tokens, 1, max_positions - 1)
+        check_int("new_tokens", self.new_tokens, 1, max_positions - self.prompt_tokens)
+        check_int("topk", self.topk, 1, min(vocab_size, 256))
+        check_int("batch_size", self.batch_size, 1, 4096)
+        check_int("shard_size", self.shard_size, 1, 1 << 20)
+        check_int("seed", self.seed, 0, 2**31 - 1)
+        check_float("temperature", self.temperature, 0, 10, low_open=True)
         return self
 
 
@@ -276,6 +271,10 @@ class DistillSet:
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
+    def take(self, n: int) -> DistillSet:
+        """The first ``n`` sequences."""
+        return DistillSet(self.tokens[:n], self.lengths[:n], self.topk_ids[:n], self.topk_logprobs[:n])
+
 
 def load_distill(data_dir: str | Path, split: str) -> tuple[DistillSet | None, dict]:
     """The split's sequences (None when it has none) and the manifest. ValueError when it is not distill data."""
@@ -292,3 +291,34 @@ def load_distill(data_dir: str | Path, split: str) -> tuple[DistillSet | None, d
         return None, manifest
     cat = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
     return DistillSet(cat["tokens"].long(), cat["lengths"].long(), cat["topk_ids"].long(), cat["topk_logprobs"]), manifest
+
+
+def run_distill_dir(out_dir: Path, data: str | Path | None) -> Path:
+    """The data a drafter run trains on: ``data`` when given, else the run's own ``OUT/distill``."""
+    return Path(data).expanduser() if data is not None else out_dir / "distill"
+
+
+def make_run_distill_data(target_dir: Path, out_dir: Path, settings: DistillSettings, device: str) -> None:
+    """Generate a drafter run's own data in ``OUT/distill`` (completing a partial one)."""
+    distill_dir = run_distill_dir(out_dir, None)
+    make_distill_data(target_dir, distill_dir, settings, device=device, resume=distill_dir.is_dir(), force=False)
+
+
+def load_training_distill(
+    data_dir: Path, target_dir: Path, *, warn: bool = True
+) -> tuple[DistillSet, DistillSet | None, dict]:
+    """(train, held-out or None, manifest) of the data a drafter of ``target_dir`` trains on.
+
+    ValueError when the data has no training sequences or was made with another tokenizer than the
+    target's (checked when the target has a ``tokenizer.json``); ``warn``: say so when it is incomplete.
+    """
+    train_set, manifest = load_distill(data_dir, "train")
+    heldout_set, _ = load_distill(data_dir, "heldout")
+    if train_set is None:
+        raise ValueError(f"{str(data_dir)!r} holds no training sequences")
+    if (target_dir / "tokenizer.json").is_file() and manifest.get("target_tokenizer") != tokenizer_fingerprint(target_dir):
+        raise ValueError(f"the distillation data in {str(data_dir)!r} was made with another tokenizer than "
+                         f"{str(target_dir)!r}'s")
+    if warn and not manifest.get("complete", False):
+        print("warning: the distillation data is incomplete (its run stopped early)", file=sys.stderr)
+    return train_set, heldout_set, manifest

@@ -22,8 +22,14 @@ from pathlib import Path
 
 import torch
 from specserve.training.data import IndexSampler
-from specserve.training.distill import DistillSettings, load_distill, make_distill_data
+from specserve.training.distill import (
+    DistillSettings,
+    load_training_distill,
+    make_run_distill_data,
+    run_distill_dir,
+)
 from specserve.training.outputs import (
+    check_run_options,
     prepare_out_dir,
     read_json,
     recorded_preset,
@@ -68,14 +74,11 @@ def train_draft(
     """Train (or resume) a draft model for ``target``; return the run summary."""
     from transformers import AutoConfig, LlamaForCausalLM
 
-    if resume and force:
-        raise ValueError("--resume and --force contradict each other: pick one")
+    check_run_options(resume=resume, force=force, stop_at_step=stop_at_step)
     out_dir = Path(out).expanduser()
     base = recorded_preset(out_dir, preset) if resume else get_preset(preset or "draft", "draft")
     recipe = base.with_overrides(max_steps=max_steps, batch_size=batch_size, lr=lr, seed=seed, max_minutes=max_minutes)
     settings = recipe.train
-    if stop_at_step is not None and stop_at_step < 1:
-        raise ValueError(f"stop_at_step must be >= 1, got {stop_at_step}")
     target_dir = Path(target).expanduser().resolve()
     tok = load_tokenizer(target_dir, "target directory")
     target_config = AutoConfig.from_pretrained(str(target_dir))
@@ -94,21 +97,10 @@ def train_draft(
                     "data": str(data) if data is not None else None, "device": str(dist.device), "world_size": dist.world,
                 })
             if data is None:  # generate the distillation data inside the output directory
-                distill_dir = out_dir / "distill"
-                make_distill_data(target_dir, distill_dir, distill_settings, device=device,
-                                  resume=distill_dir.is_dir(), force=False)
+                make_run_distill_data(target_dir, out_dir, distill_settings, device)
         barrier(dist)
-        data_dir = Path(data).expanduser() if data is not None else out_dir / "distill"
-        train_set, manifest = load_distill(data_dir, "train")
-        heldout_set, _ = load_distill(data_dir, "heldout")
-        if train_set is None:
-            raise ValueError(f"{str(data_dir)!r} holds no training sequences")
-        if manifest.get("target_tokenizer") != tokenizer_fingerprint(target_dir):
-            raise ValueError(
-                f"the distillation data in {str(data_dir)!r} was made with another tokenizer than {str(target_dir)!r}'s"
-            )
-        if not manifest.get("complete", False) and dist.is_main:
-            print("warning: the distillation data is incomplete (its run stopped early)", file=sys.stderr)
+        data_dir = run_distill_dir(out_dir, data)
+        train_set, heldout_set, _ = load_training_distill(data_dir, target_dir, warn=dist.is_main)
 
         shape = replace(recipe.shape, vocab_size=target_config.vocab_size,
                         max_positions=target_config.max_position_embeddings).validate()
@@ -124,7 +116,7 @@ def train_draft(
                   f"{len(train_set)} train / {len(heldout_set) if heldout_set else 0} held-out sequences of <= {seq_len} tokens",
                   file=sys.stderr)
         sampler = IndexSampler(len(train_set), settings.batch_size, settings.seed)
-        evalset = heldout_set if heldout_set is not None else _take(train_set, settings.eval_batches * settings.batch_size)
+        evalset = heldout_set if heldout_set is not None else train_set.take(settings.eval_batches * settings.batch_size)
 
         def batch_fn(step: int, rank: int, world: int):
             return _batch(train_set, sampler.ids(step, rank, world), dist.device)
@@ -172,12 +164,6 @@ def train_draft(
         return summary
     finally:
         teardown_distributed(dist)
-
-
-def _take(data, n: int):
-    from specserve.training.distill import DistillSet
-
-    return DistillSet(data.tokens[:n], data.lengths[:n], data.topk_ids[:n], data.topk_logprobs[:n])
 
 
 def _batch(data, ids: torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:

@@ -71,25 +71,26 @@ def train_eagle(
     from specserve.drafters.eagle_checkpoint import new_head_config, save_head
     from specserve.drafters.eagle_head import EagleHead
     from specserve.training.data import IndexSampler
-    from specserve.training.distill import DistillSettings, load_distill, make_distill_data
-    from specserve.training.outputs import prepare_out_dir, read_json, write_json
+    from specserve.training.distill import (
+        DistillSettings,
+        load_training_distill,
+        make_run_distill_data,
+        run_distill_dir,
+    )
+    from specserve.training.outputs import check_run_options, prepare_out_dir, read_json, write_json
     from specserve.training.plots import plot_loss_curve
-    from specserve.training.presets import TrainSettings
-    from specserve.training.tokenizer import tokenizer_fingerprint
+    from specserve.training.presets import TrainSettings, check_int
     from specserve.training.trainer import LOG_FILE, Trainer, read_log, setup_distributed, teardown_distributed
 
-    if resume and force:
-        raise ValueError("--resume and --force contradict each other: pick one")
+    check_run_options(resume=resume, force=force, stop_at_step=stop_at_step)
     if save_dtype not in ("float16", "float32"):
         raise ValueError(f"save_dtype must be float16 or float32, got {save_dtype!r}")
-    if stop_at_step is not None and stop_at_step < 1:
-        raise ValueError(f"stop_at_step must be >= 1, got {stop_at_step}")
     out_dir = Path(out).expanduser()
     target_dir = Path(target).expanduser().resolve()
     if not (target_dir / "config.json").is_file():
         raise ValueError(f"target directory {str(target_dir)!r} has no config.json")
     if resume:
-        recorded = _recorded(out_dir, read_json)
+        recorded = _recorded(out_dir)
         for name, given in (("mode", mode), ("ttt_steps", ttt_steps), ("draft_vocab", draft_vocab),
                             ("feature_layers", list(feature_layers) if feature_layers else None)):
             if given is not None and given != recorded[name]:
@@ -105,8 +106,7 @@ def train_eagle(
     if mode not in ("eagle3", "eagle1"):
         raise ValueError(f"mode must be eagle3 or eagle1, got {mode!r}")
     ttt_steps = DEFAULT_TTT[mode] if ttt_steps is None else ttt_steps
-    if isinstance(ttt_steps, bool) or not isinstance(ttt_steps, int) or not 1 <= ttt_steps <= 16:
-        raise ValueError(f"ttt_steps must be an integer in [1, 16], got {ttt_steps!r}")
+    check_int("ttt_steps", ttt_steps, 1, 16)
     overrides = {k: v for k, v in dict(max_steps=max_steps, batch_size=batch_size, lr=lr, seed=seed,
                                        max_minutes=max_minutes).items() if v is not None}
     settings = TrainSettings(**{**base, **overrides}).validate()
@@ -128,17 +128,9 @@ def train_eagle(
             for name in ("eagle_config.json", "eagle_head.safetensors", "agreement.png"):
                 (out_dir / name).unlink(missing_ok=True)
         if data is None:
-            distill_dir = out_dir / "distill"
-            make_distill_data(target_dir, distill_dir, distill_settings, device=device, resume=distill_dir.is_dir(), force=False)
-        data_dir = Path(data).expanduser() if data is not None else out_dir / "distill"
-        train_set, manifest = load_distill(data_dir, "train")
-        heldout_set, _ = load_distill(data_dir, "heldout")
-        if train_set is None:
-            raise ValueError(f"{str(data_dir)!r} holds no training sequences")
-        if (target_dir / "tokenizer.json").is_file() and manifest.get("target_tokenizer") != tokenizer_fingerprint(target_dir):
-            raise ValueError(f"the distillation data in {str(data_dir)!r} was made with another tokenizer than {str(target_dir)!r}'s")
-        if not manifest.get("complete", False):
-            print("warning: the distillation data is incomplete (its run stopped early)", file=sys.stderr)
+            make_run_distill_data(target_dir, out_dir, distill_settings, device)
+        data_dir = run_distill_dir(out_dir, data)
+        train_set, heldout_set, _ = load_training_distill(data_dir, target_dir)
         if int(train_set.tokens.max()) >= vocab:
             raise ValueError(f"the distillation data in {str(data_dir)!r} has token ids outside the target's vocabulary")
 
@@ -234,13 +226,10 @@ def default_draft_vocab(vocab: int) -> int:
     return min(vocab, max(2048, vocab // 4))
 
 
-def _recorded(out_dir: Path, read_json) -> dict:
-    if not out_dir.is_dir():
-        raise ValueError(f"--resume: {str(out_dir)!r} does not exist")
-    path = out_dir / "run_config.json"
-    if not path.is_file():
-        raise ValueError(f"--resume: {str(out_dir)!r} has no run_config.json (is it a train eagle run?)")
-    run = read_json(path)
+def _recorded(out_dir: Path) -> dict:
+    from specserve.training.outputs import read_run_config
+
+    run = read_run_config(out_dir, "a train eagle run")
     if run.get("command") != "train eagle" or "eagle" not in run:
         raise ValueError(f"--resume: {str(out_dir)!r} is not a train eagle run")
     return {**run["eagle"], "data": run.get("data")}

@@ -27,6 +27,7 @@ from specserve.training.data import (
     save_stream,
 )
 from specserve.training.outputs import (
+    check_run_options,
     prepare_out_dir,
     read_json,
     recorded_preset,
@@ -70,15 +71,12 @@ def train_lm(
     A resumed run takes its recipe from its own ``run_config.json``; options given explicitly
     (e.g. ``max_minutes``, a larger ``max_steps``) override it.
     """
-    if resume and force:
-        raise ValueError("--resume and --force contradict each other: pick one")
+    check_run_options(resume=resume, force=force, stop_at_step=stop_at_step)
     base = recorded_preset(Path(out).expanduser(), preset) if resume else get_preset(_require(preset), "lm")
     recipe = base.with_overrides(
         max_steps=max_steps, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed, max_minutes=max_minutes
     )
     settings = recipe.train
-    if stop_at_step is not None and stop_at_step < 1:
-        raise ValueError(f"stop_at_step must be >= 1, got {stop_at_step}")
     dist = setup_distributed(device)
     try:
         out_dir = Path(out).expanduser()

@@ -34,11 +34,16 @@ import torch
 from specserve.drafters.medusa_heads import CONFIG_FILE, LM_HEAD_MODES, WEIGHTS_FILE, MedusaHeads, save_heads
 from specserve.drafters.medusa_tree import choices_from_accuracies, expected_accepted
 from specserve.training.data import IndexSampler
-from specserve.training.distill import DistillSet, DistillSettings, load_distill, make_distill_data
-from specserve.training.outputs import prepare_out_dir, read_json, write_json
+from specserve.training.distill import (
+    DistillSet,
+    DistillSettings,
+    load_training_distill,
+    make_run_distill_data,
+    run_distill_dir,
+)
+from specserve.training.outputs import check_run_options, prepare_out_dir, read_run_config, write_json
 from specserve.training.plots import plot_loss_curve
-from specserve.training.presets import TrainSettings
-from specserve.training.tokenizer import tokenizer_fingerprint
+from specserve.training.presets import TrainSettings, check_float, check_int
 from specserve.training.trainer import LOG_FILE, Trainer, read_log, setup_distributed, teardown_distributed
 from torch import nn
 
@@ -79,8 +84,7 @@ def train_medusa(
     """Train (or resume) Medusa heads for ``target``; return the run summary."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if resume and force:
-        raise ValueError("--resume and --force contradict each other: pick one")
+    check_run_options(resume=resume, force=force, stop_at_step=stop_at_step)
     out_dir = Path(out).expanduser()
     given_heads = {"num_heads": num_heads, "num_layers": num_layers, "lm_head": lm_head, "decay": decay}
     overrides = {"max_steps": max_steps, "batch_size": batch_size, "lr": lr, "seed": seed, "max_minutes": max_minutes}
@@ -98,8 +102,6 @@ def train_medusa(
         base = DEFAULT_SETTINGS
     settings = replace(base, **{k: v for k, v in overrides.items() if v is not None}).validate()
     _check_spec(spec)
-    if stop_at_step is not None and stop_at_step < 1:
-        raise ValueError(f"stop_at_step must be >= 1, got {stop_at_step}")
     target_dir = Path(target).expanduser().resolve()
     if not (target_dir / "config.json").is_file():
         raise ValueError(f"target directory {str(target_dir)!r} has no config.json")
@@ -108,9 +110,9 @@ def train_medusa(
         distill_settings = (distill_settings or DistillSettings()).validate(
             target_config.max_position_embeddings, target_config.vocab_size)
     dist = setup_distributed(device)
-    if dist.world > 1:
-        raise ValueError("train medusa runs as a single process, not under torchrun")
     try:
+        if dist.world > 1:  # inside try: the process group is torn down on this error too
+            raise ValueError("train medusa runs as a single process, not under torchrun")
         prepare_out_dir(out_dir, resume=resume, force=force)
         if force:  # prepare_out_dir removes the files every training command writes; these are ours
             for name in (CONFIG_FILE, WEIGHTS_FILE):
@@ -121,22 +123,12 @@ def train_medusa(
                 "target": str(target_dir), "data": str(data) if data is not None else None, "device": str(dist.device),
             })
         if data is None:
-            distill_dir = out_dir / "distill"
-            make_distill_data(target_dir, distill_dir, distill_settings, device=device, resume=distill_dir.is_dir(),
-                              force=False)
-        data_dir = Path(data).expanduser() if data is not None else out_dir / "distill"
-        train_set, manifest = load_distill(data_dir, "train")
-        heldout_set, _ = load_distill(data_dir, "heldout")
-        if train_set is None:
-            raise ValueError(f"{str(data_dir)!r} holds no training sequences")
-        if (target_dir / "tokenizer.json").is_file() and manifest.get("target_tokenizer") != tokenizer_fingerprint(target_dir):
-            raise ValueError(f"the distillation data in {str(data_dir)!r} was made with another tokenizer than "
-                             f"{str(target_dir)!r}'s")
+            make_run_distill_data(target_dir, out_dir, distill_settings, device)
+        data_dir = run_distill_dir(out_dir, data)
+        train_set, heldout_set, manifest = load_training_distill(data_dir, target_dir)
         if manifest.get("vocab_size") not in (None, target_config.vocab_size):
             raise ValueError(f"the distillation data in {str(data_dir)!r} has vocab_size {manifest.get('vocab_size')}, "
                              f"the target {target_config.vocab_size}")
-        if not manifest.get("complete", False):
-            print("warning: the distillation data is incomplete (its run stopped early)", file=sys.stderr)
 
         teacher = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).to(dist.device).eval()
         teacher.requires_grad_(False)
@@ -146,7 +138,7 @@ def train_medusa(
         heads = MedusaHeads(hidden, vocab, spec["num_heads"], spec["num_layers"], spec["lm_head"])
         heads.init_lm_heads(lm_weight)
         model = _Trainable(heads, lm_weight)
-        evalset = heldout_set if heldout_set is not None else _take(train_set, settings.eval_batches * settings.batch_size)
+        evalset = heldout_set if heldout_set is not None else train_set.take(settings.eval_batches * settings.batch_size)
         features = {"train": _Features(teacher.model, train_set, dist.device),
                     "eval": _Features(teacher.model, evalset, dist.device)}
         weights = [spec["decay"] ** k for k in range(spec["num_heads"])]
@@ -338,29 +330,16 @@ def _evaluate(module, evalset: DistillSet, features: _Features, weights, setting
     return {"eval_loss": weighted / max(norm, 1e-12), **metrics}, ranks
 
 
-def _take(data: DistillSet, n: int) -> DistillSet:
-    return DistillSet(data.tokens[:n], data.lengths[:n], data.topk_ids[:n], data.topk_logprobs[:n])
-
-
 def _check_spec(spec: dict) -> None:
-    for name, low, high in (("num_heads", 1, 16), ("num_layers", 0, 8)):
-        value = spec[name]
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+    check_int("num_heads", spec["num_heads"], 1, 16)
+    check_int("num_layers", spec["num_layers"], 0, 8)
     if spec["lm_head"] not in LM_HEAD_MODES:
         raise ValueError(f"lm_head must be one of {list(LM_HEAD_MODES)}, got {spec['lm_head']!r}")
-    decay = spec["decay"]
-    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay <= 1:
-        raise ValueError(f"decay must be a number in (0, 1], got {decay!r}")
+    check_float("decay", spec["decay"], 0, 1, low_open=True)
 
 
 def _recorded(out_dir: Path) -> dict:
-    if not out_dir.is_dir():
-        raise ValueError(f"--resume: {str(out_dir)!r} does not exist")
-    path = out_dir / "run_config.json"
-    if not path.is_file():
-        raise ValueError(f"--resume: {str(out_dir)!r} has no run_config.json (is it a training run?)")
-    recorded = read_json(path)
+    recorded = read_run_config(out_dir)
     if recorded.get("command") != "train medusa" or "heads" not in recorded or "settings" not in recorded:
         raise ValueError(f"--resume: the run in {str(out_dir)!r} is not a `train medusa` run")
     return recorded

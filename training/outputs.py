@@ -21,8 +21,7 @@ RUN_FILES = ("checkpoint", "data", "train_log.jsonl", "loss_curve.png", "corpus_
 def prepare_out_dir(out_dir: Path, *, resume: bool, force: bool, what: str = "output directory") -> Path:
     """Check and create ``out_dir`` for a fresh run, a resumed run (``resume``) or an overwrite (``force``)."""
     out_dir = Path(out_dir).expanduser()
-    if resume and force:
-        raise ValueError("--resume and --force contradict each other: pick one")
+    check_run_options(resume=resume, force=force)
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"{what} {str(out_dir)!r} exists and is not a directory")
     if resume:
@@ -65,14 +64,27 @@ def read_json(path: Path) -> dict:
         raise ValueError(f"cannot read {str(path)!r}: {exc}") from exc
 
 
-def recorded_preset(out_dir: Path, preset: str | None):
-    """The recipe a run in ``out_dir`` was started with (its ``run_config.json``)."""
+def check_run_options(*, resume: bool, force: bool, stop_at_step: int | None = None) -> None:
+    """The checks every training command makes of its run options, before any work."""
+    if resume and force:
+        raise ValueError("--resume and --force contradict each other: pick one")
+    if stop_at_step is not None and stop_at_step < 1:
+        raise ValueError(f"stop_at_step must be >= 1, got {stop_at_step}")
+
+
+def read_run_config(out_dir: Path, what: str = "a training run") -> dict:
+    """The ``run_config.json`` of the run in ``out_dir`` (for ``--resume``)."""
     if not out_dir.is_dir():
         raise ValueError(f"--resume: {str(out_dir)!r} does not exist")
     path = out_dir / "run_config.json"
     if not path.is_file():
-        raise ValueError(f"--resume: {str(out_dir)!r} has no run_config.json (is it a training run?)")
-    recorded = Preset.from_dict(read_json(path)["preset"])
+        raise ValueError(f"--resume: {str(out_dir)!r} has no run_config.json (is it {what}?)")
+    return read_json(path)
+
+
+def recorded_preset(out_dir: Path, preset: str | None):
+    """The recipe a run in ``out_dir`` was started with (its ``run_config.json``)."""
+    recorded = Preset.from_dict(read_run_config(out_dir)["preset"])
     if preset is not None and preset != recorded.name:
         raise ValueError(f"--resume: the run in {str(out_dir)!r} uses preset {recorded.name!r}, not {preset!r}")
     return recorded

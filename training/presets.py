@@ -38,9 +38,9 @@ class ModelShape:
 
     def validate(self) -> "ModelShape":
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
-            _check_int(name, getattr(self, name), 1, 1 << 16)
-        _check_int("vocab_size", self.vocab_size, 0, 1 << 20)
-        _check_int("max_positions", self.max_positions, 0, 1 << 20)
+            check_int(name, getattr(self, name), 1, 1 << 16)
+        check_int("vocab_size", self.vocab_size, 0, 1 << 20)
+        check_int("max_positions", self.max_positions, 0, 1 << 20)
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size {self.hidden_size} must be divisible by num_heads {self.num_heads}")
         if self.num_heads % self.num_kv_heads:
@@ -110,19 +110,19 @@ class TrainSettings:
     seed: int = 0
 
     def validate(self) -> "TrainSettings":
-        _check_int("seq_len", self.seq_len, 8, 1 << 16)
-        _check_int("batch_size", self.batch_size, 1, 1 << 16)
-        _check_int("max_steps", self.max_steps, 1, 1 << 30)
-        _check_int("warmup_steps", self.warmup_steps, 0, 1 << 30)
+        check_int("seq_len", self.seq_len, 8, 1 << 16)
+        check_int("batch_size", self.batch_size, 1, 1 << 16)
+        check_int("max_steps", self.max_steps, 1, 1 << 30)
+        check_int("warmup_steps", self.warmup_steps, 0, 1 << 30)
         for name in ("log_every", "eval_every", "eval_batches", "checkpoint_every"):
-            _check_int(name, getattr(self, name), 1, 1 << 30)
-        _check_int("seed", self.seed, 0, 2**63 - 1)
-        _check_float("lr", self.lr, 0.0, 1.0, low_open=True)
-        _check_float("min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
-        _check_float("weight_decay", self.weight_decay, 0.0, 10.0)
-        _check_float("grad_clip", self.grad_clip, 0.0, 1e6, low_open=True)
-        _check_float("beta2", self.beta2, 0.0, 1.0, low_open=True, high_open=True)
-        _check_float("max_minutes", self.max_minutes, 0.0, 1e6, low_open=True)
+            check_int(name, getattr(self, name), 1, 1 << 30)
+        check_int("seed", self.seed, 0, 2**63 - 1)
+        check_float("lr", self.lr, 0.0, 1.0, low_open=True)
+        check_float("min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        check_float("weight_decay", self.weight_decay, 0.0, 10.0)
+        check_float("grad_clip", self.grad_clip, 0.0, 1e6, low_open=True)
+        check_float("beta2", self.beta2, 0.0, 1.0, low_open=True, high_open=True)
+        check_float("max_minutes", self.max_minutes, 0.0, 1e6, low_open=True)
         return self
 
     def lr_at(self, step: int) -> float:
@@ -216,12 +216,14 @@ def get_preset(name: str, kind: str = "lm") -> Preset:
     return preset
 
 
-def _check_int(name: str, value, low: int, high: int) -> None:
+def check_int(name: str, value, low: int, high: int) -> None:
+    """ValueError unless ``value`` is an int (not a bool) in [low, high]."""
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
 
 
-def _check_float(name: str, value, low: float, high: float, low_open: bool = False, high_open: bool = False) -> None:
+def check_float(name: str, value, low: float, high: float, low_open: bool = False, high_open: bool = False) -> None:
+    """ValueError unless ``value`` is a finite number (not a bool) in the interval; ``*_open`` excludes an end."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if ok:
         ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
