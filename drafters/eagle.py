@@ -84,7 +84,6 @@ class EagleDrafter(Drafter):
                              "the bundled default model when the bundle has a head)")
         self.path = Path(path).expanduser()
         self.head = load_head(self.path, target)
-        self.head.use_gemv = target.device.type == "cpu" and target.dtype == torch.float32
         self.mode = self.head.mode
         self._id_map = self.head.draft_to_target.cpu()  # draft id -> target id, on the host where trees are built
         self.feature_layers = self.head.cfg.feature_layers

@@ -155,7 +155,6 @@ class EagleHead(nn.Module):
             self.target_lm_head = None
         self.rope = RotaryTable(mc, device, dtype)
         self.backend = SdpaBackend()
-        self.use_gemv = False  # inference on CPU fp32: few-row products through specserve.gemv
         # What GrowingKV reads to size a cache for this head (one layer).
         self.kv_spec = SimpleNamespace(config=SimpleNamespace(num_layers=1, num_kv_heads=self.num_kv_heads, head_dim=hd),
                                        device=device, dtype=dtype)
@@ -166,11 +165,6 @@ class EagleHead(nn.Module):
 
     # ---- pieces shared by inference and training -------------------------------------------------
 
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.use_gemv and x.dim() == 2:
-            return gemv.linear(x, weight, bias)
-        return F.linear(x, weight, bias)
-
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
 
@@ -178,19 +172,19 @@ class EagleHead(nn.Module):
         """Target features of the `feature_layers` ([..., H] each, in that order) → the head's input feature [..., H]."""
         if self.mode == "eagle1":
             return layers[0]
-        return self._linear(torch.cat(layers, dim=-1), self.fc)
+        return gemv.linear(torch.cat(layers, dim=-1), self.fc)
 
     def _inputs(self, tokens: torch.Tensor, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(residual x [..., H], attention input [..., H or 2H]) of pairs (feature, token)."""
         e = self.embed[tokens]
         if self.mode == "eagle1":
-            x = self._linear(torch.cat([e, feats], dim=-1), self.fc, self.fc_bias)
+            x = gemv.linear(torch.cat([e, feats], dim=-1), self.fc, self.fc_bias)
             return x, (self._rms(x, self.input_norm) if self.input_norm is not None else x)
         return feats, torch.cat([self._rms(e, self.input_norm), self._rms(feats, self.hidden_norm)], dim=-1)
 
     def _qkv(self, h: torch.Tensor, positions: torch.Tensor):
         """h [..., T, in] → q [..., T, heads, hd], k, v [..., T, kv_heads, hd], RoPE applied at `positions` [T]."""
-        q, k, v = self._linear(h, self.qkv).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = gemv.linear(h, self.qkv).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.unflatten(-1, (self.num_heads, self.head_dim))
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
@@ -198,15 +192,15 @@ class EagleHead(nn.Module):
         return q, k, v
 
     def _finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        x = x + self._linear(attn, self.o_proj)
-        gate, up = self._linear(self._rms(x, self.post_norm), self.gate_up).chunk(2, dim=-1)
-        return x + self._linear(F.silu(gate) * up, self.down)
+        x = x + gemv.linear(attn, self.o_proj)
+        gate, up = gemv.linear(self._rms(x, self.post_norm), self.gate_up).chunk(2, dim=-1)
+        return x + gemv.linear(F.silu(gate) * up, self.down)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """Output features [R, H] → logits over the draft vocabulary [R, Vd] (float32)."""
         if self.mode == "eagle1":
-            return self._linear(out, self.target_lm_head).float()
-        return self._linear(self._rms(out, self.norm), self.lm_head).float()
+            return gemv.linear(out, self.target_lm_head).float()
+        return gemv.linear(self._rms(out, self.norm), self.lm_head).float()
 
     # ---- inference: paged cache, tree masks ------------------------------------------------------
 

@@ -131,7 +131,6 @@ class MedusaDrafter(Drafter):
                 raise ValueError(f"medusa heads in {self.path!r} share the target's LM head, but the target model is "
                                  "not available")
             self.lm_weight = target.model.lm_head.detach()
-        self.cpu_kernels = target.device.type == "cpu" and target.dtype == torch.float32
         self.feature_layer = target.num_layers
         self.hidden_layers = (target.num_layers,)
         self._features: dict[str, tuple[torch.Tensor, int]] = {}  # request -> (feature [H], its position)
@@ -162,7 +161,7 @@ class MedusaDrafter(Drafter):
             return trees
         with torch.inference_mode():
             feats = torch.stack([self._features[req.request_id][0] for _, req, _ in work])  # [A, H]
-            logits = self.heads(feats, self.lm_weight, heads=self.depth, cpu_kernels=self.cpu_kernels)
+            logits = self.heads(feats, self.lm_weight, heads=self.depth)
             logits = logits.transpose(0, 1).float()  # [A, D, V]
         temps = [req.temperature for _, req, _ in work]
         greedy = [a for a, t in enumerate(temps) if t <= 0]

@@ -76,11 +76,10 @@ class MedusaHeads(nn.Module):
                 self.lm_heads.copy_(target_lm_head.to(self.lm_heads)[None].expand_as(self.lm_heads))
 
     def forward(self, h: torch.Tensor, lm_weight: torch.Tensor | None = None, heads: int | None = None,
-                first: int = 0, cpu_kernels: bool = False) -> torch.Tensor:
+                first: int = 0) -> torch.Tensor:
         """Logits [n, ..., V] of heads ``first .. first + n - 1`` (n = ``heads``, default all) for h [..., H].
 
         lm_weight: the target's LM head [V, H], needed when the heads share it.
-        cpu_kernels: inference on CPU fp32 — the shared LM head product goes through `specserve.gemv`.
         """
         n = self.num_heads - first if heads is None else heads
         idx = slice(first, first + n)
@@ -93,9 +92,7 @@ class MedusaHeads(nn.Module):
         else:
             if lm_weight is None:
                 raise ValueError("these Medusa heads share the target's LM head: pass lm_weight")
-            rows = x.reshape(-1, self.hidden_size)  # [n * M, H]
-            logits = gemv.linear(rows, lm_weight) if cpu_kernels else rows @ lm_weight.t()
-            logits = logits.reshape(n, -1, lm_weight.shape[0])
+            logits = gemv.linear(x.reshape(-1, self.hidden_size), lm_weight).reshape(n, -1, lm_weight.shape[0])
         return logits.reshape(n, *shape, logits.shape[-1])
 
 
