@@ -42,9 +42,9 @@ def prepare() -> None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, in] @ weight [out, in]^T (+ bias [out]) -> [M, out], through the fastest path for its shape."""
-    few_rows = x.dim() == 2 and x.shape[0] <= MAX_SMALL_ROWS
-    if not (few_rows and x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu"
-            and not torch.is_grad_enabled()):
+    # Cheapest tests first: this runs for every product of every forward (~0.3 us).
+    if not (x.is_cpu and x.dtype is torch.float32 and weight.dtype is torch.float32 and x.dim() == 2
+            and x.shape[0] <= MAX_SMALL_ROWS and not torch.is_grad_enabled()):
         return F.linear(x, weight, bias)
     if x.shape[0] == 1:
         out = np.dot(weight.numpy(), x.reshape(-1).numpy())[None]
