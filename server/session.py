@@ -10,6 +10,7 @@ through the connection's :class:`~specserve.server.outbox.Outbox`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -191,8 +192,14 @@ class Session:
                 "leave room for at least one output token",
                 "response.input" if ev.input is not None else "response.messages",
             )
+        # The Responses protocol ends a reply that reaches the context window as "incomplete"
+        # (context_length); the engine refuses prompt + max_tokens past the window, so clamp here.
+        room = server.context_length - len(ids)
+        asked = params.max_tokens if params.max_tokens is not None else room
+        if asked > room:
+            params = dataclasses.replace(params, max_tokens=room)
         rid = "resp_" + uuid.uuid4().hex[:24]
-        self.responses[rid] = _Response(rid, ev.event_id, ev.metadata, params.max_tokens)
+        self.responses[rid] = _Response(rid, ev.event_id, ev.metadata, asked)
         server.in_flight += 1
         server.worker.submit(rid, ids, params, self.speculate, received, self.on_update)
         created = {"type": "response.created", "response": {"id": rid, "status": "in_progress", "metadata": ev.metadata}}

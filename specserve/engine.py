@@ -90,22 +90,30 @@ class Engine:
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        if len(prompt_ids) >= self.config.max_model_len:
+        context = self.config.max_model_len
+        if len(prompt_ids) >= context:
             raise ValueError(
-                f"prompt has {len(prompt_ids)} tokens but the context window is {self.config.max_model_len}: "
+                f"prompt has {len(prompt_ids)} tokens but the context window is {context}: "
                 "leave room for at least one new token"
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else context - len(prompt_ids)
+        if len(prompt_ids) + max_tokens > context:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens and max_tokens is {max_tokens}: together "
+                f"{len(prompt_ids) + max_tokens} tokens, but the context window is {context}; lower max_tokens to at "
+                f"most {context - len(prompt_ids)} (or leave it unset for the rest of the context)"
             )
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        need = self._slots_needed(len(prompt_ids), params)
+        need = self._slots_needed(len(prompt_ids), max_tokens)
         capacity = self.cache.allocator.num_blocks * self.cache.block_size
         if need > capacity:
             raise ValueError(
                 f"request needs {need} KV slots but the cache holds {capacity}: "
                 "lower max_tokens or raise kv_cache_tokens"
             )
-        req = Request(request_id, list(prompt_ids), params, self.tokenizer, self.config.max_model_len, speculate)
+        req = Request(request_id, list(prompt_ids), params, max_tokens, self.tokenizer, context, speculate)
         self.requests[request_id] = req
         self.waiting.append(req)
         return req
@@ -128,10 +136,9 @@ class Engine:
         assert req.status is Status.FINISHED
         return req
 
-    def _slots_needed(self, prompt_len: int, params: SamplingParams) -> int:
-        max_len = min(prompt_len + params.max_tokens, self.config.max_model_len)
+    def _slots_needed(self, prompt_len: int, max_tokens: int) -> int:
         max_budget = self.drafter.max_budget if self.drafter else 0
-        return max_len + max_budget + 1
+        return prompt_len + max_tokens + max_budget + 1
 
     def _finish(self, req: Request, reason: str) -> None:
         req.status = Status.FINISHED
@@ -234,7 +241,7 @@ class Engine:
         prefill_tokens = 0
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            need = self._slots_needed(req.prompt_len, req.params)
+            need = self._slots_needed(req.prompt_len, req.max_tokens)
             if admitted and prefill_tokens + req.prompt_len > self.config.max_prefill_tokens:
                 break
             if not self.cache.allocator.can_allocate(need):
@@ -255,7 +262,7 @@ class Engine:
             return [DraftTree.empty() for _ in decodes]
         budgets = []
         for r, b in zip(decodes, self.budget_policy.budgets(decodes)):
-            remaining = r.params.max_tokens - r.num_output - 1  # the bonus token always comes
+            remaining = r.max_tokens - r.num_output - 1  # the bonus token always comes
             room = self.config.max_model_len - r.num_cached - 1
             budgets.append(max(0, min(b, self.drafter.max_budget, remaining, room)) if r.speculate else 0)
         if not any(budgets):
@@ -309,7 +316,7 @@ class Engine:
                 reason = "stop"
             elif tok in self.eos_token_ids and not r.params.ignore_eos:
                 reason = "stop"
-            elif r.num_output >= r.params.max_tokens or r.num_tokens >= self.config.max_model_len:
+            elif r.num_output >= r.max_tokens:
                 reason = "length"
             if reason:
                 break

@@ -79,10 +79,12 @@ class Request:
     """Engine-side state. Invariant while running: len(token_ids) == num_cached + 1 (the root)."""
 
     def __init__(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer, max_len: int, speculate: bool = True
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_tokens: int, tokenizer, max_len: int,
+        speculate: bool = True,
     ) -> None:
         self.request_id = request_id
         self.params = params
+        self.max_tokens = max_tokens  # params.max_tokens resolved: None became the rest of the context window
         self.prompt_len = len(prompt_ids)
         self._tokens = np.empty(max_len + 1, dtype=np.int64)  # prompt + output; +1 for the root slack
         self._tokens[: self.prompt_len] = prompt_ids

@@ -20,7 +20,8 @@ class SamplingParams:
     top_k:       keep the k most likely tokens; 0 (or -1) keeps all.
     top_p:       keep the smallest set of most likely tokens whose mass reaches top_p; 1 keeps all.
     min_p:       drop tokens less likely than min_p × the most likely token's probability.
-    max_tokens:  most tokens to generate.
+    max_tokens:  most tokens to generate; None (the default) means the rest of the context window.
+                 A prompt plus max_tokens past the context window is an error when the request is added.
     stop:        strings that end generation; the stop string itself is not returned.
     seed:        per-request seed: the same seed, prompt and drafter reproduce the same output.
     ignore_eos:  keep generating past end-of-sequence tokens (benchmarks).
@@ -30,7 +31,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
-    max_tokens: int = 128
+    max_tokens: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     seed: int | None = None
     ignore_eos: bool = False
@@ -52,8 +53,11 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_k must be an integer >= 0 (0 or -1 = off), got {self.top_k!r}")
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"SamplingParams.max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.max_tokens is not None and (
+            isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        ):
+            raise ValueError(f"SamplingParams.max_tokens must be an integer >= 1 or None (the rest of the context), "
+                             f"got {self.max_tokens!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if stop is None:
             stop = ()

@@ -154,9 +154,13 @@ def test_unknown_drafter_and_options(small_vocab_dir):
         LLM(small_vocab_dir, device="tpu")
 
 
-def test_generation_stops_at_context_end(small_vocab_dir):
+def test_max_tokens_past_the_context_is_an_error_and_unset_means_the_rest(small_vocab_dir):
     llm = LLM(small_vocab_dir, drafter="ngram", max_model_len=20)
-    out = llm.generate([[1, 2, 3, 1, 2, 3]], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))[0]
+    # As OpenAI does: a prompt plus max_tokens past the window is refused, naming both numbers.
+    with pytest.raises(ValueError, match=r"prompt has 6 tokens and max_tokens is 100.*context window is 20"):
+        llm.generate([[1, 2, 3, 1, 2, 3]], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
+    assert not llm.engine.has_unfinished() and not llm.engine.requests
+    out = llm.generate([[1, 2, 3, 1, 2, 3]], SamplingParams(temperature=0, ignore_eos=True))[0]  # max_tokens unset
     assert out.finish_reason == "length"
     assert len(out.token_ids) == 20 - 6
 
