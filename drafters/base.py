@@ -82,6 +82,17 @@ class Drafter(ABC):
     hidden_layers: tuple[int, ...] = ()
     gives_probs: ClassVar[bool] = False
     max_budget: int = 0
+    # Cache slots past a request's root that the drafter's own model writes while drafting (its tree
+    # levels); the engine reserves them at admission.
+    kv_slots_past_root: int = 0
+
+    def kv_bytes_per_slot(self) -> int:
+        """Bytes of the drafter's own KV cache per cache slot (0: it keeps none), to size the pool."""
+        return 0
+
+    def attach_kv(self, allocator) -> None:
+        """Make the drafter's own KV cache on the engine's `BlockAllocator`: a request's block table then
+        addresses its drafter entries too, so admission counts them and nothing grows later."""
 
     @abstractmethod
     def propose(self, requests: list[DraftRequest], budgets: list[int]) -> list[DraftTree]:

@@ -1,8 +1,9 @@
 """The ``draft`` drafter: a small LM that shares the target's tokenizer proposes chains or top-k trees.
 
 ``draft:DIR`` loads DIR (Hugging Face layout, e.g. from ``specserve train draft``) into our own
-`LlamaModel` with its own paged KV cache; a bare ``draft`` means the bundled draft model when the
-target is the bundled default model.
+`LlamaModel`, whose KV cache lives on the engine's block allocator (a request's block table addresses
+its draft entries too); a bare ``draft`` means the bundled draft model when the target is the bundled
+default model.
 
 Each step, for all requests of the batch together:
 
@@ -40,11 +41,11 @@ from pathlib import Path
 import numpy as np
 import torch
 from specserve.drafters.base import check_int_option, Drafter, DraftRequest, TargetInfo, register
-from specserve.drafters.growing_kv import GrowingKV
 from specserve.drafters.siblings import SAMPLED_SIBLING_LOGP, request_generator, sample_siblings
 from specserve.verify import DraftTree, tree_kernels
 
-from specserve.attention import SequenceSlice
+from specserve.kv_cache import PagedKVCache
+from specserve.step_batch import StepBatchBuilder
 from specserve.model import LlamaModel
 
 
@@ -91,7 +92,9 @@ class DraftModelDrafter(Drafter):
         self.max_budget = full if max_budget is None else min(_check("max_budget", max_budget, 1, 1 << 20), full)
         self.seed = _check("seed", seed, 0, 2**63 - 1)
         self.path = _resolve_path(target, path)
-        self.model = LlamaModel.from_pretrained(self.path, target.device, target.dtype)
+        target_model = target.model
+        self.model = LlamaModel.from_pretrained(self.path, target.device, target.dtype,
+                                                cpu_kernels=target_model is None or target_model.kernels is not None)
         cfg = self.model.config
         if cfg.vocab_size != target.vocab_size:
             raise ValueError(
@@ -101,16 +104,23 @@ class DraftModelDrafter(Drafter):
         _check_same_tokenizer(self.path, target.model_dir)
         self.max_positions = cfg.max_position_embeddings
         self.device = target.device
-        self.kv = GrowingKV(self.model)
+        self.cache = None  # made by `attach_kv` on the engine's allocator
         self._state: dict[str, _RequestState] = {}
         # Slots a tree needs past the root: the expanded nodes that are fed (all but the last level).
-        self._fed_slots = (self.depth - 1) * (1 if self.width == 1 else self.width)
+        self.kv_slots_past_root = (self.depth - 1) * (1 if self.width == 1 else self.width)
 
     # ---- the protocol ---------------------------------------------------------------------------
 
+    def kv_bytes_per_slot(self) -> int:
+        cfg = self.model.config
+        dtype = torch.float32 if self.model.kernels is not None else self.model.dtype
+        return PagedKVCache.bytes_per_slot(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
+
+    def attach_kv(self, allocator) -> None:
+        self.cache = self.model.new_cache(allocator)
+
     def release(self, request_id: str) -> None:
         self._state.pop(request_id, None)
-        self.kv.free(request_id)
 
     def propose(self, requests: list[DraftRequest], budgets: list[int]) -> list[DraftTree]:
         if len(budgets) != len(requests):
@@ -152,62 +162,39 @@ class DraftModelDrafter(Drafter):
 
     def _catch_up(self, work: list["_Work"]) -> torch.Tensor:
         """Feed each request's uncached tokens (through its root); return the root rows' logits [A, V]."""
-        ids, positions, slices, rows = [], [], [], []
-        row = 0
+        builder = StepBatchBuilder(self.cache.allocator)
         for w in work:
             length = len(w.req.token_ids)
             start = min(w.state.num_cached, length - 1)  # the root is always (re)fed: we need its logits
-            w.key = self.kv.ensure(w.req.request_id, length + self._fed_slots, start)
-            new = torch.from_numpy(np.ascontiguousarray(w.req.token_ids[start:length], dtype=np.int64))
-            pos = torch.arange(start, length)
-            ids.append(new)
-            positions.append(pos)
-            slices.append(SequenceSlice(w.key, start, pos))
-            row += len(new)
-            rows.append(row - 1)
+            builder.add(w.req.request_id, start, np.ascontiguousarray(w.req.token_ids[start:length], dtype=np.int64),
+                        logits="last")
             w.state.num_cached = length
             w.length = length
-        return self._forward(ids, positions, slices, rows)
+        return self.model.forward(builder.build(), self.cache).logits  # [A, V] float32
 
     def _feed(self, work: list["_Work"], frontier: list[list[int]], level: int) -> torch.Tensor:
         """Run the newly expanded nodes (level ``level``) through the draft; logits [R, V] in frontier order."""
-        ids, positions, slices, rows = [], [], [], []
-        row = 0
+        builder = StepBatchBuilder(self.cache.allocator)
         for w, nodes in zip(work, frontier):
             if not nodes:
                 continue
             if self.width == 1:  # the expanded nodes are a chain: cached ancestors + one new token
                 (node,) = nodes
-                pos = torch.tensor([w.length - 1 + level])
-                ids.append(torch.tensor([w.tokens[node]]))
-                slices.append(SequenceSlice(w.key, w.length + level - 1, pos))
-                positions.append(pos)
-                row += 1
-                rows.append(row - 1)
+                builder.add(w.req.request_id, w.length + level - 1, np.array([w.tokens[node]], dtype=np.int64),
+                            np.array([w.length - 1 + level], dtype=np.int64), logits="all")
                 continue
             w.expanded.extend(nodes)
             fed = w.expanded
-            depth = torch.tensor([w.depths[n] for n in fed])
             index = {n: j for j, n in enumerate(fed)}
             # Every ancestor of an expanded node was expanded too: the fed nodes' mask is the tree's
             # ancestor mask restricted to them.
             rows_fed = np.asarray(fed, dtype=np.int64) + 1
             tree_mask = tree_kernels.ancestor_mask(np.asarray(w.parents, dtype=np.int64))
-            mask = torch.from_numpy(tree_mask[np.ix_(rows_fed, rows_fed)])
-            pos = w.length - 1 + depth
-            ids.append(torch.tensor([w.tokens[n] for n in fed]))
-            slices.append(SequenceSlice(w.key, w.length, pos, mask))
-            positions.append(pos)
-            rows.extend(row + index[n] for n in nodes)
-            row += len(fed)
-        return self._forward(ids, positions, slices, rows)
-
-    def _forward(self, ids, positions, slices, rows) -> torch.Tensor:
-        out = self.model.forward(
-            torch.cat(ids).to(self.device), torch.cat(positions).to(self.device), slices, self.kv.cache,
-            torch.tensor(rows, dtype=torch.int64, device=self.device),
-        )
-        return out.logits  # [R, V] float32
+            depth = np.array([w.depths[n] for n in fed], dtype=np.int64)
+            builder.add(w.req.request_id, w.length, np.array([w.tokens[n] for n in fed], dtype=np.int64),
+                        w.length - 1 + depth, tree_mask[np.ix_(rows_fed, rows_fed)],
+                        logits=np.array([index[n] for n in nodes], dtype=np.int64))  # the new frontier's rows
+        return self.model.forward(builder.build(), self.cache).logits
 
     def _add_children(self, rows: list[tuple["_Work", int]], logits: torch.Tensor, level: int) -> None:
         """Give each (request, parent node) row ``topk`` children, in row order, up to each tree's cap.

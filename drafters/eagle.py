@@ -2,7 +2,8 @@
 
 ``eagle:DIR`` loads a head from DIR (``specserve train eagle``, or a public EAGLE-1/2/3 layout;
 see drafters/eagle_checkpoint.py); a bare ``eagle`` means the bundle's head when the target is the
-bundled default model. The head has its own one-layer paged KV cache (`GrowingKV`).
+bundled default model. The head's one-layer KV cache lives on the engine's block allocator: a request's
+block table addresses its head entries too, reserved when the request was admitted.
 
 Each step, for all requests of the batch together:
 
@@ -17,7 +18,7 @@ Each step, for all requests of the batch together:
 3. **levels** ``d = 2 .. depth`` — the frontier (the ``topk`` best nodes of level d-1) is fed as
    (its parent's predicted feature, its token) at position ``len - 3 + d``, all requests in one
    forward, each frontier node seeing only its ancestors among the earlier levels' entries (a tail
-   mask, `SequenceSlice.new_mask`); the tree grows by `DynamicTree` (drafters/eagle_tree.py).
+   mask, see `StepBatch`); the tree grows by `DynamicTree` (drafters/eagle_tree.py).
 4. **cut** — each request keeps its best ``budget`` nodes (EAGLE-2 reranking).
 
 At temperature 0 the tree is the deterministic top-k expansion; at T > 0 siblings are drawn
@@ -33,12 +34,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specserve.attention import SequenceSlice
 from specserve.drafters.base import check_int_option, Drafter, DraftRequest, TargetInfo, register
 from specserve.drafters.eagle_checkpoint import load_head
 from specserve.drafters.eagle_tree import DynamicTree
-from specserve.drafters.growing_kv import GrowingKV
 from specserve.drafters.siblings import request_generator
+from specserve.kv_cache import PagedKVCache
+from specserve.step_batch import StepBatchBuilder
 from specserve.verify import DraftTree
 
 
@@ -90,15 +91,22 @@ class EagleDrafter(Drafter):
         self.hidden_layers = tuple(sorted(set(self.feature_layers)))
         self.device = target.device
         self.max_positions = self.head.mc.max_position_embeddings
-        self.kv = GrowingKV(self.head.kv_spec)
+        self.cache = None  # the head's KV cache, made by `attach_kv` on the engine's allocator
         self._state: dict[str, _State] = {}
-        self._fed_slots = (self.depth - 1) * self.topk  # cache slots a tree needs past the committed pairs
+        # Cache slots a tree needs past the committed pairs: the frontiers of levels 1..depth-1.
+        self.kv_slots_past_root = (self.depth - 1) * self.topk
 
     # ---- the protocol ---------------------------------------------------------------------------
 
+    def kv_bytes_per_slot(self) -> int:
+        mc = self.head.mc
+        return PagedKVCache.bytes_per_slot(1, mc.num_kv_heads, mc.head_dim, torch.float32)
+
+    def attach_kv(self, allocator) -> None:
+        self.cache = self.head.new_cache(allocator)
+
     def release(self, request_id: str) -> None:
         self._state.pop(request_id, None)
-        self.kv.free(request_id)
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest], budgets: list[int]) -> list[DraftTree]:
@@ -161,32 +169,30 @@ class EagleDrafter(Drafter):
         missing = [layer for layer in self.hidden_layers if layer not in req.hidden_states]
         if missing:
             raise RuntimeError(f"eagle drafter: the engine handed no features of layer(s) {missing}")
-        layers = [req.hidden_states[layer].to(self.device, self.head.kv_spec.dtype) for layer in self.feature_layers]
+        dtype = torch.float32 if self.head.kernels is not None else self.head.fc.dtype
+        layers = [req.hidden_states[layer].to(self.device, dtype) for layer in self.feature_layers]
         feats = self.head.fuse(layers)  # [n, H]
         state.feats.append(feats)
         state.num_feats += feats.shape[0]
 
     def _catch_up(self, work) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed each request's queued pairs; return the root pairs' output features [A, H] and logits [A, Vd]."""
-        ids, feats, positions, slices, rows = [], [], [], [], []
-        row = 0
+        builder = StepBatchBuilder(self.cache.allocator)
+        ids, feats, rows = [], [], []
         for _, req, _, _, state in work:
             length = len(req.token_ids)
             start = min(state.num_cached, length - 2)  # the root pair is always (re)fed: we need its output
-            key = self.kv.ensure(req.request_id, length - 1 + self._fed_slots, start)
-            ids.append(torch.from_numpy(np.ascontiguousarray(req.token_ids[start + 1 : length], dtype=np.int64)))
+            new = np.ascontiguousarray(req.token_ids[start + 1 : length], dtype=np.int64)
+            ids.append(new)
             if start < state.num_cached:
                 feats.append(state.last_feat)
             feats.extend(state.feats)
-            pos = torch.arange(start, length - 1)
-            positions.append(pos)
-            slices.append(SequenceSlice(key, start, pos))
-            row += length - 1 - start
-            rows.append(row - 1)
+            first = builder.add(req.request_id, start, new)
+            rows.append(first + len(new) - 1)
             state.last_feat = feats[-1][-1:]
             state.num_cached, state.feats, state.num_feats = length - 1, [], 0
-        out = self.head.forward_paged(torch.cat(ids).to(self.device), torch.cat(feats), torch.cat(positions).to(self.device),
-                                      slices, self.kv.cache)
+        out = self.head(torch.from_numpy(np.concatenate(ids)).to(self.device), torch.cat(feats), builder.build(),
+                        self.cache)
         root = out[torch.tensor(rows, device=out.device)]
         return root, self.head.logits(root)
 
@@ -198,16 +204,13 @@ class EagleDrafter(Drafter):
         parent_slot = front.parent_slot[pos_in_front]  # [A', k]
         act_dev = active.to(prev.device)
         feats = prev[act_dev[:, None], parent_slot.to(prev.device)]  # [A', k, H]
-        slices, positions = [], []
-        for a in active.tolist():
+        builder = StepBatchBuilder(self.cache.allocator)
+        for a, row_tokens in zip(active.tolist(), tokens.numpy()):
             _, req, _, _, state = work[a]
-            pos = torch.full((k,), state.num_cached + level - 2)
-            cached = state.num_cached + (level - 2) * k
-            mask = None if k == 1 else tree.feed_mask(level - 1, a)
-            slices.append(SequenceSlice(self.kv.keys[req.request_id], cached, pos, mask))
-            positions.append(pos)
-        out = self.head.forward_paged(tokens.flatten().to(self.device), feats.flatten(0, 1),
-                                      torch.cat(positions).to(self.device), slices, self.kv.cache)
+            mask = None if k == 1 else tree.feed_mask(level - 1, a).numpy()
+            builder.add(req.request_id, state.num_cached + (level - 2) * k, row_tokens,
+                        np.full(k, state.num_cached + level - 2, dtype=np.int64), mask)
+        out = self.head(tokens.flatten().to(self.device), feats.flatten(0, 1), builder.build(), self.cache)
         return out.view(len(active), k, -1)
 
     def _logq(self, logits: torch.Tensor, work) -> torch.Tensor:

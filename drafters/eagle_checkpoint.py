@@ -121,7 +121,8 @@ def load_head(path: str | Path, target, device: torch.device | None = None, dtyp
         raise ValueError("an EAGLE head needs the target model (TargetInfo.model) for its embeddings")
     device = device or target.device
     dtype = dtype or target.dtype
-    head = EagleHead(cfg, model.embed, model.lm_head if cfg.mode == "eagle1" else None, device, dtype)
+    head = EagleHead(cfg, model.embed, model.lm_head if cfg.mode == "eagle1" else None, device, dtype,
+                     attention=model.backend.name)
     expected = {k: tuple(v.shape) for k, v in head.state_dict().items()}
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
@@ -138,6 +139,8 @@ def load_head(path: str | Path, target, device: torch.device | None = None, dtyp
         for name, tensor in head.state_dict().items():
             tensor.copy_(state[name].to(tensor.dtype))
     head.requires_grad_(False)
+    if model.kernels is not None:
+        head.use_cpu_kernels(model.kernels)
     return head
 
 
@@ -145,8 +148,9 @@ def _read_ours(path: Path) -> tuple[EagleHeadConfig, dict]:
     raw = _read_json(path / CONFIG_FILE)
     if raw.get("kind") != "eagle_head":
         raise ValueError(f"{str(path / CONFIG_FILE)!r} is not an EAGLE head config (kind={raw.get('kind')!r})")
-    if raw.get("format") != FORMAT_VERSION:
-        raise ValueError(f"{str(path / CONFIG_FILE)!r} has format {raw.get('format')!r}; this specserve reads {FORMAT_VERSION}")
+    if raw.get("format") not in (1, FORMAT_VERSION):
+        raise ValueError(f"{str(path / CONFIG_FILE)!r} has format {raw.get('format')!r}; this specserve reads 1 and "
+                         f"{FORMAT_VERSION}")
     try:
         cfg = EagleHeadConfig(mode=raw["mode"], layer=dict(raw["layer"]), vocab_size=int(raw["vocab_size"]),
                               draft_vocab_size=int(raw["draft_vocab_size"]),
@@ -158,17 +162,25 @@ def _read_ours(path: Path) -> tuple[EagleHeadConfig, dict]:
     weights = path / WEIGHTS_FILE
     if not weights.is_file():
         raise FileNotFoundError(f"{str(weights)!r} not found: the head's weights are missing")
-    return cfg, _read_safetensors(weights)
+    state = _read_safetensors(weights)
+    if raw["format"] == 1:  # format 1 kept the layer's tensors at the top level, under older names
+        renamed = dict(_FORMAT1_LAYER, **({"input_norm": "layer.input_norm"} if cfg.mode == "eagle1" else {}))
+        state = {renamed.get(k, k): v for k, v in state.items()}
+    return cfg, state
+
+
+_FORMAT1_LAYER = {"qkv": "layer.qkv", "o_proj": "layer.o_proj", "post_norm": "layer.post_attn_norm",
+                  "gate_up": "layer.gate_up", "down": "layer.down"}
 
 
 # ---- public layouts ---------------------------------------------------------------------------------
 
 _PUBLIC_LAYER = {  # our name: (public names concatenated in order)
-    "qkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-    "o_proj": ("self_attn.o_proj.weight",),
-    "post_norm": ("post_attention_layernorm.weight",),
-    "gate_up": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-    "down": ("mlp.down_proj.weight",),
+    "layer.qkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "layer.o_proj": ("self_attn.o_proj.weight",),
+    "layer.post_attn_norm": ("post_attention_layernorm.weight",),
+    "layer.gate_up": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "layer.down": ("mlp.down_proj.weight",),
 }
 
 
@@ -250,7 +262,7 @@ def _read_public(path: Path, target) -> tuple[EagleHeadConfig, dict]:
             ours["fc_bias"] = take("fc.bias")
         input_norm = prefix + "input_layernorm.weight" in state
         if input_norm:
-            ours["input_norm"] = take(prefix + "input_layernorm.weight")
+            ours["layer.input_norm"] = take(prefix + "input_layernorm.weight")
         ours["draft_to_target"] = torch.arange(vocab)
         feature_layers = (target.num_layers,)
     unexpected = sorted(k for k in state if k not in used and not k.endswith("rotary_emb.inv_freq"))

@@ -23,22 +23,23 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
-from types import SimpleNamespace
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve import gemv
-from specserve.attention import SdpaBackend, SequenceSlice
+from specserve.attention import BACKENDS
 from specserve.config import ModelConfig, config_from_hf
-from specserve.kv_cache import PagedKVCache
+from specserve.kv_cache import BlockAllocator, PagedKVCache
+from specserve.model import DecoderLayer
 from specserve.rope import RotaryTable
+from specserve.step_batch import StepBatch
 
 MODES = ("eagle1", "eagle3")
 CONFIG_FILE = "eagle_config.json"
 WEIGHTS_FILE = "eagle_head.safetensors"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the layer's tensors under ``layer.`` (DecoderLayer names); 1 still loads
 # Config fields that change with how a checkpoint is exported, not with the model it describes.
 
 
@@ -102,27 +103,28 @@ class EagleHeadConfig:
 
 
 class EagleHead(nn.Module):
-    """The head's weights (fused q|k|v and gate|up, stored [out, in]) and its forward passes.
+    """The head: its input stage (``fc``, norms), ONE target-style `DecoderLayer`, its output stage.
 
     embed: float[V, H], the target's token embeddings; target_lm_head: float[V, H] (eagle1 only).
     Both are shared with the target and are not parameters of this module.
+
+    Inference (`forward`) runs the layer over a `StepBatch` like any target layer: through the CPU
+    kernels (`use_cpu_kernels`) or the torch layer with the target's attention backend, so a new
+    kernel or backend reaches the head too. Training (`unroll`) reuses the same layer's projections.
     """
 
     def __init__(self, cfg: EagleHeadConfig, embed: torch.Tensor, target_lm_head: torch.Tensor | None = None,
-                 device: torch.device | None = None, dtype: torch.dtype = torch.float32) -> None:
+                 device: torch.device | None = None, dtype: torch.dtype = torch.float32, attention: str = "sdpa") -> None:
         super().__init__()
         mc = cfg.model_config
         self.cfg, self.mc = cfg, mc
-        h, hd = mc.hidden_size, mc.head_dim
-        self.hidden_size, self.head_dim = h, hd
-        self.num_heads, self.num_kv_heads = mc.num_heads, mc.num_kv_heads
-        self.q_size, self.kv_size = mc.num_heads * hd, mc.num_kv_heads * hd
+        h = mc.hidden_size
+        self.hidden_size = h
         self.eps = mc.rms_norm_eps
         device = device or embed.device
         if tuple(embed.shape) != (cfg.vocab_size, h):
             raise ValueError(f"the target's embeddings are {tuple(embed.shape)}, the head needs [{cfg.vocab_size}, {h}]")
         eagle3 = cfg.mode == "eagle3"
-        attn_in = 2 * h if eagle3 else h
 
         def p(*shape, fill=None):
             t = torch.empty(*shape, device=device, dtype=dtype)
@@ -132,17 +134,21 @@ class EagleHead(nn.Module):
 
         self.fc = p(h, (3 if eagle3 else 2) * h)
         self.fc_bias = p(h, fill=0.0) if (cfg.fc_bias and not eagle3) else None
-        self.input_norm = p(h, fill=1.0) if (eagle3 or cfg.input_norm) else None
+        # EAGLE-3 normalises the token embedding and the feature separately and attends over both.
+        self.input_norm = p(h, fill=1.0) if eagle3 else None
         self.hidden_norm = p(h, fill=1.0) if eagle3 else None
-        self.qkv = p(self.q_size + 2 * self.kv_size, attn_in)
-        self.o_proj = p(h, self.q_size)
-        self.post_norm = p(h, fill=1.0)
-        self.gate_up = p(2 * mc.intermediate_size, h)
-        self.down = p(h, mc.intermediate_size)
+        self.layer = DecoderLayer(mc, attn_in=2 * h if eagle3 else h, input_norm=not eagle3 and cfg.input_norm)
+        self.layer.to(device=device, dtype=dtype)
+        for name, w in self.layer.named_parameters():
+            w.requires_grad_(True)
+            if name in ("qkv", "o_proj", "gate_up", "down"):
+                nn.init.normal_(w, std=0.02)
+            else:
+                nn.init.ones_(w)
         self.norm = p(h, fill=1.0) if eagle3 else None
         self.lm_head = p(cfg.draft_vocab_size, h) if eagle3 else None
         self.register_buffer("draft_to_target", torch.arange(cfg.draft_vocab_size, device=device))
-        for w in (self.fc, self.qkv, self.o_proj, self.gate_up, self.down, self.lm_head):
+        for w in (self.fc, self.lm_head):
             if w is not None:
                 nn.init.normal_(w, std=0.02)
         # Shared with the target (plain attributes: not parameters, not in the state dict).
@@ -154,14 +160,29 @@ class EagleHead(nn.Module):
         else:
             self.target_lm_head = None
         self.rope = RotaryTable(mc, device, dtype)
-        self.backend = SdpaBackend()
-        # What GrowingKV reads to size a cache for this head (one layer).
-        self.kv_spec = SimpleNamespace(config=SimpleNamespace(num_layers=1, num_kv_heads=self.num_kv_heads, head_dim=hd),
-                                       device=device, dtype=dtype)
+        self.backend = BACKENDS[attention]()
+        self.kernels: _HeadKernels | None = None
 
     @property
     def mode(self) -> str:
         return self.cfg.mode
+
+    def new_cache(self, allocator: BlockAllocator) -> PagedKVCache:
+        """The head's one-layer KV cache on the engine's block allocator."""
+        dtype = torch.float32 if self.kernels is not None else self.fc.dtype
+        return PagedKVCache(allocator, 1, self.mc.num_kv_heads, self.mc.head_dim, self.fc.device, dtype)
+
+    def use_cpu_kernels(self, target_kernels=None) -> bool:
+        """Run inference through `specserve.kernels` when the device and dtype allow it. target_kernels:
+        the target's `ModelKernels` (an eagle1 head reads through the target's packed LM head)."""
+        from specserve.kernels import kernels_unsupported
+
+        if kernels_unsupported(self.fc.device, self.fc.dtype, self.mc.head_dim) is not None:
+            return False
+        if self.mode == "eagle1" and target_kernels is None:
+            return False
+        self.kernels = _HeadKernels(self, target_kernels)
+        return True
 
     # ---- pieces shared by inference and training -------------------------------------------------
 
@@ -172,50 +193,41 @@ class EagleHead(nn.Module):
         """Target features of the `feature_layers` ([..., H] each, in that order) → the head's input feature [..., H]."""
         if self.mode == "eagle1":
             return layers[0]
-        return gemv.linear(torch.cat(layers, dim=-1), self.fc)
+        if self.kernels is not None:
+            return self.kernels.fc(torch.cat(layers, dim=-1))
+        return F.linear(torch.cat(layers, dim=-1), self.fc)
 
-    def _inputs(self, tokens: torch.Tensor, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(residual x [..., H], attention input [..., H or 2H]) of pairs (feature, token)."""
+    def _inputs(self, tokens: torch.Tensor, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(residual x [..., H], attention input [..., H or 2H] or None: the layer normalises x itself)."""
         e = self.embed[tokens]
         if self.mode == "eagle1":
-            x = gemv.linear(torch.cat([e, feats], dim=-1), self.fc, self.fc_bias)
-            return x, (self._rms(x, self.input_norm) if self.input_norm is not None else x)
+            x = F.linear(torch.cat([e, feats], dim=-1), self.fc, self.fc_bias)
+            return x, (None if self.layer.input_norm is not None else x)
         return feats, torch.cat([self._rms(e, self.input_norm), self._rms(feats, self.hidden_norm)], dim=-1)
-
-    def _qkv(self, h: torch.Tensor, positions: torch.Tensor):
-        """h [..., T, in] → q [..., T, heads, hd], k, v [..., T, kv_heads, hd], RoPE applied at `positions` [T]."""
-        q, k, v = gemv.linear(h, self.qkv).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.unflatten(-1, (self.num_heads, self.head_dim))
-        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
-        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
-        q, k = self.rope.apply(q, k, positions)
-        return q, k, v
-
-    def _finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        x = x + gemv.linear(attn, self.o_proj)
-        gate, up = gemv.linear(self._rms(x, self.post_norm), self.gate_up).chunk(2, dim=-1)
-        return x + gemv.linear(F.silu(gate) * up, self.down)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """Output features [R, H] → logits over the draft vocabulary [R, Vd] (float32)."""
+        if self.kernels is not None:
+            return self.kernels.logits(out)
         if self.mode == "eagle1":
-            return gemv.linear(out, self.target_lm_head).float()
-        return gemv.linear(self._rms(out, self.norm), self.lm_head).float()
+            return F.linear(out, self.target_lm_head).float()
+        return F.linear(self._rms(out, self.norm), self.lm_head).float()
 
     # ---- inference: paged cache, tree masks ------------------------------------------------------
 
     @torch.inference_mode()
-    def forward_paged(self, tokens: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor,
-                      seqs: list[SequenceSlice], cache: PagedKVCache) -> torch.Tensor:
-        """Pairs of several sequences through the head over its own one-layer paged cache.
+    def forward(self, tokens: torch.Tensor, feats: torch.Tensor, batch: StepBatch, cache: PagedKVCache) -> torch.Tensor:
+        """Pairs (feature, token) of several sequences through the head over its paged cache.
 
-        tokens int64[T] (target ids), feats [T, H] (fused target features or the head's own outputs),
-        positions int64[T]; `seqs` as for `LlamaModel.forward`. Returns the output features [T, H].
+        tokens int64[T] (target ids) and feats [T, H] (fused target features or the head's own
+        outputs) are the StepBatch's rows; returns the output features [T, H].
         """
-        meta = self.backend.prepare(seqs, cache)
-        x, h = self._inputs(tokens, feats)
-        q, k, v = self._qkv(h, positions)
-        return self._finish(x, self.backend.attend(0, q, k, v, meta, cache))
+        x, attn_input = self._inputs(tokens, feats)
+        if self.kernels is not None:
+            return self.kernels.layer_forward(x, attn_input, batch, cache)
+        d = batch.device_arrays(cache.device)
+        meta = self.backend.prepare(batch, cache)
+        return self.layer(0, x, d.positions, self.rope, self.backend, meta, cache, attn_input)
 
     # ---- training: every position at once, unrolled on the head's own outputs --------------------
 
@@ -234,11 +246,14 @@ class EagleHead(nn.Module):
         i = positions[:, None]
         keys, values, outs = [], [], []
         x_in = feats
+        layer = self.layer
         for s in range(steps):
             if s:
                 x_in = F.pad(outs[-1][:, :-1], (0, 0, 1, 0))  # output at i-1 feeds position i
             x, h = self._inputs(tokens, x_in)
-            q, k, v = self._qkv(h, positions)
+            if h is None:
+                h = self._rms(x, layer.input_norm)
+            q, k, v = layer.project_qkv(h, positions, self.rope)
             keys.append(k)
             values.append(v)
             blocks = [positions[None, :] <= i - s]  # step 0: causal, shifted by s
@@ -246,7 +261,48 @@ class EagleHead(nn.Module):
             mask = torch.cat(blocks, dim=1)  # [T, (s+1) T]
             attn = F.scaled_dot_product_attention(
                 q.transpose(1, 2), torch.cat(keys, 1).transpose(1, 2), torch.cat(values, 1).transpose(1, 2),
-                attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads,
+                attn_mask=mask, enable_gqa=layer.num_heads != layer.num_kv_heads,
             )  # [B, heads, T, hd]
-            outs.append(self._finish(x, attn.transpose(1, 2).flatten(-2)))
+            outs.append(layer.finish(x, attn.transpose(1, 2).flatten(-2)))
         return outs
+
+
+class _HeadKernels:
+    """The head's products and its decoder layer on the CPU kernels (weights packed once)."""
+
+    def __init__(self, head: EagleHead, target_kernels) -> None:
+        from specserve.kernels import LayerKernels, PackedLinear
+
+        storage = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(head.fc.dtype, "float32")
+        self.head = head
+        self.layer = LayerKernels(head.layer, storage)
+        self.fc = PackedLinear(head.fc, head.fc_bias, storage)
+        if head.mode == "eagle3":
+            self.lm_head = PackedLinear(head.lm_head, None, storage)
+            self.norm = head.norm.detach().float().numpy()
+        else:
+            self.lm_head = target_kernels.lm_head  # the target's own packed LM head, shared
+            self.norm = None
+        self.cos = head.rope.cos.float().numpy()
+        self.sin = head.rope.sin.float().numpy()
+
+    def layer_forward(self, x: torch.Tensor, attn_input: torch.Tensor | None, batch: StepBatch,
+                      cache: PagedKVCache) -> torch.Tensor:
+        from specserve.kernels.threads import apply_threads
+
+        apply_threads()
+        x = np.array(x.float().numpy(), dtype=np.float32, order="C")  # a copy: the layer updates it in place
+        attn = None if attn_input is None else np.ascontiguousarray(attn_input.float().numpy())
+        k, v = cache.layer_arrays()[0]
+        self.layer(x, batch, k, v, self.cos, self.sin, 0, attn)
+        return torch.from_numpy(x)
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        if self.norm is not None:
+            from specserve.kernels.layer import rms_norm
+
+            rows = np.ascontiguousarray(out.float().numpy())
+            normed = np.empty_like(rows)
+            rms_norm(rows, self.norm, np.float32(self.head.eps), normed)
+            out = torch.from_numpy(normed)
+        return self.lm_head(out)

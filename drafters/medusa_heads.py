@@ -31,7 +31,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve import gemv
 from specserve.drafters.checkpoint_io import read_json as _read_json
 from specserve.drafters.checkpoint_io import read_safetensors
 
@@ -92,7 +91,7 @@ class MedusaHeads(nn.Module):
         else:
             if lm_weight is None:
                 raise ValueError("these Medusa heads share the target's LM head: pass lm_weight")
-            logits = gemv.linear(x.reshape(-1, self.hidden_size), lm_weight).reshape(n, -1, lm_weight.shape[0])
+            logits = F.linear(x.reshape(-1, self.hidden_size), lm_weight).reshape(n, -1, lm_weight.shape[0])
         return logits.reshape(n, *shape, logits.shape[-1])
 
 

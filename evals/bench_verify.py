@@ -49,7 +49,7 @@ def parse_sizes(text: str) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     from specserve import LLM
-    from specserve.attention import SequenceSlice
+    from specserve.step_batch import StepBatchBuilder
     from specserve.verify import DraftTree
 
     sizes = parse_sizes(args.sizes)
@@ -65,37 +65,39 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--prefix-tokens {prefix} + the largest size {sizes[-1]} + 1 exceed the context window "
                          f"({llm.engine.config.max_model_len})")
     cache = llm.engine.cache
-    cache.allocate("bench", need)
+    cache.allocator.allocate("bench", need)
     gen = torch.Generator().manual_seed(0)
     device = model.device
 
-    def forward(ids: torch.Tensor, sl: SequenceSlice, rows: torch.Tensor) -> None:
-        model.forward(ids.to(device), sl.positions.to(device), [sl], cache, rows.to(device))
+    def batch(ids: torch.Tensor, num_cached: int, positions=None, mask=None, logits="all"):
+        builder = StepBatchBuilder(cache.allocator)
+        builder.add("bench", num_cached, ids.numpy(), positions, mask, logits=logits)
+        return builder.build()
 
     prompt = torch.randint(0, cfg.vocab_size, (prefix,), generator=gen)
-    forward(prompt, SequenceSlice("bench", 0, torch.arange(prefix)), torch.tensor([prefix - 1]))  # the committed prefix
+    model.forward(batch(prompt, 0, logits="last"), cache)  # the committed prefix
     cases = {}
     for n in sizes:
         parents = torch.tensor(tree_parents(n, args.shape, args.branching), dtype=torch.int64)
         tree = DraftTree(torch.randint(0, cfg.vocab_size, (n,), generator=gen), parents)
         ids = torch.cat([torch.randint(0, cfg.vocab_size, (1,), generator=gen), tree.tokens])
-        sl = SequenceSlice("bench", prefix, tree.positions(prefix), tree.ancestor_mask if n else None)
-        cases[n] = (ids, sl, torch.arange(n + 1), tree.max_depth)
+        step = batch(ids, prefix, tree.positions(prefix).numpy(), tree.ancestor_mask.numpy() if n else None)
+        cases[n] = (step, tree.max_depth)
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for rep in range(args.repeats + 2):  # two warm-up rounds
-        for n, (ids, sl, rows, _) in cases.items():
+        for n, (step, _) in cases.items():
             sync(device)
             t0 = time.perf_counter()
-            forward(ids, sl, rows)  # writes tree KV after the prefix; nothing is committed
+            model.forward(step, cache)  # writes tree KV after the prefix; nothing is committed
             sync(device)
             if rep >= 2:
                 times[n].append(time.perf_counter() - t0)
-    cache.free("bench")
+    cache.allocator.free("bench")
     base = statistics.median(times[0])
     rows = []
     for n in sizes:
         med = statistics.median(times[n])
-        rows.append({"nodes": n, "depth": cases[n][3], "ms": 1e3 * med, "ms_min": 1e3 * min(times[n]),
+        rows.append({"nodes": n, "depth": cases[n][1], "ms": 1e3 * med, "ms_min": 1e3 * min(times[n]),
                      "ms_max": 1e3 * max(times[n]), "relative": med / base})
     result = {"model": args.model or "embedded default model", "shape": args.shape, "branching": args.branching,
               "prefix_tokens": prefix, "repeats": args.repeats, "device": str(device), "dtype": str(llm.dtype),

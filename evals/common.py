@@ -20,14 +20,14 @@ def sync(device) -> None:
 
 
 def set_threads(threads: int | None) -> None:
-    """--threads: torch's intra-op threads (None keeps torch's choice)."""
+    """--threads: the CPU kernels' threads and torch's (None keeps the default: every core)."""
     if threads is None:
         return
     if threads < 1:
         raise ValueError(f"--threads must be >= 1, got {threads}")
-    import torch
+    from specserve.kernels import set_threads as set_kernel_threads
 
-    torch.set_num_threads(threads)
+    set_kernel_threads(threads)
 
 
 def write_json(result: dict, path: str | None) -> None:

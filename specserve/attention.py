@@ -1,12 +1,16 @@
-"""Attention over the paged cache for a batch of sequences, each bringing new tokens with a tree mask.
+"""Attention backends: a batch of sequences, each bringing new tokens with a tree mask, over a paged cache.
 
-A forward step carries, per sequence, `num_new` tokens that see (a) all `num_cached` committed
-entries and (b) the new tokens allowed by a boolean mask among themselves: causal for a prompt,
-the ancestor mask for a draft tree. Prefill, plain decode and tree verification are all this one case.
+A backend reads only the `StepBatch` (flat arrays: positions, slot mapping, block tables, packed tree
+masks) — never per-request objects — so it serves the target, draft models and EAGLE heads alike.
+`prepare` runs once per forward and its result is shared by every layer; `attend` runs per layer.
 
-Backends are pluggable (`BACKENDS`): `sdpa` gathers each sequence's pages into a padded contiguous
-batch and calls torch's scaled_dot_product_attention with a boolean mask — right for CPU and a
-correct reference everywhere; a GPU kernel reading pages and tree masks directly slots in beside it.
+Backends are registered in `BACKENDS`:
+
+- ``sdpa`` gathers each sequence's keys into a padded batch and calls torch's
+  scaled_dot_product_attention with a boolean mask built from the StepBatch with batched tensor ops
+  (no loop over sequences) — the reference everywhere, and the path on GPUs until a paged kernel lands.
+- CPU few-row forwards do not come here at all: `specserve.kernels` runs the whole layer, attention
+  included, in compiled code over the same StepBatch.
 """
 
 from __future__ import annotations
@@ -17,38 +21,17 @@ import torch
 import torch.nn.functional as F
 
 from specserve.kv_cache import PagedKVCache
-
-
-@dataclass(frozen=True)
-class SequenceSlice:
-    """One sequence's share of a forward step (host-side description).
-
-    positions: int64[num_new] RoPE positions of the new tokens.
-    new_mask:  bool[num_new, num_new] which new tokens each new token sees (row = query), or None for
-               causal order (prompt chunks, chains). It may also be bool[num_new, tail + num_new]:
-               then its first `tail` columns are the last `tail` cached entries, which are visible
-               only where the mask says — a drafter growing a tree level by level keeps earlier
-               levels in its cache and lets each new node see only its own ancestors among them.
-    """
-
-    seq_id: str
-    num_cached: int
-    positions: torch.Tensor
-    new_mask: torch.Tensor | None = None
-
-    @property
-    def num_new(self) -> int:
-        return self.positions.numel()
+from specserve.step_batch import StepBatch
 
 
 @dataclass
-class AttentionMetadata:
+class SdpaMetadata:
     """Device tensors built once per forward and shared by every layer.
 
-    slot_mapping: int64[T]          physical cache slot of each new token (T = total new tokens).
+    slot_mapping: int64[T]          physical cache slot of each new token.
     kv_slots:     int64[B, L]       physical slots each sequence attends to, padded (L = max keys).
     mask:         bool[B, 1, Q, L]  or None when every query sees every key (a lone decode token).
-    q_index:      int64[B, Q]       row of T feeding each padded query slot (padding repeats row 0).
+    q_index:      int64[B, Q]       row feeding each padded query slot (padding repeats a real row).
     out_index:    int64[T]          position in the flattened [B*Q] output of each new token.
     """
 
@@ -67,64 +50,56 @@ class SdpaBackend:
     def __init__(self, sliding_window: int | None = None) -> None:
         self.sliding_window = sliding_window
 
-    def prepare(self, seqs: list[SequenceSlice], cache: PagedKVCache) -> AttentionMetadata:
+    def prepare(self, batch: StepBatch, cache: PagedKVCache) -> SdpaMetadata:
+        d = batch.device_arrays(cache.device)
+        B, Q, L = batch.num_seqs, batch.max_query_len, batch.max_context_len
         device = cache.device
-        batch = len(seqs)
-        max_q = max(s.num_new for s in seqs)
-        max_k = max(s.num_cached + s.num_new for s in seqs)
-        kv_index = torch.zeros(batch, max_k, dtype=torch.int64)
-        mask = torch.zeros(batch, 1, max_q, max_k, dtype=torch.bool)
-        q_index = torch.zeros(batch, max_q, dtype=torch.int64)
-        out_index = []
-        new_slot_index = []
-        row = 0
-        for b, s in enumerate(seqs):
-            c, n = s.num_cached, s.num_new
-            kv_index[b, : c + n] = torch.arange(c + n)
-            new_slot_index.append(torch.arange(c, c + n))
-            new_mask = s.new_mask if s.new_mask is not None else torch.ones(n, n, dtype=torch.bool).tril_()
-            if new_mask.shape[0] != n or not n <= new_mask.shape[1] <= c + n:
-                raise ValueError(f"sequence {s.seq_id!r}: new_mask has shape {tuple(new_mask.shape)}, expected "
-                                 f"[{n}, tail + {n}] with tail <= {c} cached entries")
-            seen = c + n - new_mask.shape[1]  # cached entries every new token sees
-            mask[b, 0, :n, :seen] = True
-            mask[b, 0, :n, seen : c + n] = new_mask
-            if self.sliding_window is not None and c + n > self.sliding_window:
-                key_pos = torch.cat([torch.arange(c), s.positions])
-                too_far = (s.positions[:, None] - key_pos[None, :]) >= self.sliding_window
-                mask[b, 0, :n, : c + n] &= ~too_far
-            mask[b, 0, n:, 0] = True  # padded queries see one key so softmax stays finite
-            q_index[b, :n] = torch.arange(row, row + n)
-            out_index.append(torch.arange(b * max_q, b * max_q + n))
-            row += n
-
-        # Translate per-sequence slot indices to physical slots with one gather per sequence.
-        kv_slots = torch.empty(batch, max_k, dtype=torch.int64, device=device)
-        slot_mapping = []
-        for b, s in enumerate(seqs):
-            phys = cache.slots(s.seq_id, kv_index[b].to(device))
-            kv_slots[b] = phys
-            slot_mapping.append(phys[s.num_cached : s.num_cached + s.num_new])
-        lone_decode = batch == 1 and max_q == 1 and self.sliding_window is None
-        return AttentionMetadata(
-            slot_mapping=torch.cat(slot_mapping),
+        qlen = d.cu_query_lens[1:] - d.cu_query_lens[:-1]  # [B]
+        q_local = torch.arange(Q, device=device)  # [Q]
+        real_q = q_local[None, :] < qlen[:, None]  # [B, Q]
+        q_rows = d.cu_query_lens[:-1, None] + q_local[None, :]  # [B, Q]
+        q_index = torch.where(real_q, q_rows, d.cu_query_lens[:-1, None])
+        key = torch.arange(L, device=device)  # [L] slot index of each key column
+        bs = batch.block_size
+        blocks = d.block_tables.gather(1, (key // bs).clamp(max=d.block_tables.shape[1] - 1).expand(B, L))
+        kv_slots = blocks * bs + key % bs  # [B, L]
+        ctx = d.context_lens  # [B]
+        cached = ctx - qlen  # [B] entries before this step's tokens
+        # The last `width` keys are governed by the sequence's mask (causal when it has none).
+        is_tree = d.mask_offsets >= 0
+        width = d.mask_widths
+        col = key[None, None, :] - (ctx - width)[:, None, None]  # [B, 1, L] column in the mask
+        in_tail = col >= 0
+        causal_ok = col <= q_local[None, :, None] + (width - qlen)[:, None, None]  # [B, Q, L]
+        visible = in_tail.logical_not() | causal_ok
+        if bool(is_tree.any()):
+            flat = (d.mask_offsets[:, None, None] + q_local[None, :, None] * width[:, None, None] + col)
+            flat = flat.clamp(0, max(d.tree_mask.numel() - 1, 0))
+            tree_ok = d.tree_mask[flat] if d.tree_mask.numel() else torch.zeros_like(causal_ok)
+            visible = torch.where(is_tree[:, None, None] & in_tail, tree_ok, visible)
+        visible &= key[None, None, :] < ctx[:, None, None]
+        if self.sliding_window is not None:
+            # Cached key j sits at position j (committed in order); new keys at their own positions.
+            new_pos = d.positions[(d.cu_query_lens[:-1, None] + (key[None, :] - cached[:, None])).clamp(0, batch.num_tokens - 1)]
+            key_pos = torch.where(key[None, :] < cached[:, None], key[None, :], new_pos)  # [B, L]
+            q_pos = d.positions[q_index]  # [B, Q]
+            visible &= (q_pos[:, :, None] - key_pos[:, None, :]) < self.sliding_window
+        visible &= real_q[:, :, None]
+        visible[:, :, 0] |= ~real_q  # padded queries see one key so softmax stays finite
+        lone_decode = B == 1 and Q == 1 and self.sliding_window is None
+        out_index = (d.token_seq * Q + (torch.arange(batch.num_tokens, device=device) - d.cu_query_lens[d.token_seq]))
+        return SdpaMetadata(
+            slot_mapping=d.slot_mapping,
             kv_slots=kv_slots,
-            mask=None if lone_decode else mask.to(device),
-            q_index=q_index.to(device),
-            out_index=torch.cat(out_index).to(device),
-            batch=batch,
-            max_queries=max_q,
+            mask=None if lone_decode else visible[:, None],
+            q_index=q_index,
+            out_index=out_index,
+            batch=B,
+            max_queries=Q,
         )
 
-    def attend(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        meta: AttentionMetadata,
-        cache: PagedKVCache,
-    ) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SdpaMetadata,
+               cache: PagedKVCache) -> torch.Tensor:
         """q [T, heads, head_dim], k/v [T, kv_heads, head_dim] → output [T, heads * head_dim].
 
         Writes this step's k/v into the cache first, then attends over cached + new entries.
@@ -142,3 +117,4 @@ class SdpaBackend:
 
 
 BACKENDS = {"sdpa": SdpaBackend}
+

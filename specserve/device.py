@@ -1,4 +1,10 @@
-"""Device and dtype choice: fp32 on CPU (bf16 matmuls are pathologically slow there), bf16 on CUDA."""
+"""Device and dtype choice: fp32 on CPU, bf16 on CUDA.
+
+On the CPU the dtype is how weights are *stored*: the CPU kernels widen bfloat16/float16 weights as they
+load them and always compute in float32 (bf16 arithmetic is pathologically slow there), so half-size
+storage halves the bytes read per token. Without the kernels (a model they do not cover) torch computes
+in the dtype itself, which is slow on the CPU for anything but float32.
+"""
 
 from __future__ import annotations
 
@@ -31,6 +37,4 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         dtype = _DTYPES[dtype]
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
-    if device.type == "cpu" and dtype != torch.float32:
-        log.warning("dtype %s on CPU is much slower than float32 here; use float32 for speed", dtype)
     return dtype

@@ -12,14 +12,15 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from specserve.attention import SequenceSlice
 from specserve.budget import StaticBudget
-from specserve.kv_cache import PagedKVCache
+from specserve.kv_cache import BlockAllocator
 from specserve.model import LlamaModel
 from specserve.request import Request, RequestDelta, Status
 from specserve.sampling import SamplingParams, logits_to_probs
+from specserve.step_batch import StepBatchBuilder
 from specserve.verify import DraftTree, VerifyResult
 from specserve.verify.accept import accept_batch, split_verify_rows
 from specserve.drafters.base import CommitInfo, DraftRequest, Drafter
@@ -57,16 +58,10 @@ class Engine:
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
         self.budget_policy = budget_policy or StaticBudget(drafter.max_budget if drafter else 0)
-        cfg = model.config
-        self.cache = PagedKVCache(
-            cfg.num_layers,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            num_blocks=-(-config.kv_cache_slots // config.block_size),
-            block_size=config.block_size,
-            device=model.device,
-            dtype=model.dtype,
-        )
+        self.allocator = BlockAllocator(-(-config.kv_cache_slots // config.block_size), config.block_size)
+        self.cache = model.new_cache(self.allocator)
+        if drafter is not None:
+            drafter.attach_kv(self.allocator)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -107,7 +102,7 @@ class Engine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         need = self._slots_needed(len(prompt_ids), max_tokens)
-        capacity = self.cache.allocator.num_blocks * self.cache.block_size
+        capacity = self.allocator.num_blocks * self.allocator.block_size
         if need > capacity:
             raise ValueError(
                 f"request needs {need} KV slots but the cache holds {capacity}: "
@@ -137,8 +132,10 @@ class Engine:
         return req
 
     def _slots_needed(self, prompt_len: int, max_tokens: int) -> int:
-        max_budget = self.drafter.max_budget if self.drafter else 0
-        return prompt_len + max_tokens + max_budget + 1
+        """KV slots a request reserves at admission: every token it can hold, plus room past its root for
+        the largest draft tree (or the drafter's own tree levels, whichever is more)."""
+        past_root = max(self.drafter.max_budget, self.drafter.kv_slots_past_root) if self.drafter else 0
+        return prompt_len + max_tokens + past_root + 1
 
     def _finish(self, req: Request, reason: str) -> None:
         req.status = Status.FINISHED
@@ -147,7 +144,7 @@ class Engine:
         req.detok.flush()
         if req in self.running:
             self.running.remove(req)
-        self.cache.free(req.request_id)
+        self.allocator.free(req.request_id)
         if self.drafter is not None:
             self.drafter.release(req.request_id)
 
@@ -182,35 +179,17 @@ class Engine:
         Hidden states (for drafters that read target features) come from every prompt row of a
         prefill and every row of a tree; logits only from a prompt's last row and every tree row.
         """
-        slices, ids, positions, logit_rows, hidden_rows = [], [], [], [], []
-        row = 0
+        builder = StepBatchBuilder(self.allocator)
+        hidden = bool(self._hidden_layers)
         for r, tree in zip(reqs, trees):
             if not r.prefilled:
-                n = r.prompt_len
-                pos = torch.arange(n)
-                slices.append(SequenceSlice(r.request_id, 0, pos))
-                ids.append(torch.from_numpy(r.token_ids.copy()))
-                logit_rows.append(torch.tensor([row + n - 1]))
+                builder.add(r.request_id, 0, r.token_ids, logits="last", hidden=hidden)
             else:
-                n = tree.num_nodes + 1
-                pos = tree.positions(r.num_cached)
-                slices.append(SequenceSlice(r.request_id, r.num_cached, pos, tree.ancestor_mask if tree.num_nodes else None))
-                ids.append(torch.cat([torch.tensor([int(r.token_ids[-1])]), tree.tokens]))
-                logit_rows.append(torch.arange(row, row + n))
-            if self._hidden_layers:
-                hidden_rows.append(torch.arange(row, row + n))
-            positions.append(pos)
-            row += n
-        device = self.model.device
-        return self.model.forward(
-            torch.cat(ids).to(device),
-            torch.cat(positions).to(device),
-            slices,
-            self.cache,
-            torch.cat(logit_rows).to(device),
-            self._hidden_layers,
-            torch.cat(hidden_rows).to(device) if self._hidden_layers else None,
-        )
+                tokens = np.concatenate([r.token_ids[-1:], tree.tokens.numpy()])
+                mask = tree.ancestor_mask.numpy() if tree.num_nodes else None
+                builder.add(r.request_id, r.num_cached, tokens, tree.positions(r.num_cached).numpy(), mask,
+                            logits="all", hidden=hidden)
+        return self.model.forward(builder.build(), self.cache, self._hidden_layers)
 
     def _commit_kv(self, reqs: list[Request], trees: list[DraftTree], results: list[VerifyResult]) -> None:
         """Keep the accepted path's KV next to the root, drop the rest, advance committed lengths.
@@ -244,10 +223,10 @@ class Engine:
             need = self._slots_needed(req.prompt_len, req.max_tokens)
             if admitted and prefill_tokens + req.prompt_len > self.config.max_prefill_tokens:
                 break
-            if not self.cache.allocator.can_allocate(need):
+            if not self.allocator.can_allocate(need):
                 break  # first-come first-served: wait for blocks rather than let later requests jump ahead
             self.waiting.popleft()
-            self.cache.allocate(req.request_id, need)
+            self.allocator.allocate(req.request_id, need)
             req.status = Status.RUNNING
             req.scheduled_time = time.perf_counter()
             self.running.append(req)

@@ -28,6 +28,9 @@ class LLM:
     embedded default model, else plain decoding.
     kv_cache_tokens: total tokens the paged cache holds (default: max_num_seqs full contexts, capped
     at 2 GiB of cache on CPU).
+    dtype: on the CPU, how weights are stored — float32 (default), or bfloat16/float16 to halve the bytes
+    read per token; the CPU kernels always compute in float32. On CUDA, the compute dtype (bf16 default).
+    threads: CPU threads for the kernels (and torch's remaining ops); None = every core.
     """
 
     def __init__(
@@ -43,6 +46,7 @@ class LLM:
         kv_cache_tokens: int | None = None,
         block_size: int = 16,
         attention: str = "sdpa",
+        threads: int | None = None,
     ) -> None:
         if model is None:
             from specserve.training.bundle_paths import default_model_dir
@@ -54,6 +58,10 @@ class LLM:
                     "(Python: model='DIR', CLI: --model DIR), or build the bundle with `specserve train bundle`"
                 )
         model_dir = Path(model)
+        if threads is not None:
+            from specserve.kernels import set_threads
+
+            set_threads(threads)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model = LlamaModel.from_pretrained(model_dir, self.device, self.dtype, attention)
@@ -64,11 +72,6 @@ class LLM:
             max_model_len = cfg.max_position_embeddings
         if not 1 < max_model_len <= cfg.max_position_embeddings:
             raise ValueError(f"max_model_len must be in [2, {cfg.max_position_embeddings}], got {max_model_len}")
-        if kv_cache_tokens is None:
-            from specserve.kv_cache import PagedKVCache
-
-            per_slot = PagedKVCache.bytes_per_slot(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
-            kv_cache_tokens = min(max_num_seqs * (max_model_len + 64), (2 << 30) // per_slot)
         if drafter == "auto":
             from specserve.training.bundle_paths import default_drafter
 
@@ -88,6 +91,13 @@ class LLM:
                 model=self.model,
             )
             drafter_obj = create_drafter(drafter, target, drafter_options)
+        if kv_cache_tokens is None:
+            from specserve.kv_cache import PagedKVCache
+
+            kv_dtype = torch.float32 if self.model.kernels is not None else self.dtype
+            per_slot = PagedKVCache.bytes_per_slot(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
+            per_slot += drafter_obj.kv_bytes_per_slot() if drafter_obj is not None else 0
+            kv_cache_tokens = min(max_num_seqs * (max_model_len + 64), (2 << 30) // per_slot)
         self.engine = Engine(
             self.model,
             self.tokenizer,

@@ -1,8 +1,14 @@
 """Our Llama-family decoder: one forward for prefill, decode and tree verification over a paged cache.
 
 Weights are loaded from a Hugging Face directory and stored fused (q|k|v in one matrix, gate|up in
-another) so a layer is four matmuls. On CPU in fp32, products of up to 16 rows (batch-1 decode, small
-verify trees) go through `specserve.gemv`, which streams weights much faster than torch's MKL there.
+another) so a layer is four products. A forward reads one `StepBatch` (flat tokens, positions, slots,
+block tables, tree masks). Two executors run the same layer:
+
+- on the CPU, `specserve.kernels` (compiled numba kernels: a whole decoder layer per call, every core,
+  every output row reduced in one fixed order — batch-invariant by construction);
+- elsewhere (GPU, or a model the kernels do not cover), the torch layer below with an attention
+  backend from `specserve.attention`.
+
 Hidden states follow transformers' `hidden_states` numbering:
 index 0 is the embedding output, index i the output of layer i-1, and index `num_layers` the final
 normed state (what the LM head reads) — so drafter heads trained against transformers line up.
@@ -17,12 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.attention import BACKENDS, SequenceSlice
+from specserve.attention import BACKENDS
 from specserve.checkpoint import load_state_dict
 from specserve.config import ModelConfig, load_config
-from specserve import gemv
-from specserve.kv_cache import PagedKVCache
+from specserve.kv_cache import BlockAllocator, PagedKVCache
 from specserve.rope import RotaryTable
+from specserve.step_batch import StepBatch
 
 
 @dataclass
@@ -34,16 +40,24 @@ class ForwardOutput:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """One Llama decoder layer: attention over the paged cache (tree masks included), then the SiLU MLP.
+
+    Weights are stored fused ([q | k | v, in] and [gate | up, hidden]) so a layer is four products.
+    attn_in: width of the attention input (hidden_size for a target layer; an EAGLE-3 head feeds the
+    concatenation of two normed vectors, 2 * hidden). input_norm: whether the layer normalises its
+    own attention input (False when the caller hands over an already normed input).
+    """
+
+    def __init__(self, cfg: ModelConfig, attn_in: int | None = None, input_norm: bool = True) -> None:
         super().__init__()
         h, hd = cfg.hidden_size, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * hd, cfg.num_kv_heads * hd
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
         self.eps = cfg.rms_norm_eps
         inter = cfg.intermediate_size
-        self.input_norm = _param(h)
+        self.input_norm = _param(h) if input_norm else None
         self.post_attn_norm = _param(h)
-        self.qkv = _param(self.q_size + 2 * self.kv_size, h)  # [q | k | v, hidden]
+        self.qkv = _param(self.q_size + 2 * self.kv_size, attn_in or h)  # [q | k | v, in]
         self.qkv_bias = _param(self.q_size + 2 * self.kv_size) if cfg.attention_bias else None
         self.o_proj = _param(h, self.q_size)
         self.o_bias = _param(h) if cfg.o_proj_bias else None
@@ -52,19 +66,32 @@ class DecoderLayer(nn.Module):
         self.down = _param(h, inter)
         self.down_bias = _param(h) if cfg.mlp_bias else None
 
-    def forward(self, layer_idx, x, positions, rope, backend, meta, cache):  # x: [T, hidden]
-        t = x.shape[0]
-        qkv = gemv.linear(F.rms_norm(x, (x.shape[-1],), self.input_norm, self.eps), self.qkv, self.qkv_bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = rope.apply(q, k, positions)
+    def forward(self, layer_idx: int, x: torch.Tensor, positions: torch.Tensor, rope: RotaryTable, backend, meta,
+                cache: PagedKVCache, attn_input: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, hidden] (the residual stream) -> [T, hidden]. attn_input [T, attn_in]: what attention
+        reads (default: rms_norm(x) with the layer's input norm)."""
+        if attn_input is None:
+            attn_input = F.rms_norm(x, (x.shape[-1],), self.input_norm, self.eps)
+        q, k, v = self.project_qkv(attn_input, positions, rope)
         attn = backend.attend(layer_idx, q, k, v, meta, cache)  # [T, heads * head_dim]
-        x = x + gemv.linear(attn, self.o_proj, self.o_bias)
+        return self.finish(x, attn)
+
+    def project_qkv(self, attn_input: torch.Tensor, positions: torch.Tensor, rope: RotaryTable):
+        """attn_input [..., T, in] -> q [..., T, heads, head_dim], k and v [..., T, kv_heads, head_dim],
+        rotary applied at positions [T]."""
+        q, k, v = F.linear(attn_input, self.qkv, self.qkv_bias).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.unflatten(-1, (self.num_heads, self.head_dim))
+        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        q, k = rope.apply(q, k, positions)
+        return q, k, v
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The rest of the layer after attention: x + o_proj(attn), then + MLP(norm(.)). attn [..., heads * head_dim]."""
+        x = x + F.linear(attn, self.o_proj, self.o_bias)
         normed = F.rms_norm(x, (x.shape[-1],), self.post_attn_norm, self.eps)
-        gate, up = gemv.linear(normed, self.gate_up, self.gate_up_bias).chunk(2, dim=-1)
-        return x + gemv.linear(F.silu(gate) * up, self.down, self.down_bias)
+        gate, up = F.linear(normed, self.gate_up, self.gate_up_bias).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down, self.down_bias)
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -82,17 +109,27 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = _param(cfg.hidden_size)
         self.lm_head = self.embed if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
-        if device.type == "cpu" and dtype == torch.float32:
-            gemv.prepare()
         self.rope = RotaryTable(cfg, device, dtype)
         self.backend = BACKENDS[attention](sliding_window=cfg.sliding_window)
+        self.kernels = None  # CPU compiled kernels (`use_cpu_kernels`), when they run this model
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, device: torch.device, dtype: torch.dtype, attention: str = "sdpa") -> "LlamaModel":
+    def from_pretrained(cls, model_dir: str | Path, device: torch.device, dtype: torch.dtype, attention: str = "sdpa",
+                        cpu_kernels: bool = True) -> "LlamaModel":
         cfg = load_config(model_dir)
         model = cls(cfg, device, dtype, attention)
         model.load_hf_state(load_state_dict(model_dir, cfg, device, dtype))
+        if cpu_kernels:
+            model.use_cpu_kernels()
         return model
+
+    def use_cpu_kernels(self) -> bool:
+        """Run forwards through `specserve.kernels` (compiled, multithreaded, batch-invariant) when the
+        model and device allow it; returns whether they do (the reason is logged once otherwise)."""
+        from specserve.kernels import ModelKernels
+
+        self.kernels = ModelKernels.for_model(self)
+        return self.kernels is not None
 
     @torch.no_grad()
     def load_hf_state(self, state: dict[str, torch.Tensor]) -> None:
@@ -121,41 +158,37 @@ class LlamaModel(nn.Module):
     def bytes_read_per_token(self) -> int:
         """Weight bytes one decode step streams: every layer, the final norm and the LM head (the
         embedding table is only indexed). The numerator of the bandwidth floor."""
+        if self.kernels is not None:
+            return self.kernels.bytes_read_per_token()
         tensors = [self.norm, self.lm_head, *(p for layer in self.layers for p in layer.parameters())]
         return sum(p.numel() * p.element_size() for p in tensors)
 
-    @torch.inference_mode()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        seqs: list[SequenceSlice],
-        cache: PagedKVCache,
-        logit_rows: torch.Tensor,
-        hidden_layers: tuple[int, ...] = (),
-        hidden_rows: torch.Tensor | None = None,
-    ) -> ForwardOutput:
-        """Run new tokens of several sequences through the model.
+    def new_cache(self, allocator: BlockAllocator) -> PagedKVCache:
+        """A KV cache for this model on `allocator`'s blocks (fp32 on the CPU kernels' path)."""
+        cfg = self.config
+        dtype = torch.float32 if self.kernels is not None else self.dtype
+        return PagedKVCache(allocator, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.device, dtype)
 
-        input_ids:  int64[T] new tokens of every sequence, concatenated in `seqs` order.
-        positions:  int64[T] their RoPE positions.
-        logit_rows: int64[M] rows of T whose logits are returned.
-        hidden_rows: int64[M_h] rows of T whose hidden states of `hidden_layers` are returned
-                    (default: `logit_rows`). EAGLE needs every prompt row's features, logits only the last.
-        Returns logits float32[M, vocab] and {layer: [M_h, hidden]}.
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch, cache: PagedKVCache, hidden_layers: tuple[int, ...] = ()) -> ForwardOutput:
+        """Run a StepBatch's new tokens through the model, writing their K/V into `cache`.
+
+        Returns logits float32[R, vocab] for `batch.logit_rows` and {layer: [R_h, hidden]} for
+        `batch.hidden_rows` (transformers' hidden_states numbering, see the module docstring).
         """
-        if hidden_rows is None:
-            hidden_rows = logit_rows
-        meta = self.backend.prepare(seqs, cache)
-        x = self.embed[input_ids]  # [T, hidden]
+        if self.kernels is not None:
+            return self.kernels.forward(batch, cache, hidden_layers)
+        d = batch.device_arrays(self.device)
+        meta = self.backend.prepare(batch, cache)
+        x = self.embed[d.input_ids]  # [T, hidden]
         hidden: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             if i in hidden_layers:
-                hidden[i] = x[hidden_rows]
-            x = layer(i, x, positions, self.rope, self.backend, meta, cache)
+                hidden[i] = x[d.hidden_rows]
+            x = layer(i, x, d.positions, self.rope, self.backend, meta, cache)
+        eps = self.config.rms_norm_eps
         if self.config.num_layers in hidden_layers:
-            hidden[self.config.num_layers] = F.rms_norm(x[hidden_rows], (x.shape[-1],), self.norm, self.config.rms_norm_eps)
-        x = F.rms_norm(x[logit_rows], (x.shape[-1],), self.norm, self.config.rms_norm_eps)
-        head = gemv.linear(x, self.lm_head)
-        logits = head.float()  # [M, vocab]
+            hidden[self.config.num_layers] = F.rms_norm(x[d.hidden_rows], (x.shape[-1],), self.norm, eps)
+        x = F.rms_norm(x[d.logit_rows], (x.shape[-1],), self.norm, eps)
+        logits = F.linear(x, self.lm_head).float()  # [R, vocab]
         return ForwardOutput(logits=logits, hidden_states=hidden)

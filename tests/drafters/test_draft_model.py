@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from specserve.drafters import DraftRequest, TargetInfo, create_drafter
 from specserve.drafters.draft_model import DraftModelDrafter
-from specserve.drafters.growing_kv import GrowingKV
+from standalone_kv import ensure_kv
 from tiny_models import build_model
 from transformers import AutoModelForCausalLM
 
@@ -81,7 +81,7 @@ def test_greedy_equals_plain(small_vocab_dir, draft_dir, reference, shape, batch
     alloc = llm.engine.cache.allocator
     assert alloc.num_free_blocks == alloc.num_blocks
     drafter = llm.engine.drafter
-    assert not drafter._state and drafter.kv.cache.allocator.num_free_blocks == drafter.kv.cache.allocator.num_blocks
+    assert not drafter._state and drafter.cache.allocator is alloc  # the drafter's KV shares the engine's blocks
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -152,6 +152,7 @@ def test_sampled_tokens_follow_target_distribution(small_vocab_dir, draft_dir, c
 
 def _propose(drafter, contexts, budgets, temperature):
     requests = [DraftRequest(f"r{i}", np.asarray(c, dtype=np.int64), temperature) for i, c in enumerate(contexts)]
+    ensure_kv(drafter, [r.request_id for r in requests])
     return drafter.propose(requests, budgets)
 
 
@@ -197,6 +198,7 @@ def test_greedy_trees_take_the_draft_top_k(small_vocab_dir, draft_dir):
 def test_mixed_greedy_and_sampled_requests_in_one_batch(small_vocab_dir, draft_dir):
     drafter = DraftModelDrafter(target_info(small_vocab_dir), str(draft_dir), depth=3, topk=2)
     requests = [DraftRequest(f"m{i}", np.asarray(PROMPT, dtype=np.int64), t) for i, t in enumerate((0.0, 0.8, 0.0, 1.3))]
+    ensure_kv(drafter, [r.request_id for r in requests])
     trees = drafter.propose(requests, [6, 6, 6, 6])
     assert [t.probs is None for t in trees] == [True, False, True, False]
     assert trees[0].tokens.tolist() == trees[2].tokens.tolist()  # greedy drafts are deterministic
@@ -235,23 +237,6 @@ def test_incremental_catch_up_matches_fresh_drafts(small_vocab_dir, draft_dir):
 # ---- KV, options, registry -----------------------------------------------------------------------
 
 
-def test_kv_grows_per_sequence_and_pool_and_keeps_contents(draft_dir):
-    model = LlamaModel.from_pretrained(draft_dir, torch.device("cpu"), torch.float32)
-    kv = GrowingKV(model, block_size=4, initial_slots=32)
-    key = kv.ensure("a", 10, keep=0)
-    index = torch.arange(10)
-    kv.cache.k[:, kv.cache.slots(key, index)] = torch.arange(10, dtype=torch.float32)[None, :, None, None]
-    key2 = kv.ensure("a", 30, keep=10)  # outgrows its blocks: new key, contents copied
-    assert key2 != key
-    kv.ensure("b", 40, keep=0)  # the pool (32 slots) must grow
-    assert kv.cache.allocator.num_blocks > 8
-    k, _ = kv.cache.read(kv.keys["a"], 10)
-    assert k[0, :, 0, 0].tolist() == list(range(10))
-    kv.free("a")
-    kv.free("b")
-    assert kv.cache.allocator.num_free_blocks == kv.cache.allocator.num_blocks
-
-
 def test_release_drops_state(small_vocab_dir, draft_dir):
     drafter = DraftModelDrafter(target_info(small_vocab_dir), str(draft_dir))
     _propose(drafter, [PROMPT, PROMPT], [4, 4], temperature=0.5)
@@ -260,7 +245,6 @@ def test_release_drops_state(small_vocab_dir, draft_dir):
     drafter.release("r1")
     drafter.release("never-seen")
     assert not drafter._state
-    assert drafter.kv.cache.allocator.num_free_blocks == drafter.kv.cache.allocator.num_blocks
 
 
 @pytest.mark.parametrize(

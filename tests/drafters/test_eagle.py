@@ -21,6 +21,9 @@ from transformers import AutoModelForCausalLM
 
 import specserve.drafters.eagle  # noqa: F401  (registers "eagle")
 from specserve import LLM, SamplingParams
+from specserve.kv_cache import BlockAllocator
+from specserve.step_batch import StepBatchBuilder
+from standalone_kv import ensure_kv
 from specserve.drafters import DraftRequest, TargetInfo, create_drafter
 from specserve.drafters.eagle import EagleDrafter
 from specserve.drafters.eagle_checkpoint import load_head, new_head_config, save_head
@@ -107,6 +110,11 @@ def _features(model_dir, tokens: list[int], layers) -> dict[int, torch.Tensor]:
     return {layer: hs[layer][0] for layer in layers}
 
 
+def _propose(drafter, requests, budgets):
+    ensure_kv(drafter, [r.request_id for r in requests])
+    return drafter.propose(requests, budgets)
+
+
 def _request(rid, tokens, model_dir, drafter, temperature=0.0, start=0):
     """A DraftRequest for context ``tokens`` (last = root) with the features of tokens start..len-2."""
     feats = _features(model_dir, tokens[:-1], drafter.hidden_layers)
@@ -126,7 +134,7 @@ def test_greedy_equals_plain(small_vocab_dir, heads, reference, mode, shape, bat
     assert [o.token_ids for o in outs] == reference[:batch]
     assert sum(sum(o.spec.accepted_per_position) for o in outs) > 0  # the drafts were used
     drafter = llm.engine.drafter
-    assert not drafter._state and drafter.kv.cache.allocator.num_free_blocks == drafter.kv.cache.allocator.num_blocks
+    assert not drafter._state and drafter.cache.allocator is llm.engine.allocator  # the head's KV shares the engine's blocks
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -179,7 +187,7 @@ def test_chain_drafts_follow_the_training_unroll(small_vocab_dir, heads, mode):
     over the context extended by the chain: drafting and training-time test see the same thing."""
     drafter = EagleDrafter(target_info(small_vocab_dir), str(heads[mode]), depth=4, topk=1)
     context = [3, 1, 4, 1, 5, 9, 2, 6, 5]
-    (tree,) = drafter.propose([_request("r", context, small_vocab_dir, drafter)], [4])
+    (tree,) = _propose(drafter, [_request("r", context, small_vocab_dir, drafter)], [4])
     assert tree.parents.tolist() == [-1, 0, 1, 2]
     seq = context + tree.tokens.tolist()
     feats = _features(small_vocab_dir, seq, drafter.hidden_layers)
@@ -197,7 +205,7 @@ def test_chain_drafts_follow_the_training_unroll(small_vocab_dir, heads, mode):
 def test_tree_probs_are_exact_sibling_distributions(small_vocab_dir, heads, mode):
     drafter = EagleDrafter(target_info(small_vocab_dir), str(heads[mode]), depth=3, topk=3, max_budget=100)
     context = [3, 1, 4, 1, 5]
-    (tree,) = drafter.propose([_request("r", context, small_vocab_dir, drafter, temperature=0.7)], [100])
+    (tree,) = _propose(drafter, [_request("r", context, small_vocab_dir, drafter, temperature=0.7)], [100])
     assert tree.probs is not None and tree.probs.shape == (tree.num_nodes, 16)
     torch.testing.assert_close(tree.probs.sum(-1), torch.ones(tree.num_nodes))
     head = drafter.head
@@ -227,7 +235,7 @@ def test_sampled_tree_shape_does_not_depend_on_drawn_values(small_vocab_dir, hea
     shapes, tokens = set(), set()
     for seed in range(6):
         drafter = EagleDrafter(target_info(small_vocab_dir), str(heads["eagle3"]), depth=4, topk=2, seed=seed)
-        (tree,) = drafter.propose([_request("r", PROMPT, small_vocab_dir, drafter, temperature=1.0)], [9])
+        (tree,) = _propose(drafter, [_request("r", PROMPT, small_vocab_dir, drafter, temperature=1.0)], [9])
         shapes.add(tuple(tree.parents.tolist()))
         tokens.add(tuple(tree.tokens.tolist()))
     assert len(shapes) == 1 and len(tokens) > 1
@@ -249,18 +257,17 @@ def test_head_cache_holds_the_accepted_path_after_partial_acceptance(small_vocab
     n = state.num_cached
     assert n > len(PROMPTS[0])
     tokens = req.token_ids.tolist()
-    k_got, v_got = drafter.kv.cache.read(drafter.kv.keys[req.request_id], n)
+    k_got, v_got = drafter.cache.read(req.request_id, n)
     # From scratch: the true features of tokens 0..n-1, paired with tokens 1..n, through a fresh cache.
     head = drafter.head
     feats = _features(small_vocab_dir, tokens[:n], drafter.hidden_layers)
-    from specserve.attention import SequenceSlice
-    from specserve.drafters.growing_kv import GrowingKV
-
-    kv = GrowingKV(head.kv_spec)
-    key = kv.ensure("fresh", n, 0)
-    head.forward_paged(torch.tensor(tokens[1 : n + 1]), head.fuse([feats[l] for l in head.cfg.feature_layers]),
-                       torch.arange(n), [SequenceSlice(key, 0, torch.arange(n))], kv.cache)
-    k_ref, v_ref = kv.cache.read(key, n)
+    allocator = BlockAllocator(64, 16)
+    allocator.allocate("fresh", n)
+    cache = head.new_cache(allocator)
+    builder = StepBatchBuilder(allocator)
+    builder.add("fresh", 0, np.asarray(tokens[1 : n + 1], dtype=np.int64))
+    head(torch.tensor(tokens[1 : n + 1]), head.fuse([feats[l] for l in head.cfg.feature_layers]), builder.build(), cache)
+    k_ref, v_ref = cache.read("fresh", n)
     torch.testing.assert_close(k_got, k_ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(v_got, v_ref, atol=1e-4, rtol=1e-4)
 
@@ -277,11 +284,11 @@ def test_budget_zero_requests_keep_their_features(small_vocab_dir, heads):
         req = DraftRequest("r", np.asarray(context[:end], dtype=np.int64), 0.0, rows)
         other = DraftRequest("o", np.asarray(PROMPT, dtype=np.int64), 0.0,
                              _features(small_vocab_dir, PROMPT[:-1], warm.hidden_layers) if end == 4 else None)
-        (tree, _) = warm.propose([req, other], [budget, 3])
+        (tree, _) = _propose(warm, [req, other], [budget, 3])
         previous = end - 1
         assert tree.num_nodes == budget
     cold = EagleDrafter(target_info(small_vocab_dir), str(heads["eagle3"]), depth=3, topk=2)
-    (fresh,) = cold.propose([_request("r", context, small_vocab_dir, cold)], [6])
+    (fresh,) = _propose(cold, [_request("r", context, small_vocab_dir, cold)], [6])
     assert tree.tokens.tolist() == fresh.tokens.tolist() and tree.parents.tolist() == fresh.parents.tolist()
 
 
@@ -289,11 +296,11 @@ def test_budgets_cap_trees_and_batching_does_not_change_them(small_vocab_dir, he
     drafter = EagleDrafter(target_info(small_vocab_dir), str(heads["eagle1"]), depth=4, topk=3, max_budget=30)
     contexts = [PROMPT, PROMPT[:2], PROMPT[:3], [5, 2]]
     requests = [_request(f"b{i}", c, small_vocab_dir, drafter) for i, c in enumerate(contexts)]
-    trees = drafter.propose(requests, [0, 1, 4, 100])
+    trees = _propose(drafter, requests, [0, 1, 4, 100])
     assert [t.num_nodes for t in trees] == [0, 1, 4, 30]
     for tree, ctx, budget in zip(trees[1:], contexts[1:], [1, 4, 100]):
         alone = EagleDrafter(target_info(small_vocab_dir), str(heads["eagle1"]), depth=4, topk=3, max_budget=30)
-        (ref,) = alone.propose([_request("x", ctx, small_vocab_dir, alone)], [budget])
+        (ref,) = _propose(alone, [_request("x", ctx, small_vocab_dir, alone)], [budget])
         assert tree.tokens.tolist() == ref.tokens.tolist() and tree.parents.tolist() == ref.parents.tolist()
 
 
@@ -301,24 +308,23 @@ def test_requests_at_the_context_end_get_shallow_trees(small_vocab_dir, heads):
     drafter = EagleDrafter(target_info(small_vocab_dir), str(heads["eagle1"]), depth=4, topk=1)
     limit = drafter.max_positions
     ctx = [1 + (i % 7) for i in range(limit)]  # level d feeds position len + d - 3: only depths 1..2 fit
-    (tree,) = drafter.propose([_request("e", ctx, small_vocab_dir, drafter)], [4])
+    (tree,) = _propose(drafter, [_request("e", ctx, small_vocab_dir, drafter)], [4])
     assert tree.num_nodes == 2
 
 
 def test_release_drops_state(small_vocab_dir, heads):
     drafter = EagleDrafter(target_info(small_vocab_dir), str(heads["eagle3"]))
-    drafter.propose([_request("a", PROMPT, small_vocab_dir, drafter, 0.5), _request("b", PROMPT, small_vocab_dir, drafter)], [4, 4])
+    _propose(drafter, [_request("a", PROMPT, small_vocab_dir, drafter, 0.5), _request("b", PROMPT, small_vocab_dir, drafter)], [4, 4])
     assert set(drafter._state) == {"a", "b"}
     for rid in ("a", "b", "never-seen"):
         drafter.release(rid)
     assert not drafter._state
-    assert drafter.kv.cache.allocator.num_free_blocks == drafter.kv.cache.allocator.num_blocks
 
 
 def test_missing_features_are_an_engine_contract_error(small_vocab_dir, heads):
     drafter = EagleDrafter(target_info(small_vocab_dir), str(heads["eagle1"]))
     with pytest.raises(RuntimeError, match="features"):
-        drafter.propose([DraftRequest("r", np.asarray(PROMPT, dtype=np.int64), 0.0, None)], [4])
+        _propose(drafter, [DraftRequest("r", np.asarray(PROMPT, dtype=np.int64), 0.0, None)], [4])
 
 
 # ---- checkpoint formats ------------------------------------------------------------------------------
@@ -327,7 +333,7 @@ def test_missing_features_are_an_engine_contract_error(small_vocab_dir, heads):
 def _proposals(head_dir, target_dir, temperature=0.0, **options):
     drafter = EagleDrafter(target_info(target_dir), str(head_dir), **options)
     reqs = [_request(f"p{i}", c, target_dir, drafter, temperature) for i, c in enumerate((PROMPT, PROMPTS[2]))]
-    return [(t.tokens.tolist(), t.parents.tolist(), None if t.probs is None else t.probs) for t in drafter.propose(reqs, [9, 9])]
+    return [(t.tokens.tolist(), t.parents.tolist(), None if t.probs is None else t.probs) for t in _propose(drafter, reqs, [9, 9])]
 
 
 def _same(a, b):
@@ -338,12 +344,14 @@ def _same(a, b):
 
 
 def _public_layer(head: EagleHead, prefix: str) -> dict:
-    q, k, v = head.qkv.detach().split([head.q_size, head.kv_size, head.kv_size])
-    gate, up = head.gate_up.detach().chunk(2)
+    layer = head.layer
+    q, k, v = layer.qkv.detach().split([layer.q_size, layer.kv_size, layer.kv_size])
+    gate, up = layer.gate_up.detach().chunk(2)
     return {f"{prefix}self_attn.q_proj.weight": q, f"{prefix}self_attn.k_proj.weight": k,
-            f"{prefix}self_attn.v_proj.weight": v, f"{prefix}self_attn.o_proj.weight": head.o_proj.detach(),
-            f"{prefix}post_attention_layernorm.weight": head.post_norm.detach(), f"{prefix}mlp.gate_proj.weight": gate,
-            f"{prefix}mlp.up_proj.weight": up, f"{prefix}mlp.down_proj.weight": head.down.detach()}
+            f"{prefix}self_attn.v_proj.weight": v, f"{prefix}self_attn.o_proj.weight": layer.o_proj.detach(),
+            f"{prefix}post_attention_layernorm.weight": layer.post_attn_norm.detach(),
+            f"{prefix}mlp.gate_proj.weight": gate, f"{prefix}mlp.up_proj.weight": up,
+            f"{prefix}mlp.down_proj.weight": layer.down.detach()}
 
 
 def _public_config(target_dir, **extra) -> dict:

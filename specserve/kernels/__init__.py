@@ -1,0 +1,12 @@
+"""Compiled CPU kernels (numba): batch-invariant products, paged tree attention, whole decoder layers.
+
+See `linear` (the product and its fixed reduction order), `attention`, `layer`, `model_kernels` (the
+executor a `LlamaModel` uses on the CPU) and `threads` (one thread pool for all of them).
+"""
+
+from specserve.kernels.linear import PackedLinear, linear_rows
+from specserve.kernels.model_kernels import LayerKernels, ModelKernels, kernels_unsupported
+from specserve.kernels.threads import get_threads, set_threads
+
+__all__ = ["LayerKernels", "ModelKernels", "PackedLinear", "get_threads", "kernels_unsupported", "linear_rows",
+           "set_threads"]

@@ -1,0 +1,111 @@
+"""A whole Llama decoder layer as one compiled call on the CPU: norm, QKV, rotary, KV write, paged tree
+attention, output projection + residual, norm, gate/up, SiLU, down + residual.
+
+One call per layer instead of dozens of torch ops: on a small model a plain step was mostly per-op
+overhead. Every piece computes a row from that row alone, in a fixed order (`linear_rows`,
+`paged_attention`, and the row-wise loops here), so the layer is batch-invariant: a row's output does
+not depend on which other rows share the call, nor on the thread count.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+from specserve.kernels.attention import paged_attention
+from specserve.kernels.linear import linear_rows
+
+
+@numba.njit(inline="always")
+def rms_norm_rows(x, weight, eps, out):
+    """out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * weight, float32, summed in index order."""
+    rows, dim = x.shape
+    for t in range(rows):
+        total = np.float32(0.0)
+        for i in range(dim):
+            total += x[t, i] * x[t, i]
+        inv = np.float32(1.0) / np.float32(math.sqrt(total / np.float32(dim) + eps))
+        for i in range(dim):
+            out[t, i] = (x[t, i] * inv) * weight[i]
+
+
+@numba.njit(inline="always")
+def _rotate(vec, cos, sin, out):
+    """HF's half rotation: out = vec * cos + rotate_half(vec) * sin (vec, out: [head_dim])."""
+    half = vec.shape[0] // 2
+    for i in range(half):
+        a, b = vec[i], vec[i + half]
+        out[i] = a * cos[i] - b * sin[i]
+        out[i + half] = b * cos[i + half] + a * sin[i + half]
+
+
+@numba.njit(inline="always")
+def rope_and_write_cache(qkv, cos, sin, positions, slot_mapping, num_heads, num_kv, head_dim, q_out, k_cache, v_cache):
+    """Split qkv [T, (heads + 2 kv) * d] into rotated q (-> q_out [T, heads, d]) and rotated k and v
+    written to the cache slots `slot_mapping` (k_cache/v_cache [slots, kv_heads, d])."""
+    rows = qkv.shape[0]
+    k_start = num_heads * head_dim
+    v_start = k_start + num_kv * head_dim
+    for t in range(rows):
+        pos = positions[t]
+        c, s = cos[pos], sin[pos]
+        slot = slot_mapping[t]
+        for h in range(num_heads):
+            _rotate(qkv[t, h * head_dim:(h + 1) * head_dim], c, s, q_out[t, h])
+        for g in range(num_kv):
+            _rotate(qkv[t, k_start + g * head_dim:k_start + (g + 1) * head_dim], c, s, k_cache[slot, g])
+            v_cache[slot, g, :] = qkv[t, v_start + g * head_dim:v_start + (g + 1) * head_dim]
+
+
+@numba.njit(inline="always")
+def silu_mul(gate_up, out):
+    """out = silu(gate) * up, with gate_up [T, 2I] = [gate | up]."""
+    rows, inter = out.shape
+    for t in range(rows):
+        for i in range(inter):
+            g = gate_up[t, i]
+            out[t, i] = (g / (np.float32(1.0) + np.float32(math.exp(-g)))) * gate_up[t, inter + i]
+
+
+@numba.njit(boundscheck=False, cache=True)
+def decoder_layer(x, attn_input, input_norm, post_norm, eps,
+                  qkv_w, qkv_b, o_w, o_b, gate_up_w, gate_up_b, down_w, down_b, inter,
+                  num_heads, num_kv, head_dim, cos, sin, k_cache, v_cache, window,
+                  positions, slot_mapping, token_seq, cu_query_lens, context_lens, block_tables,
+                  block_size, mask_offsets, mask_widths, tree_mask):
+    """One decoder layer over a StepBatch, updating the residual stream x float32[T, hidden] in place.
+
+    attn_input: float32[T, in] what attention reads; pass an empty [0, 0] array to use
+                rms_norm(x, input_norm) (a target layer); an EAGLE-3 head passes its own.
+    *_w:        `PackedLinear.weight`s; *_b their float32 biases; inter: intermediate size.
+    cos, sin:   float32[max_positions, head_dim] rotary tables; k_cache, v_cache: this layer's cache.
+    The rest: the StepBatch arrays of the same names (window 0 = no sliding window).
+    """
+    rows, hidden = x.shape
+    if attn_input.shape[0] == 0:
+        attn_input = np.empty((rows, hidden), dtype=np.float32)
+        rms_norm_rows(x, input_norm, eps, attn_input)
+    qkv = np.empty((rows, (num_heads + 2 * num_kv) * head_dim), dtype=np.float32)
+    linear_rows(attn_input, qkv_w, qkv_b, qkv, False)
+    q = np.empty((rows, num_heads, head_dim), dtype=np.float32)
+    rope_and_write_cache(qkv, cos, sin, positions, slot_mapping, num_heads, num_kv, head_dim, q, k_cache, v_cache)
+    attn = np.empty((rows, num_heads, head_dim), dtype=np.float32)
+    scale = np.float32(1.0 / math.sqrt(head_dim))
+    paged_attention(q, k_cache, v_cache, token_seq, cu_query_lens, context_lens, block_tables, block_size,
+                    mask_offsets, mask_widths, tree_mask, positions, window, scale, attn)
+    linear_rows(attn.reshape(rows, num_heads * head_dim), o_w, o_b, x, True)
+    normed = np.empty((rows, hidden), dtype=np.float32)
+    rms_norm_rows(x, post_norm, eps, normed)
+    gate_up = np.empty((rows, 2 * inter), dtype=np.float32)
+    linear_rows(normed, gate_up_w, gate_up_b, gate_up, False)
+    act = np.empty((rows, inter), dtype=np.float32)
+    silu_mul(gate_up, act)
+    linear_rows(act, down_w, down_b, x, True)
+
+
+@numba.njit(boundscheck=False, cache=True)
+def rms_norm(x, weight, eps, out):
+    """`rms_norm_rows` callable from Python: x, out float32[T, dim] (C-contiguous), weight float32[dim]."""
+    rms_norm_rows(x, weight, eps, out)

@@ -1,0 +1,165 @@
+"""Batch-invariant products on the CPU: ``out = x @ W^T + bias`` for any number of rows.
+
+Layout (`PackedLinear`): W [out, in] is stored as blocks of 16 output rows, each block k-major —
+``packed[b, k * 16 + l] = W[16 b + l, k]`` — so one vector load brings input k's weights for 16
+outputs, and a block streams through memory in order.
+
+Arithmetic (`linear_rows`): every output element is ONE fused multiply-add chain over k = 0, 1, ...,
+in - 1, starting from zero, then + bias (then + the old value when accumulating into a residual).
+The lanes of a vector are 16 different outputs, never partial sums of one output, so no horizontal
+reduction exists whose order could vary. How rows and outputs are tiled (4 rows x 2 blocks, 1 row x 4
+blocks, ...) and how tiles are spread over threads changes which elements are computed together, never
+how one element is computed: row r of a k-row product equals the 1-row product bitwise, for any k and
+any thread count. That is what lets greedy speculative decoding equal plain decoding exactly.
+
+Speed: one broadcast input value feeds up to 8 vector FMAs (4 rows x 2 blocks), so many-row products
+(prefill chunks, verify trees) run near the FMA units' rate, while one row streams each weight once
+(decode is memory-bound). Half-size weights (bfloat16 bits or float16) are widened as they load.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+from numba import prange
+
+from specserve.kernels.simd import LANES, vadd, vbroadcast, vfma, vlane, vload, vstore, vzero
+
+# Output blocks per unit of parallel work: 4 blocks = 64 outputs. Small enough that two threads share
+# a 320-wide product evenly, large enough that a single row keeps 4 independent FMA chains busy.
+TILE_BLOCKS = 4
+
+
+class PackedLinear:
+    """A weight [out, in] (and optional bias [out]) packed for `linear_rows`.
+
+    storage: "float32", "bfloat16" (kept as int16 bits; rounded to nearest even from the source) or
+    "float16". The bias stays float32 (zeros when there is none: adding 0.0 changes nothing).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, storage: str = "float32") -> None:
+        if weight.dim() != 2:
+            raise ValueError(f"a linear weight must be 2-D [out, in], got {tuple(weight.shape)}")
+        out_features, in_features = weight.shape
+        blocks = -(-out_features // LANES)
+        padded = torch.zeros(blocks * LANES, in_features, dtype=torch.float32)
+        padded[:out_features] = weight.detach().to("cpu", torch.float32)
+        packed = padded.view(blocks, LANES, in_features).transpose(1, 2).reshape(blocks, in_features * LANES)
+        if storage == "float32":
+            self.weight = packed.contiguous().numpy()
+        elif storage == "bfloat16":
+            self.weight = packed.to(torch.bfloat16).contiguous().view(torch.int16).numpy()
+        elif storage == "float16":
+            self.weight = packed.to(torch.float16).contiguous().numpy()
+        else:
+            raise ValueError(f"weight storage must be float32, bfloat16 or float16, got {storage!r}")
+        self.bias = np.zeros(blocks * LANES, dtype=np.float32)
+        if bias is not None:
+            self.bias[:out_features] = bias.detach().to("cpu", torch.float32).numpy()
+        self.out_features, self.in_features, self.storage = out_features, in_features, storage
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes streamed by one product (the weight; padding rows included)."""
+        return self.weight.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x float32[..., in] (CPU) -> float32[..., out]: a convenience for heads outside a fused layer."""
+        rows = np.ascontiguousarray(x.detach().to(torch.float32).reshape(-1, self.in_features).numpy())
+        out = np.empty((rows.shape[0], self.out_features), dtype=np.float32)
+        linear_rows(rows, self.weight, self.bias, out, False)
+        return torch.from_numpy(out).view(*x.shape[:-1], self.out_features)
+
+
+@numba.njit(inline="always")
+def _finish(out, m, base, acc, bias, accumulate):
+    """out[m, base : base + 16] (+)= acc + bias[base : base + 16], only the lanes inside `out`."""
+    result = vadd(acc, vload(bias, base))
+    row = out[m]
+    if base + LANES <= out.shape[1]:
+        if accumulate:
+            result = vadd(vload(row, base), result)
+        vstore(row, base, result)
+    else:
+        for lane in range(out.shape[1] - base):
+            value = vlane(result, lane)
+            row[base + lane] = row[base + lane] + value if accumulate else value
+
+
+@numba.njit(parallel=True, boundscheck=False, cache=True)
+def linear_rows(x, w, bias, out, accumulate):
+    """out[:, :out_features] (+)= x @ W^T + bias, batch-invariant (see the module docstring).
+
+    x:    float32[M, in], rows C-contiguous.
+    w:    [blocks, in * 16] a `PackedLinear.weight` (float32, int16 bfloat16 bits or float16).
+    bias: float32[blocks * 16].
+    out:  float32[M, out_features], C-contiguous; accumulate: add to it instead of overwriting.
+    """
+    num_rows, num_in = x.shape
+    num_blocks = w.shape[0]
+    num_tiles = (num_blocks + TILE_BLOCKS - 1) // TILE_BLOCKS
+    for tile in prange(num_tiles):
+        first = tile * TILE_BLOCKS
+        last = min(num_blocks, first + TILE_BLOCKS)
+        m = 0
+        while m + 4 <= num_rows:  # 4 rows x 2 blocks: each broadcast feeds 2 FMAs, each load 4
+            x0, x1, x2, x3 = x[m], x[m + 1], x[m + 2], x[m + 3]
+            b = first
+            while b + 2 <= last:
+                w0, w1 = w[b], w[b + 1]
+                a0 = vzero(); a1 = vzero(); a2 = vzero(); a3 = vzero()
+                c0 = vzero(); c1 = vzero(); c2 = vzero(); c3 = vzero()
+                for k in range(num_in):
+                    u = vload(w0, k * LANES)
+                    v = vload(w1, k * LANES)
+                    s = vbroadcast(x0[k]); a0 = vfma(s, u, a0); c0 = vfma(s, v, c0)
+                    s = vbroadcast(x1[k]); a1 = vfma(s, u, a1); c1 = vfma(s, v, c1)
+                    s = vbroadcast(x2[k]); a2 = vfma(s, u, a2); c2 = vfma(s, v, c2)
+                    s = vbroadcast(x3[k]); a3 = vfma(s, u, a3); c3 = vfma(s, v, c3)
+                base = b * LANES
+                _finish(out, m, base, a0, bias, accumulate); _finish(out, m, base + LANES, c0, bias, accumulate)
+                _finish(out, m + 1, base, a1, bias, accumulate); _finish(out, m + 1, base + LANES, c1, bias, accumulate)
+                _finish(out, m + 2, base, a2, bias, accumulate); _finish(out, m + 2, base + LANES, c2, bias, accumulate)
+                _finish(out, m + 3, base, a3, bias, accumulate); _finish(out, m + 3, base + LANES, c3, bias, accumulate)
+                b += 2
+            if b < last:
+                w0 = w[b]
+                a0 = vzero(); a1 = vzero(); a2 = vzero(); a3 = vzero()
+                for k in range(num_in):
+                    u = vload(w0, k * LANES)
+                    a0 = vfma(vbroadcast(x0[k]), u, a0)
+                    a1 = vfma(vbroadcast(x1[k]), u, a1)
+                    a2 = vfma(vbroadcast(x2[k]), u, a2)
+                    a3 = vfma(vbroadcast(x3[k]), u, a3)
+                base = b * LANES
+                _finish(out, m, base, a0, bias, accumulate); _finish(out, m + 1, base, a1, bias, accumulate)
+                _finish(out, m + 2, base, a2, bias, accumulate); _finish(out, m + 3, base, a3, bias, accumulate)
+            m += 4
+        while m < num_rows:  # one row x 4 blocks: 4 independent chains, each weight read once
+            xr = x[m]
+            b = first
+            while b + 4 <= last:
+                w0, w1, w2, w3 = w[b], w[b + 1], w[b + 2], w[b + 3]
+                a0 = vzero(); a1 = vzero(); a2 = vzero(); a3 = vzero()
+                for k in range(num_in):
+                    s = vbroadcast(xr[k])
+                    o = k * LANES
+                    a0 = vfma(s, vload(w0, o), a0)
+                    a1 = vfma(s, vload(w1, o), a1)
+                    a2 = vfma(s, vload(w2, o), a2)
+                    a3 = vfma(s, vload(w3, o), a3)
+                base = b * LANES
+                _finish(out, m, base, a0, bias, accumulate)
+                _finish(out, m, base + LANES, a1, bias, accumulate)
+                _finish(out, m, base + 2 * LANES, a2, bias, accumulate)
+                _finish(out, m, base + 3 * LANES, a3, bias, accumulate)
+                b += 4
+            while b < last:
+                w0 = w[b]
+                a0 = vzero()
+                for k in range(num_in):
+                    a0 = vfma(vbroadcast(xr[k]), vload(w0, k * LANES), a0)
+                _finish(out, m, b * LANES, a0, bias, accumulate)
+                b += 1
+            m += 1

@@ -1,0 +1,140 @@
+"""The CPU executor of a `LlamaModel` (and of single decoder layers, for drafter heads).
+
+`ModelKernels.for_model(model)` packs the model's weights once (`PackedLinear`: fp32, or half-size
+bfloat16/float16 storage when the model's dtype asks for it — arithmetic stays fp32) and then runs
+whole forwards over a `StepBatch`: embedding lookup, one `decoder_layer` call per layer, final norm and
+LM head, hidden states of the asked layers for drafters. torch keeps the original weights (training
+and the GPU path use them); the KV cache is fp32.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from specserve.kernels.layer import decoder_layer, rms_norm
+from specserve.kernels.linear import PackedLinear, linear_rows
+from specserve.kernels.simd import LANES
+from specserve.kernels.threads import apply_threads
+from specserve.kv_cache import PagedKVCache
+from specserve.step_batch import StepBatch
+
+log = logging.getLogger("specserve")
+
+_STORAGE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_NO_INPUT = np.zeros((0, 0), dtype=np.float32)
+_logged: set[str] = set()
+
+
+def kernels_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why the CPU kernels cannot run a model, or None when they can."""
+    if device.type != "cpu":
+        return f"device {device} is not the CPU"
+    if dtype not in _STORAGE:
+        return f"dtype {dtype} is not float32, bfloat16 or float16"
+    if head_dim % LANES:
+        return f"head_dim {head_dim} is not a multiple of {LANES}"
+    return None
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        log.info(message)
+
+
+def _np(t: torch.Tensor | None) -> np.ndarray:
+    return np.zeros(0, dtype=np.float32) if t is None else t.detach().to("cpu", torch.float32).contiguous().numpy()
+
+
+class LayerKernels:
+    """One `DecoderLayer`'s weights packed for `decoder_layer`, and the call itself."""
+
+    def __init__(self, layer, storage: str) -> None:
+        self.input_norm = _np(layer.input_norm)
+        self.post_norm = _np(layer.post_attn_norm)
+        self.eps = np.float32(layer.eps)
+        self.qkv = PackedLinear(layer.qkv, layer.qkv_bias, storage)
+        self.o_proj = PackedLinear(layer.o_proj, layer.o_bias, storage)
+        self.gate_up = PackedLinear(layer.gate_up, layer.gate_up_bias, storage)
+        self.down = PackedLinear(layer.down, layer.down_bias, storage)
+        self.inter = layer.down.shape[1]
+        self.num_heads, self.num_kv, self.head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in (self.qkv, self.o_proj, self.gate_up, self.down)) + 2 * self.post_norm.nbytes
+
+    def __call__(self, x: np.ndarray, batch: StepBatch, k_cache: np.ndarray, v_cache: np.ndarray,
+                 cos: np.ndarray, sin: np.ndarray, window: int, attn_input: np.ndarray | None = None) -> None:
+        """Run the layer on x float32[T, hidden] in place (attn_input: see `decoder_layer`)."""
+        decoder_layer(
+            x, _NO_INPUT if attn_input is None else attn_input, self.input_norm, self.post_norm, self.eps,
+            self.qkv.weight, self.qkv.bias, self.o_proj.weight, self.o_proj.bias,
+            self.gate_up.weight, self.gate_up.bias, self.down.weight, self.down.bias, self.inter,
+            self.num_heads, self.num_kv, self.head_dim, cos, sin, k_cache, v_cache, window,
+            batch.positions, batch.slot_mapping, batch.token_seq, batch.cu_query_lens, batch.context_lens,
+            batch.block_tables, batch.block_size, batch.mask_offsets, batch.mask_widths, batch.tree_mask,
+        )
+
+
+class ModelKernels:
+    """A `LlamaModel`'s forward on the CPU kernels (see the module docstring)."""
+
+    @classmethod
+    def for_model(cls, model) -> "ModelKernels | None":
+        cfg = model.config
+        reason = kernels_unsupported(model.device, model.dtype, cfg.head_dim)
+        if reason is not None:
+            _log_once(f"CPU kernels off for this model: {reason}; using the torch path")
+            return None
+        return cls(model)
+
+    def __init__(self, model) -> None:
+        cfg = model.config
+        self.config = cfg
+        self.storage = _STORAGE[model.dtype]
+        self.embed = _np(model.embed)  # float32[V, H]: only gathered, so it stays full size
+        self.norm = _np(model.norm)
+        self.lm_head = PackedLinear(model.lm_head, None, self.storage)
+        self.layers = [LayerKernels(layer, self.storage) for layer in model.layers]
+        self.cos = _np(model.rope.cos)
+        self.sin = _np(model.rope.sin)
+        self.window = int(cfg.sliding_window or 0)
+        self.eps = np.float32(cfg.rms_norm_eps)
+
+    def bytes_read_per_token(self) -> int:
+        """Weight bytes one decode step streams (the floor's numerator; the embedding is only indexed)."""
+        return self.lm_head.nbytes + self.norm.nbytes + sum(layer.nbytes for layer in self.layers)
+
+    def forward(self, batch: StepBatch, cache: PagedKVCache, hidden_layers: tuple[int, ...] = ()):
+        from specserve.model import ForwardOutput
+
+        apply_threads()
+        x = self.embed[batch.input_ids]  # float32[T, H], a fresh copy: the residual stream
+        hidden: dict[int, torch.Tensor] = {}
+        kv = cache.layer_arrays()
+        for i, layer in enumerate(self.layers):
+            if i in hidden_layers:
+                hidden[i] = torch.from_numpy(x[batch.hidden_rows])
+            layer(x, batch, kv[i][0], kv[i][1], self.cos, self.sin, self.window)
+        num_layers = self.config.num_layers
+        if num_layers in hidden_layers:
+            hidden[num_layers] = torch.from_numpy(self.final_norm(x[batch.hidden_rows]))
+        logits = self.head(self.final_norm(x[batch.logit_rows]))
+        return ForwardOutput(logits=torch.from_numpy(logits), hidden_states=hidden)
+
+    def final_norm(self, x: np.ndarray) -> np.ndarray:
+        """float32[R, H] -> rms_norm(x) with the model's final norm (what the LM head reads)."""
+        out = np.empty_like(x)
+        rms_norm(np.ascontiguousarray(x), self.norm, self.eps, out)
+        return out
+
+    def head(self, normed: np.ndarray) -> np.ndarray:
+        """float32[R, H] final-normed states -> logits float32[R, vocab]."""
+        out = np.empty((normed.shape[0], self.config.vocab_size), dtype=np.float32)
+        if normed.shape[0]:
+            linear_rows(np.ascontiguousarray(normed), self.lm_head.weight, self.lm_head.bias, out, False)
+        return out

@@ -1,0 +1,167 @@
+"""A 16-lane float32 vector type for numba kernels, with the few operations our kernels need.
+
+Why not let LLVM vectorise plain loops: with `fastmath`, LLVM chooses the order in which a reduction
+is summed, and it may choose differently for two loops that look alike (a 1-row and a 4-row product),
+so the same row can round differently depending on how many rows share a call. Kernels written with
+this type spell the order out — which lanes exist, which partial sums are added in which order — so
+a result depends only on its own inputs: batch invariance by construction, not by luck.
+
+`F32x16` values live in registers (LLVM ``<16 x float>``). Loads widen half-size weights on the fly:
+bfloat16 is the top half of a float32 (widening is a shift), float16 converts with F16C; arithmetic
+is always float32. Unaligned loads are used throughout (numpy gives 16-byte alignment at best).
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic, models, register_model
+
+LANES = 16
+_VEC = ir.VectorType(ir.FloatType(), LANES)
+_I32 = ir.IntType(32)
+
+
+class F32x16Type(types.Type):
+    def __init__(self) -> None:
+        super().__init__(name="F32x16")
+
+
+F32x16 = F32x16Type()
+
+
+@register_model(F32x16Type)
+class _F32x16Model(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _VEC)
+
+
+def _item_pointer(context, builder, arrty, arr, index):
+    array = context.make_array(arrty)(context, builder, arr)
+    return cgutils.get_item_pointer(context, builder, arrty, array, [index], wraparound=False)
+
+
+@intrinsic
+def vzero(typingctx):
+    """A vector of zeros."""
+
+    def codegen(context, builder, signature, args):
+        return ir.Constant(_VEC, [0.0] * LANES)
+
+    return F32x16(), codegen
+
+
+@intrinsic
+def vbroadcast(typingctx, value):
+    """value (float32) in every lane."""
+
+    def codegen(context, builder, signature, args):
+        x = context.cast(builder, args[0], signature.args[0], types.float32)
+        v = builder.insert_element(ir.Constant(_VEC, ir.Undefined), x, ir.Constant(_I32, 0))
+        return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, LANES), [0] * LANES))
+
+    return F32x16(value), codegen
+
+
+@intrinsic
+def vload(typingctx, array, index):
+    """array[index : index + 16] as float32 lanes; array is 1-D contiguous float32, bfloat16 (stored
+    as int16/uint16 bits) or float16."""
+    if not isinstance(array, types.Array) or array.ndim != 1 or array.dtype not in (
+            types.float32, types.int16, types.uint16, types.float16):
+        return None
+
+    def codegen(context, builder, signature, args):
+        arrty = signature.args[0]
+        ptr = _item_pointer(context, builder, arrty, args[0], args[1])
+        if arrty.dtype == types.float32:
+            return builder.load(builder.bitcast(ptr, _VEC.as_pointer()), align=4)
+        if arrty.dtype == types.float16:
+            half = ir.VectorType(ir.HalfType(), LANES)
+            raw = builder.load(builder.bitcast(ptr, half.as_pointer()), align=2)
+            return builder.fpext(raw, _VEC)
+        bits = ir.VectorType(ir.IntType(16), LANES)
+        raw = builder.load(builder.bitcast(ptr, bits.as_pointer()), align=2)
+        wide = builder.zext(raw, ir.VectorType(_I32, LANES))
+        shifted = builder.shl(wide, ir.Constant(ir.VectorType(_I32, LANES), [16] * LANES))
+        return builder.bitcast(shifted, _VEC)
+
+    return F32x16(array, index), codegen
+
+
+@intrinsic
+def vstore(typingctx, array, index, value):
+    """array[index : index + 16] = value (array: 1-D contiguous float32)."""
+    if not isinstance(array, types.Array) or array.ndim != 1 or array.dtype != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        ptr = _item_pointer(context, builder, signature.args[0], args[0], args[1])
+        builder.store(args[2], builder.bitcast(ptr, _VEC.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return types.void(array, index, value), codegen
+
+
+@intrinsic
+def vfma(typingctx, a, b, c):
+    """a * b + c, fused (one rounding), lane by lane."""
+
+    def codegen(context, builder, signature, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VEC, [_VEC] * 3), "llvm.fma.v16f32")
+        return builder.call(fn, args)
+
+    return F32x16(a, b, c), codegen
+
+
+def _binary(op):
+    @intrinsic
+    def binary(typingctx, a, b):
+        def codegen(context, builder, signature, args):
+            return getattr(builder, op)(args[0], args[1])
+
+        return F32x16(a, b), codegen
+
+    return binary
+
+
+vadd = _binary("fadd")
+vsub = _binary("fsub")
+vmul = _binary("fmul")
+
+
+@intrinsic
+def vmax(typingctx, a, b):
+    def codegen(context, builder, signature, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VEC, [_VEC] * 2), "llvm.maxnum.v16f32")
+        return builder.call(fn, args)
+
+    return F32x16(a, b), codegen
+
+
+@intrinsic
+def vsum(typingctx, a):
+    """The sum of the lanes in one fixed order: halves added pairwise (lanes 0-7 + 8-15, then 4, 2, 1)."""
+
+    def codegen(context, builder, signature, args):
+        v, n = args[0], LANES
+        while n > 1:
+            half = n // 2
+            lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, half), list(range(half))))
+            hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, half), list(range(half, n))))
+            v, n = builder.fadd(lo, hi), half
+        return builder.extract_element(v, ir.Constant(_I32, 0))
+
+    return types.float32(a), codegen
+
+
+@intrinsic
+def vlane(typingctx, a, lane):
+    """One lane of a vector as a float32."""
+
+    def codegen(context, builder, signature, args):
+        index = context.cast(builder, args[1], signature.args[1], types.int32)
+        return builder.extract_element(args[0], index)
+
+    return types.float32(a, lane), codegen
