@@ -76,7 +76,8 @@ def _grow(counts: list[int], length: int) -> None:
 
 
 class Request:
-    """Engine-side state. Invariant while running: len(token_ids) == num_cached + 1 (the root)."""
+    """Engine-side state. Once prefilled: len(token_ids) == num_cached + 1 (the root, whose KV comes
+    with the next verify step); while prefilling, num_cached counts the prompt tokens cached so far."""
 
     def __init__(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_tokens: int, tokenizer, max_len: int,
@@ -129,7 +130,8 @@ class Request:
 
     @property
     def prefilled(self) -> bool:
-        return self.num_cached > 0
+        """The whole prompt is in the cache (prefill may take several steps, one chunk each)."""
+        return self.num_cached >= self.prompt_len
 
     def append(self, token: int) -> None:
         self._tokens[self.num_tokens] = token

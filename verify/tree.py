@@ -31,17 +31,24 @@ class DraftTree:
 
     tokens:  int64[N]   draft token ids, topologically ordered (a parent before its children).
     parents: int64[N]   parent node index, ``-1`` for children of the root; ``parents[i] < i``.
-    probs:   float32[N, V] or None. ``probs[i]`` is the exact distribution node ``i`` was drawn from,
-             *given its earlier siblings* (a drafter sampling siblings without replacement stores q
-             with the earlier siblings removed and renormalised; one sampling i.i.d. stores q itself).
-             None means every node is a deterministic proposal (one-hot q), as for n-gram drafts.
 
-    All tensors live on the CPU: trees are small, and the verifier packs them for the device.
+    The draft distribution each node was drawn from (for stochastic verification), *given its earlier
+    siblings* (a drafter sampling siblings without replacement gives q with the earlier siblings
+    removed and renormalised; one sampling i.i.d. gives q itself). Compact, as drafters give it:
+
+    q_ids:   int64[N, K]   the support of each node's q (K ids; -1 pads a shorter support);
+    q_probs: float32[N, K] q over that support (sums to 1 per row; 0 at padding).
+
+    or dense, as tests and hand-built trees find convenient: ``probs`` float32[N, V]. None of them
+    means every node is a deterministic proposal (one-hot q), as for n-gram drafts. q tensors may live
+    on the device that verifies the tree; tokens and parents live on the CPU (trees are small).
     """
 
     tokens: torch.Tensor
     parents: torch.Tensor
     probs: torch.Tensor | None = None
+    q_ids: torch.Tensor | None = None
+    q_probs: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         tokens, parents = self.tokens, self.parents
@@ -55,13 +62,50 @@ class DraftTree:
         if tokens.dtype != torch.int64 or parents.dtype != torch.int64:
             raise TypeError("DraftTree.tokens and .parents must be int64")
         n = tokens.numel()
-        if n and bool(((parents < -1) | (parents >= torch.arange(n))).any()):
+        if n and not kernels.parents_valid(parents.numpy()):
             raise ValueError(f"DraftTree.parents must satisfy -1 <= parents[i] < i, got {parents.tolist()}")
         if n and int(tokens.min()) < 0:
             raise ValueError("DraftTree.tokens must be non-negative token ids")
         if self.probs is not None:
             if self.probs.dim() != 2 or self.probs.shape[0] != n:
                 raise ValueError(f"DraftTree.probs must be [N={n}, vocab], got {tuple(self.probs.shape)}")
+            if self.q_ids is not None or self.q_probs is not None:
+                raise ValueError("give a DraftTree's q either dense (probs) or compact (q_ids, q_probs), not both")
+        if (self.q_ids is None) != (self.q_probs is None):
+            raise ValueError("DraftTree.q_ids and .q_probs come together")
+        if self.q_ids is not None:
+            if self.q_ids.dim() != 2 or self.q_ids.shape[0] != n or self.q_probs.shape != self.q_ids.shape:
+                raise ValueError(f"DraftTree.q_ids and .q_probs must both be [N={n}, K], got "
+                                 f"{tuple(self.q_ids.shape)} and {tuple(self.q_probs.shape)}")
+
+    @property
+    def has_q(self) -> bool:
+        """Whether the nodes carry draft distributions (else they are deterministic, one-hot q)."""
+        return self.probs is not None or self.q_ids is not None
+
+    @cached_property
+    def compact_q(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(q_ids int64[N, K], q_probs float32[N, K]) — the compact form, made from dense probs when
+        given that way (support = the nonzero entries); None for deterministic drafts."""
+        if self.q_ids is not None:
+            return self.q_ids, self.q_probs
+        if self.probs is None:
+            return None
+        probs = self.probs.float()
+        k = max(int((probs > 0).sum(-1).max()), 1) if self.num_nodes else 1
+        values, ids = probs.topk(k, dim=-1)
+        return torch.where(values > 0, ids, -1), values
+
+    def q_dense(self, vocab: int) -> torch.Tensor | None:
+        """float32[N, vocab]: each node's q over the whole vocabulary (None for deterministic drafts)."""
+        if self.probs is not None:
+            return self.probs.float()
+        if self.q_ids is None:
+            return None
+        dense = torch.zeros(self.num_nodes, vocab, device=self.q_probs.device)
+        valid = self.q_ids >= 0
+        dense.scatter_add_(1, self.q_ids.clamp(min=0), torch.where(valid, self.q_probs.float(), 0.0))
+        return dense
 
     # ---- construction helpers -------------------------------------------------------------------
 
@@ -72,7 +116,7 @@ class DraftTree:
 
     @staticmethod
     def chain(tokens: list[int] | torch.Tensor, probs: torch.Tensor | None = None) -> "DraftTree":
-        """A single draft sequence: node i's parent is node i-1."""
+        """A single draft sequence: node i's parent is node i-1 (probs: dense q, optional)."""
         tokens = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)
         parents = torch.arange(tokens.numel(), dtype=torch.int64) - 1
         return DraftTree(tokens, parents, probs)
@@ -163,7 +207,5 @@ class DraftTree:
         return out
 
     def __repr__(self) -> str:
-        return (
-            f"DraftTree(tokens={self.tokens.tolist()}, parents={self.parents.tolist()}, "
-            f"probs={'None' if self.probs is None else tuple(self.probs.shape)})"
-        )
+        q = "None" if not self.has_q else tuple((self.probs if self.probs is not None else self.q_ids).shape)
+        return f"DraftTree(tokens={self.tokens.tolist()}, parents={self.parents.tolist()}, q={q})"

@@ -35,3 +35,12 @@ def first_child_next_sibling(parents: np.ndarray) -> tuple[np.ndarray, np.ndarra
         next_sibling[i] = first_child[row]
         first_child[row] = i
     return first_child, next_sibling
+
+
+@numba.njit(cache=True, nogil=True)
+def parents_valid(parents: np.ndarray) -> bool:
+    """-1 <= parents[i] < i for every node (parents before children)."""
+    for i in range(parents.shape[0]):
+        if parents[i] < -1 or parents[i] >= i:
+            return False
+    return True

@@ -9,7 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specserve.verify import DraftTree, VerifyResult, accept_batch, greedy_accept, split_verify_rows
+import numpy as np
+
+from specserve.verify import DraftTree, VerifyResult, accept_trees, greedy_accept, pack_trees
 
 
 def tree(tokens: list[int], parents: list[int]) -> DraftTree:
@@ -175,30 +177,24 @@ def test_equals_plain_greedy_decoding(paths, context):
 # ---- batch hand-off (greedy side; the sampled side is in test_accept_stochastic) -----------------
 
 
-def test_split_verify_rows_packed_and_padded():
-    trees = [DraftTree.chain([1, 2]), DraftTree.empty(), DraftTree.chain([3])]
-    g, s = split_verify_rows(trees, [True, False, True])
-    assert g.tolist() == [0, 1, 2, 4, 5]
-    assert s.tolist() == [3]
-    g, s = split_verify_rows(trees, [False, True, False], row_offsets=[0, 8, 16])
-    assert g.tolist() == [8]
-    assert s.tolist() == [0, 1, 2, 16, 17]
-    with pytest.raises(ValueError):
-        split_verify_rows(trees, [True])
-    with pytest.raises(ValueError):
-        split_verify_rows(trees, [True] * 3, row_offsets=[0])
+def test_packed_rows_and_links():
+    trees = [DraftTree.chain([1, 2]), DraftTree.empty(), DraftTree.from_paths([[3, 4], [5]])]
+    packed = pack_trees(trees)
+    assert packed.cu_rows.tolist() == [0, 3, 4, 8] and packed.cu_nodes.tolist() == [0, 2, 2, 5]
+    assert packed.tokens.tolist() == [1, 2, 3, 4, 5]
+    assert packed.parent_row.tolist() == [0, 1, 4, 5, 4]  # global rows: request 2's root is row 4
+    assert packed.first_child.tolist() == [0, 1, -1, -1, 2, 3, -1, -1]
+    assert packed.next_sibling.tolist() == [-1, -1, 4, -1, -1]
+    assert packed.depth.tolist() == [1, 2, 1, 2, 1]
+    assert packed.node_rows().tolist() == [1, 2, 5, 6, 7]
+    assert packed.q_ids[:, 0].tolist() == [1, 2, 3, 4, 5] and packed.q_probs[:, 0].tolist() == [1.0] * 5
 
 
-def test_accept_batch_greedy_equals_per_tree():
+def test_accept_trees_greedy_equals_per_tree():
     trees = [DraftTree.chain([5, 6, 7]), DraftTree.empty(), DraftTree.from_paths([[1, 2], [3]])]
     per_tree = [tt(5, 6, 0, 1), tt(9), tt(3, 2, 0, 4)]
     flat = torch.cat(per_tree)
-    g_rows, s_rows = split_verify_rows(trees, [True] * 3)
-    assert s_rows.numel() == 0
-    results = accept_batch(trees, [True] * 3, flat[g_rows], None, [None] * 3)
+    packed = pack_trees(trees)
+    results = accept_trees(trees, packed, np.ones(3, dtype=bool), flat, None, np.full(8, -1), np.zeros(0))
     assert results == [greedy_accept(t, rows) for t, rows in zip(trees, per_tree)]
     assert [r.emitted_tokens for r in results] == [[5, 6, 0], [9], [3, 4]]
-    with pytest.raises(ValueError, match="target_tokens"):
-        accept_batch(trees, [True] * 3, flat[:-1], None, [None] * 3)
-    with pytest.raises(ValueError, match="one entry per request"):
-        accept_batch(trees, [True] * 2, flat, None, [None] * 3)

@@ -20,15 +20,18 @@ from collections.abc import Callable
 import pytest
 import torch
 
+import numpy as np
+
 from specserve.verify import (
     DraftTree,
     VerifyResult,
-    accept_batch,
+    accept_trees,
+    draw_uniforms,
     greedy_accept,
-    split_verify_rows,
+    pack_trees,
     stochastic_accept,
 )
-from specserve.verify.accept import _residual
+from specserve.verify.accept import RESIDUAL_EPS
 
 ALPHA = 1e-3
 TRIALS = 20_000  # per statistical check; the power tests below need only POWER_TRIALS
@@ -337,15 +340,20 @@ def test_draft_equal_to_target_always_accepts():
 
 
 def broken_accept(variant: str) -> AcceptFn:
-    """stochastic_accept with one deliberate mistake."""
+    """stochastic_accept with one deliberate mistake (and, for "none", without one: a plain reference
+    of the algorithm that consumes the generator the same way — N + 1 uniforms per call, one per node
+    and one for the bonus token, drawn by inverse CDF)."""
 
     def accept(tree: DraftTree, target_probs: torch.Tensor, generator: torch.Generator) -> VerifyResult:
-        tokens, accepted, row, p = tree.tokens.tolist(), [], 0, target_probs[0]
+        u = torch.rand(tree.num_nodes + 1, generator=generator, dtype=torch.float64)
+        tokens, accepted, row, p = tree.tokens.tolist(), [], 0, target_probs[0].double()
+        probs = tree.probs.double() if tree.probs is not None else None
         while True:
             for node in tree.children(row):
-                x, q = tokens[node], tree.probs[node]
+                x = tokens[node]
+                q = probs[node] if probs is not None else torch.nn.functional.one_hot(torch.tensor(x), p.numel()).double()
                 ratio = float(p[x]) if variant == "ignore_q" else float(p[x]) / float(q[x])
-                if float(torch.rand((), generator=generator, dtype=torch.float64)) < ratio:
+                if float(u[node]) < ratio:
                     break
                 if variant == "no_residual":
                     continue
@@ -353,15 +361,19 @@ def broken_accept(variant: str) -> AcceptFn:
                 if variant == "one_hot_residual":  # drops x but ignores the rest of q
                     r[x] = 0
                 elif variant == "stale_residual":  # forgets the earlier siblings' rejections
-                    r = (target_probs[row] - q).clamp(min=0)
+                    r = (target_probs[row].double() - q).clamp(min=0)
                 else:
                     r = (r - q).clamp(min=0)
+                if float(r.sum()) <= RESIDUAL_EPS:
+                    r = p.clone()
+                    r[x] = 0
                 p = r / r.sum()
             else:
                 break
             accepted.append(node)
-            row, p = node + 1, target_probs[node + 1]
-        bonus = int(torch.multinomial(p, 1, generator=generator))
+            row, p = node + 1, target_probs[node + 1].double()
+        cdf = torch.cumsum(p, 0)
+        bonus = int(torch.searchsorted(cdf, u[-1] * cdf[-1], right=True).clamp(max=p.numel() - 1))
         return VerifyResult(tuple(accepted), tuple(tokens[i] for i in accepted), bonus, tree.num_nodes)
 
     return accept
@@ -383,8 +395,9 @@ def test_check_has_power(variant):
 def test_broken_copy_without_a_mistake_is_the_real_algorithm(without_replacement):
     """Harness sanity: the copy above differs from stochastic_accept only by its deliberate mistake.
 
-    With no mistake it consumes the generator identically and returns identical results, so the
-    power test measures the mistakes and nothing else.
+    With no mistake it consumes the generator identically and returns identical results (up to float
+    rounding at a boundary, which 300 trials do not meet), so the power test measures the mistakes
+    and nothing else.
     """
     target, draft = TableModel(seed=7, vocab=V), TableModel(seed=70, vocab=V, zeros=0)
     rng = random.Random(0)
@@ -460,18 +473,25 @@ def test_errors():
 
 
 def test_degenerate_residual_falls_back_to_one_hot_residual():
-    # p and q equal up to one float32 ulp: the true residual is rounding noise below RESIDUAL_EPS.
-    p = torch.tensor([0.5, 0.5], dtype=torch.float32)
-    q = torch.tensor([0.50000006, 0.49999994], dtype=torch.float32)
-    assert torch.equal(_residual(p, 0, q), torch.tensor([0.0, 1.0]))
-    # a genuine residual is normalize(max(0, p - q))
-    p = torch.tensor([0.6, 0.3, 0.1], dtype=torch.float32)
-    q = torch.tensor([0.2, 0.7, 0.1], dtype=torch.float32)
-    assert torch.allclose(_residual(p, 1, q), torch.tensor([1.0, 0.0, 0.0]))
-    assert torch.allclose(_residual(p, 0, None), torch.tensor([0.0, 0.75, 0.25]))
+    # p and q equal up to one float32 ulp: the true residual is rounding noise below RESIDUAL_EPS, so a
+    # rejection of token 0 drops token 0 alone and the bonus must be token 1 whatever its uniform.
+    p = torch.tensor([[0.5, 0.5], [1.0, 0.0]], dtype=torch.float32)
+    tree = DraftTree.chain([0], probs=torch.tensor([[0.50000006, 0.49999994]]))
+    packed = pack_trees([tree])
+    for u_bonus in (0.0, 0.3, 0.999):
+        r = accept_trees([tree], packed, np.array([False]), torch.zeros(2, dtype=torch.int64), p, np.arange(2),
+                         np.array([0.9999999, u_bonus]))[0]
+        assert r.num_accepted == 0 and r.bonus_token == 1
+    # a genuine residual is normalize(max(0, p - q)): here one-hot on token 0
+    p = torch.tensor([[0.6, 0.3, 0.1], [1.0, 0.0, 0.0]], dtype=torch.float32)
+    tree = DraftTree.chain([1], probs=torch.tensor([[0.2, 0.7, 0.1]]))
+    for u_bonus in (0.0, 0.5, 0.999):
+        r = accept_trees([tree], pack_trees([tree]), np.array([False]), torch.zeros(2, dtype=torch.int64), p,
+                         np.arange(2), np.array([0.9999, u_bonus]))[0]
+        assert r.num_accepted == 0 and r.bonus_token == 0
 
 
-def test_accept_batch_mixed_equals_per_tree_calls():
+def test_accept_trees_mixed_equals_per_tree_calls():
     target, draft = TableModel(seed=13, vocab=V), TableModel(seed=130, vocab=V)
     rng = random.Random(5)
     trees = [
@@ -480,12 +500,16 @@ def test_accept_batch_mixed_equals_per_tree_calls():
         DraftTree.empty(),
         sample_tree(rng, CHAIN3, draft, CTX, True),
     ]
-    greedy = [False, True, False, False]
+    greedy = np.array([False, True, False, False])
     rows = [target_rows(t, target, CTX) for t in trees]
-    flat_probs = torch.cat(rows)  # [R, V], the "device" output of the verify forward
-    g_rows, s_rows = split_verify_rows(trees, greedy)
+    flat_probs = torch.cat(rows)  # [R, V], the output of the verify forward
+    packed = pack_trees(trees)
+    sampled_rows = np.concatenate([np.arange(packed.cu_rows[b], packed.cu_rows[b + 1]) for b in np.flatnonzero(~greedy)])
+    prob_index = np.full(packed.num_rows, -1)
+    prob_index[sampled_rows] = np.arange(len(sampled_rows))
     gens = [torch.Generator().manual_seed(s) if not g else None for s, g in enumerate(greedy)]
-    results = accept_batch(trees, greedy, flat_probs[g_rows].argmax(-1), flat_probs[s_rows], gens)
+    uniforms = draw_uniforms(packed, greedy, gens)
+    results = accept_trees(trees, packed, greedy, flat_probs.argmax(-1), flat_probs[sampled_rows], prob_index, uniforms)
 
     ref_gens = [torch.Generator().manual_seed(s) for s in range(len(trees))]
     expected = [
@@ -496,6 +520,32 @@ def test_accept_batch_mixed_equals_per_tree_calls():
     ]
     assert results == expected
     with pytest.raises(ValueError, match="no generator"):
-        accept_batch(trees, greedy, flat_probs[g_rows].argmax(-1), flat_probs[s_rows], [None] * 4)
-    with pytest.raises(ValueError, match="target_probs"):
-        accept_batch(trees, greedy, flat_probs[g_rows].argmax(-1), flat_probs[s_rows][:-1], gens)
+        draw_uniforms(packed, greedy, [None] * 4)
+
+
+def test_device_implementation_equals_the_kernel():
+    """The tensor-op path (used when logits live on an accelerator) gives the kernel's results for the
+    same uniforms, greedy and sampled, on random trees (run here on CPU tensors)."""
+    from specserve.verify.accept import RESIDUAL_EPS as eps
+    from specserve.verify.accept_device import accept_on_device
+
+    target, draft = TableModel(seed=21, vocab=V), TableModel(seed=210, vocab=V)
+    rng = random.Random(3)
+    for trial in range(60):
+        trees = [sample_tree(rng, shape, draft, CTX, trial % 2 == 0) for shape in (TREE, CHAIN3, BINARY)]
+        trees.append(DraftTree(torch.tensor([rng.randrange(V) for _ in BINARY]), torch.tensor(BINARY)))
+        trees.append(DraftTree.empty())
+        greedy = np.array([rng.random() < 0.4 for _ in trees])
+        rows = torch.cat([target_rows(t, target, CTX) for t in trees])
+        packed = pack_trees(trees)
+        sampled_rows = np.concatenate([np.arange(packed.cu_rows[b], packed.cu_rows[b + 1])
+                                       for b in np.flatnonzero(~greedy)] or [np.zeros(0, np.int64)])
+        prob_index = np.full(packed.num_rows, -1)
+        prob_index[sampled_rows] = np.arange(len(sampled_rows))
+        uniforms = np.array([rng.random() for _ in range(packed.num_nodes + len(trees))])
+        probs = rows[sampled_rows] if len(sampled_rows) else None
+        kernel = accept_trees(trees, packed, greedy, rows.argmax(-1), probs, prob_index, uniforms)
+        last, bonus, bad = accept_on_device(packed, greedy, rows.argmax(-1), probs, prob_index, uniforms, eps)
+        assert bad == -1
+        assert [r.bonus_token for r in kernel] == bonus.tolist()
+        assert [r.accepted_nodes[-1] if r.num_accepted else -1 for r in kernel] == last.tolist()

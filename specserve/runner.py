@@ -1,0 +1,79 @@
+"""The target forward of one step: a `ScheduledStep` and the decodes' trees become ONE `StepBatch`.
+
+Row layout of the batch: every decoding request brings its root (the pending token) and its tree's
+nodes — positions ``committed_len + depth``, the tree's ancestor mask, logits at every row — then every
+prefill chunk its prompt tokens (causal; logits only at the prompt's last token, when the chunk
+completes the prompt). The logits therefore come out in `VerifyRows` order: decodes' verify rows, then
+one row per completed prompt (its first token is that empty tree's bonus token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specserve.kv_cache import PagedKVCache
+from specserve.model import LlamaModel
+from specserve.request import Request
+from specserve.scheduler import ScheduledStep
+from specserve.step_batch import StepBatchBuilder
+from specserve.verify import DraftTree
+
+
+@dataclass(frozen=True)
+class StepForward:
+    """What the step's forward produced.
+
+    verifying:  requests with verify rows: the decodes, then the prefills that completed their prompt.
+    trees:      their trees (empty for the completed prompts).
+    logits:     float32[R, vocab] their verify rows, request after request (`VerifyRows` order).
+    first_rows: per scheduled sequence (decodes, then prefill chunks), its first row in the batch:
+                hidden states are returned for every row, so a sequence's features start there.
+    hidden:     {layer: float[T, hidden]} the target features of every row (empty when no drafter reads them).
+    num_tokens: rows of the batch.
+    """
+
+    verifying: list[Request]
+    trees: list[DraftTree]
+    logits: torch.Tensor
+    first_rows: list[int]
+    hidden: dict[int, torch.Tensor]
+    num_tokens: int
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, cache: PagedKVCache, hidden_layers: tuple[int, ...] = ()) -> None:
+        self.model = model
+        self.cache = cache
+        self.hidden_layers = hidden_layers
+
+    def run(self, step: ScheduledStep, trees: list[DraftTree]) -> StepForward:
+        builder = StepBatchBuilder(self.cache.allocator)
+        hidden = bool(self.hidden_layers)
+        first_rows = []
+        for r, tree in zip(step.decodes, trees):
+            root = r.token_ids[-1:]
+            if tree.num_nodes:
+                tokens = np.concatenate([root, tree.tokens.numpy()])
+                positions = r.num_cached + np.concatenate([[0], tree.depths.numpy()])
+                mask = tree.ancestor_mask.numpy()
+            else:
+                tokens, positions, mask = root, None, None
+            first_rows.append(builder.add(r.request_id, r.num_cached, tokens, positions, mask, logits="all", hidden=hidden))
+        for chunk in step.prefills:
+            req = chunk.request
+            first_rows.append(builder.add(req.request_id, chunk.start, req.token_ids[chunk.start:chunk.end],
+                                          logits="last" if chunk.completes_prompt else "none", hidden=hidden))
+        batch = builder.build()
+        out = self.model.forward(batch, self.cache, self.hidden_layers)
+        done = [c.request for c in step.prefills if c.completes_prompt]
+        return StepForward(
+            verifying=list(step.decodes) + done,
+            trees=list(trees) + [DraftTree.empty()] * len(done),
+            logits=out.logits,
+            first_rows=first_rows,
+            hidden=out.hidden_states,
+            num_tokens=batch.num_tokens,
+        )

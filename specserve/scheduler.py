@@ -1,0 +1,120 @@
+"""Who runs this step: admission, KV reservation, prefill chunks, and each decoding request's budget.
+
+Every running request whose prompt is in the cache decodes every step (with a tree sized by the
+budget policy, 0 = plain). Prompts are prefilled in chunks: at most `max_prefill_tokens` prompt tokens
+per step, partially prefilled requests first, then newly admitted ones (first come, first served), so a
+long prompt never stalls everyone else's next token for more than one chunk's time.
+
+Admission reserves every KV block a request can ever need (prompt + max_tokens + room past its root
+for the largest tree — the target's, the drafter's own levels, forced tokens), so a running request
+never fails for lack of cache; when the pool is short the queue waits.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from specserve.kv_cache import BlockAllocator
+from specserve.request import Request, Status
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Prompt tokens ``start .. end - 1`` of a request go through the forward this step."""
+
+    request: Request
+    start: int
+    end: int
+
+    @property
+    def completes_prompt(self) -> bool:
+        """The last chunk: its last row's logits give the request's first token."""
+        return self.end == self.request.prompt_len
+
+
+@dataclass(frozen=True)
+class ScheduledStep:
+    """prefills: this step's prompt chunks; decodes: requests verifying a tree (possibly empty);
+    budgets: per decode, the nodes it may draft (policy and hard limits applied)."""
+
+    prefills: list[PrefillChunk]
+    decodes: list[Request]
+    budgets: list[int]
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+
+class Scheduler:
+    """Owns the waiting queue and the running batch.
+
+    slots_past_root: cache slots a request reserves past its root (largest tree or drafter levels).
+    """
+
+    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_prefill_tokens: int, slots_past_root: int,
+                 budget_policy) -> None:
+        self.allocator = allocator
+        self.max_num_seqs = max_num_seqs
+        self.max_prefill_tokens = max_prefill_tokens
+        self.slots_past_root = slots_past_root
+        self.budget_policy = budget_policy
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def slots_needed(self, prompt_len: int, max_tokens: int) -> int:
+        """KV slots a request reserves at admission: every token it can hold, its root's slot and room
+        past the root for its largest tree."""
+        return prompt_len + max_tokens + self.slots_past_root + 1
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def remove(self, req: Request) -> None:
+        """Take a request out of the queue or the batch (finished or cancelled); the caller frees its KV."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self, max_budget: int) -> ScheduledStep:
+        """This step's prefill chunks, decodes and budgets. max_budget: the drafter's own cap (0: none)."""
+        decodes = [r for r in self.running if r.prefilled]
+        budgets = []
+        if decodes:
+            wanted = self.budget_policy.budgets(decodes) if max_budget else [0] * len(decodes)
+            for r, b in zip(decodes, wanted):
+                # The bonus token always comes: a tree may use at most the tokens left after it.
+                remaining = r.max_tokens - r.num_output - 1
+                budgets.append(max(0, min(b, max_budget, remaining)) if r.speculate else 0)
+        tokens_left = self.max_prefill_tokens
+        prefills = []
+        for r in self.running:  # continue prompts already under way, oldest first
+            if not r.prefilled and tokens_left > 0:
+                chunk = self._chunk(r, tokens_left)
+                prefills.append(chunk)
+                tokens_left -= chunk.end - chunk.start
+        while self.waiting and len(self.running) < self.max_num_seqs and tokens_left > 0:
+            req = self.waiting[0]
+            need = self.slots_needed(req.prompt_len, req.max_tokens)
+            if not self.allocator.can_allocate(need):
+                break  # first come, first served: wait for blocks rather than let later requests jump ahead
+            self.waiting.popleft()
+            self.allocator.allocate(req.request_id, need)
+            req.status = Status.RUNNING
+            req.scheduled_time = time.perf_counter()
+            self.running.append(req)
+            chunk = self._chunk(req, tokens_left)
+            prefills.append(chunk)
+            tokens_left -= chunk.end - chunk.start
+        return ScheduledStep(prefills, decodes, budgets)
+
+    @staticmethod
+    def _chunk(req: Request, tokens_left: int) -> PrefillChunk:
+        start = req.num_cached
+        return PrefillChunk(req, start, min(req.prompt_len, start + tokens_left))
