@@ -126,8 +126,8 @@ class EngineWorker:
                     return
                 if self.engine.has_unfinished():
                     self._step(out)
+                self.load = read_engine_load(self.engine)  # before delivering: whoever hears of a step sees its load
                 self._deliver(out)
-                self.load = read_engine_load(self.engine)
 
     def _drain(self, block: bool, out: list) -> bool:
         """Apply queued commands (waiting for one when idle); False once told to stop."""

@@ -13,7 +13,7 @@ the client read too slowly) and ``rejected`` (refused before reaching the engine
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -22,6 +22,9 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1
 TAU_BUCKETS = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
 
 STATUSES = ("completed", "length", "cancelled", "failed", "rejected")
+
+# The *_created series (a timestamp per counter) only double the scrape; vLLM leaves them out too.
+disable_created_metrics()
 
 __all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics", "TokenClock"]
 

@@ -143,7 +143,7 @@ class OpenAIApi:
             server.reject(API, client, err)
             return error_response(err)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        stream = _Stream(server, rid, client, req.stream_pacing == "smooth")
+        stream = _Stream(server, rid, client, req.stream_pacing == "smooth", len(prompt.ids))
         server.submit(rid, prompt.ids, fitted(params, prompt), speculate, received, stream.on_update)
         shapes = Shapes(rid, chat, server.model_name)
         try:
@@ -171,28 +171,35 @@ class OpenAIApi:
         while True:
             kind, value = await stream.queue.get()
             if kind == "text":
-                texts.append(value)
+                texts.append(value[0])
                 continue
             summary: Summary = value
             failure = _failure(summary)
             if failure is not None:
                 return error_response(failure)
-            body = shapes.whole("".join(texts), FINISH_REASONS.get(summary.reason, "stop"), usage_of(summary), spec_of(summary))
+            body = shapes.whole("".join(texts), FINISH_REASONS.get(summary.reason, "stop"), usage_of(summary), spec_of(summary),
+                                summary.timing)
             return web.json_response(body, dumps=_dumps)
 
     async def _stream(self, request: web.Request, req: CompletionRequest, stream: _Stream, shapes: Shapes):
         self.server.track_stream(asyncio.current_task())
-        sse = EventSourceResponse(sep="\n", ping_interval=15)
+        sse = EventSourceResponse(sep="\n", ping_interval=15, allow_all_methods=True)  # POST, as OpenAI streams
         await sse.prepare(request)
+        sent_tokens = 0
         try:
             if shapes.chat:
                 await sse.send(shapes.chunk(text="", role=True))
             while True:
                 kind, value = await stream.queue.get()
                 if kind == "text":
+                    text, tokens = value
                     while not stream.queue.empty() and stream.queue._queue[0][0] == "text":  # merge what queued up
-                        value += stream.queue.get_nowait()[1]
-                    await sse.send(shapes.chunk(text=value))
+                        more = stream.queue.get_nowait()[1]
+                        text, tokens = text + more[0], tokens + more[1]
+                    sent_tokens += tokens
+                    if text or req.continuous_usage:  # a text-less piece only matters to a client counting tokens
+                        usage = stream.usage_so_far(sent_tokens) if req.continuous_usage else None
+                        await sse.send(shapes.chunk(text=text, usage=usage))
                     continue
                 summary: Summary = value
                 failure = _failure(summary)
@@ -200,7 +207,8 @@ class OpenAIApi:
                     await sse.send(_dumps(error_body(failure)))
                 else:
                     usage = usage_of(summary) if req.include_usage else None
-                    for chunk in shapes.final_chunk(FINISH_REASONS.get(summary.reason, "stop"), spec_of(summary), usage):
+                    for chunk in shapes.final_chunk(FINISH_REASONS.get(summary.reason, "stop"), spec_of(summary), usage,
+                                                    summary.timing):
                         await sse.send(chunk)
                 await sse.send("[DONE]")
                 break
@@ -214,24 +222,37 @@ class OpenAIApi:
 class _Stream:
     """One HTTP request's updates: text pieces (paced or not) and finally its Summary, on a queue."""
 
-    def __init__(self, server, rid: str, client: str, pacing: bool) -> None:
+    def __init__(self, server, rid: str, client: str, pacing: bool, prompt_tokens: int) -> None:
         self.server, self.rid, self.client = server, rid, client
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.prompt_tokens = prompt_tokens
+        self.queue: asyncio.Queue = asyncio.Queue()  # ("text", (text, tokens)) ... ("done", Summary)
         self.summary: Summary | None = None
         self.clock = server.metrics.token_clock(API)
+        self.unsent_tokens = 0  # tokens whose text the detokenizer still holds back
         self.pacer = None
         if pacing:
             loop = asyncio.get_running_loop()
-            self.pacer = Pacer(lambda text, n: self.queue.put_nowait(("text", text)), loop.time, loop.call_at)
+            self.pacer = Pacer(lambda text, n: self.queue.put_nowait(("text", (text, n))), loop.time, loop.call_at)
+
+    def usage_so_far(self, completion_tokens: int) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": self.prompt_tokens + completion_tokens}
 
     def on_update(self, update: Update) -> None:
         self.clock.tokens(time.perf_counter(), update.num_tokens)
-        if update.text:
-            if self.pacer is not None:
+        if self.pacer is not None:
+            if update.text:
                 weights = token_weights(self.server.llm.tokenizer, update.token_ids) if update.token_ids else [1]
                 self.pacer.push(split_text(update.text, weights))
+                if update.num_tokens > len(weights):
+                    self.pacer.push_tokens(update.num_tokens - len(weights))
             else:
-                self.queue.put_nowait(("text", update.text))
+                self.pacer.push_tokens(update.num_tokens)
+        else:
+            self.unsent_tokens += update.num_tokens
+            if update.text:
+                self.queue.put_nowait(("text", (update.text, self.unsent_tokens)))
+                self.unsent_tokens = 0
         if update.done is not None:
             summary = update.done
             self.summary = summary

@@ -75,6 +75,7 @@ class CompletionRequest:
     sampling: dict[str, Any]  # websocket field names; max_output_tokens None = the rest of the context
     stream: bool
     include_usage: bool
+    continuous_usage: bool  # stream_options.continuous_usage_stats (vLLM's): usage so far in every chunk
     drafter: str | None  # None: the server's choice
     stream_pacing: str
 
@@ -125,14 +126,14 @@ def parse_request(body: dict, chat: bool, defaults: dict) -> CompletionRequest:
         stream = False
     if not isinstance(stream, bool):
         raise ProtocolError("invalid_type", "stream must be a boolean", "stream")
-    include_usage = _stream_options(body.get("stream_options"), stream)
+    include_usage, continuous_usage = _stream_options(body.get("stream_options"), stream)
     sampling = {**defaults, **parse_sampling({k: body[k] for k in _SAMPLING if k in body and body[k] is not None}, "", None)}
     sampling["max_output_tokens"] = _max_tokens(body, chat)
     drafter = body.get("drafter")
     if drafter is not None and (not isinstance(drafter, str) or not drafter):
         raise ProtocolError("invalid_type", 'drafter must be the server\'s drafter name or "none"', "drafter")
     options = parse_options({k: body[k] for k in ("stream_pacing",) if k in body and body[k] is not None}, "")
-    return CompletionRequest(chat, model, prompt, messages, sampling, stream, include_usage, drafter,
+    return CompletionRequest(chat, model, prompt, messages, sampling, stream, include_usage, continuous_usage, drafter,
                              options.get("stream_pacing", "off"))
 
 
@@ -153,20 +154,24 @@ def _max_tokens(body: dict, chat: bool) -> int | None:
     return next(iter(given.values()), None)
 
 
-def _stream_options(value, stream: bool) -> bool:
+def _stream_options(value, stream: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats)."""
     if value is None:
-        return False
+        return False, False
     if not stream:
         raise ProtocolError("invalid_value", "stream_options is only allowed when stream is true", "stream_options")
     if not isinstance(value, dict):
         raise ProtocolError("invalid_type", "stream_options must be an object", "stream_options")
+    out = []
     for key in value:
-        if key not in ("include_usage",):
+        if key not in ("include_usage", "continuous_usage_stats"):
             raise ProtocolError("unknown_field", f"Unrecognized stream option: {key[:64]}", f"stream_options.{key[:64]}")
-    include = value.get("include_usage", False)
-    if not isinstance(include, bool):
-        raise ProtocolError("invalid_type", "stream_options.include_usage must be a boolean", "stream_options.include_usage")
-    return include
+    for key in ("include_usage", "continuous_usage_stats"):
+        flag = value.get(key, False)
+        if not isinstance(flag, bool):
+            raise ProtocolError("invalid_type", f"stream_options.{key} must be a boolean", f"stream_options.{key}")
+        out.append(flag)
+    return out[0], out[1]
 
 
 def _messages(value: Any) -> list[dict]:
@@ -244,7 +249,8 @@ class Shapes:
     def _base(self, obj: str) -> dict:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "system_fingerprint": None}
 
-    def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False) -> str:
+    def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False,
+              usage: dict | None = None) -> str:
         if self.chat:
             delta: dict = {}
             if role:
@@ -252,12 +258,17 @@ class Shapes:
             if text is not None:
                 delta["content"] = text
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            return dumps({**self._base("chat.completion.chunk"), "choices": [choice]})
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-        return dumps({**self._base("text_completion"), "choices": [choice]})
+            out = {**self._base("chat.completion.chunk"), "choices": [choice]}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            out = {**self._base("text_completion"), "choices": [choice]}
+        if usage is not None:
+            out["usage"] = usage
+        return dumps(out)
 
-    def final_chunk(self, finish_reason: str, spec: dict, usage: dict | None) -> list[str]:
-        """The chunk with the finish reason, and the usage chunk when asked for; the last one carries ``spec``."""
+    def final_chunk(self, finish_reason: str, spec: dict, usage: dict | None, timing: dict | None = None) -> list[str]:
+        """The chunk with the finish reason, and the usage chunk when asked for; the last one carries ``spec``
+        and ``timing`` (ms: queue_ms, ttft_ms, e2e_ms from receipt; engine_ttft_ms as LLM.generate reports)."""
         base = self._base("chat.completion.chunk" if self.chat else "text_completion")
         if self.chat:
             choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason}
@@ -267,15 +278,20 @@ class Shapes:
         if usage is not None:
             chunks.append({**base, "choices": [], "usage": usage})
         chunks[-1]["spec"] = spec
+        if timing:
+            chunks[-1]["timing"] = timing
         return [dumps(c) for c in chunks]
 
-    def whole(self, text: str, finish_reason: str, usage: dict, spec: dict) -> dict:
+    def whole(self, text: str, finish_reason: str, usage: dict, spec: dict, timing: dict | None = None) -> dict:
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                       "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return {**self._base(self.object), "choices": [choice], "usage": usage, "spec": spec}
+        out = {**self._base(self.object), "choices": [choice], "usage": usage, "spec": spec}
+        if timing:
+            out["timing"] = timing
+        return out
 
 
 def usage_of(summary) -> dict:

@@ -87,6 +87,7 @@ class ProtocolError(Exception):
         self.message = message
         self.param = param
         self.event_id = event_id
+        self.event_type: str | None = None  # the client event it answers, when known (metrics count refused creates)
 
     def to_error(self) -> dict:
         """The ``error`` object (inside an ``error`` event or a failed ``response.done``)."""
@@ -162,6 +163,7 @@ def parse_event(text: str, *, max_output_tokens: int) -> ClientEvent:
         return parser(obj, event_id, max_output_tokens)
     except ProtocolError as err:
         err.event_id = event_id
+        err.event_type = kind
         raise
 
 

@@ -133,7 +133,7 @@ class Session:
         except ProtocolError as err:
             if err.event_id is None and event is not None:
                 err.event_id = event.event_id
-            if isinstance(event, CreateResponse):
+            if isinstance(event, CreateResponse) or err.event_type == "response.create":
                 self.server.reject(API, self.client, err)
             self.outbox.send(error_event(err))
         except Exception as exc:  # a bug: say so, keep the session
