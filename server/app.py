@@ -58,6 +58,8 @@ class ServerConfig:
                        with ``slow_consumer``.
     default_max_output_tokens: a websocket session's default reply length (chats; the HTTP API
                        defaults to the rest of the context, as OpenAI does).
+    ping_interval:     seconds between websocket pings (None: none); a pong missing for half of that
+                       closes the connection (aiohttp's heartbeat).
     send_buffer_bytes: the kernel send buffer of each connection (None: the OS default, which grows to
                        megabytes on loopback); smaller makes a stalled reader felt sooner.
     threads:           torch threads of the engine thread (None: the starting thread's setting).
@@ -74,7 +76,6 @@ class ServerConfig:
     max_pending_bytes: int = 1 << 20
     default_max_output_tokens: int = defaults.CHAT_MAX_OUTPUT_TOKENS
     ping_interval: float | None = 20.0
-    ping_timeout: float | None = 20.0
     send_buffer_bytes: int | None = None
     threads: int | None = None
 

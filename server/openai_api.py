@@ -199,7 +199,7 @@ class OpenAIApi:
                     sent_tokens += tokens
                     if text or req.continuous_usage:  # a text-less piece only matters to a client counting tokens
                         usage = stream.usage_so_far(sent_tokens) if req.continuous_usage else None
-                        await sse.send(shapes.chunk(text=text, usage=usage))
+                        await sse.send(shapes.text_chunk(text, usage))
                     continue
                 summary: Summary = value
                 failure = _failure(summary)
