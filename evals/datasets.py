@@ -116,7 +116,11 @@ def _stderr(message: str) -> None:
 
 def heldout_code_prefixes(count: int | None, chars: int = 400) -> list[tuple[str, str]]:
     """(module, code prefix) pairs from the bundle's held-out modules, each prefix ending just after a
-    top-level ``def`` line. count=None: every prefix there is (up to ~5 per module)."""
+    top-level ``def`` line. count=None: every prefix there is (up to ~5 per module).
+
+    Interleaved across modules (every module's first prefix, then every module's second, ...), so the
+    first ``count`` are a fair sample of the held-out code rather than the first module or two.
+    """
     from specserve.training.bundle_paths import bundle_dir
 
     path = bundle_dir() / "corpus_manifest.json"
@@ -126,7 +130,7 @@ def heldout_code_prefixes(count: int | None, chars: int = 400) -> list[tuple[str
         raise ValueError(f"the held-out code prompts need the embedded bundle's corpus manifest ({path}): {exc}") from None
     roots = [Path(r) for r in manifest["roots"]]
     stdlib = Path(sysconfig.get_paths()["stdlib"])  # the corpus is the standard library: read ours if the
-    out: list[tuple[str, str]] = []                  # recorded root is not on this machine
+    per_module: list[list[tuple[str, str]]] = []      # recorded root is not on this machine
     for entry in manifest["files"]:
         if entry["split"] != "heldout":
             continue
@@ -137,17 +141,20 @@ def heldout_code_prefixes(count: int | None, chars: int = 400) -> list[tuple[str
             continue
         text = file.read_text(encoding="utf-8")
         module = entry.get("module") or entry["path"]
+        prefixes = []
         for start in range(0, len(text), max(1, len(text) // 4)):
             cut = text.find("\ndef ", start + chars // 2)
             if cut == -1:
                 break
             end = text.find("\n", cut + 1)
-            out.append((module, text[max(0, end - chars): end + 1]))
-            if count is not None and len(out) == count:
-                return out
+            prefixes.append((module, text[max(0, end - chars): end + 1]))
+        if prefixes:
+            per_module.append(prefixes)
+    out = [p for rank in range(max(map(len, per_module), default=0)) for prefixes in per_module if rank < len(prefixes)
+           for p in (prefixes[rank],)]
     if not out:
         raise ValueError("no held-out prompts found: the bundle's corpus manifest names no held-out module on this machine")
-    return out
+    return out if count is None else out[:count]
 
 
 def heldout_prompts(count: int, chars: int = 400) -> list[str]:

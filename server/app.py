@@ -1,38 +1,47 @@
-"""The server: one asyncio event loop on ``websockets``, one engine thread, many sessions.
+"""The server: one aiohttp application on one port, one asyncio event loop, one engine thread.
 
-- ``GET /`` (plain HTTP) is the browser chat page; ``/v1/ws`` is the websocket endpoint.
-- The handshake enforces the security rules: when bound to a loopback address only loopback Host
-  names are served (DNS-rebinding defence); a browser's Origin must be this server's own origin or
-  one listed in ``allowed_origins``; with an API key, ``Authorization: Bearer KEY`` or
-  ``?api_key=KEY`` is required (401 otherwise).
-- Limits answer with error codes, never hangs: connections past ``max_connections`` get one
-  ``too_many_connections`` error and a 1013 close; see ServerConfig for the rest.
+Routes:
+
+- ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` — the OpenAI-compatible
+  HTTP API, streaming as server-sent events (openai_api.py);
+- ``/v1/ws`` — the websocket protocol (protocol.py, session.py);
+- ``GET /`` — the browser chat page; ``GET /health`` (and ``/healthz``) — 200 while the engine thread
+  runs, 503 once it has died; ``GET /metrics`` — Prometheus text (metrics.py).
+
+aiohttp serves HTTP, SSE and websockets from one well-kept library, and lets the handshake answer
+401/403/404/426 itself, close with 1013, size frames and reach each socket's send buffer — everything
+the websocket endpoint did on the ``websockets`` library, on the same port as the HTTP API.
+
+Access (access.py) applies to every route: loopback Host names only on a loopback bind; a browser
+Origin must be ours or allowed; the API key guards ``/v1/*``. Limits answer with errors, never hangs:
+see ServerConfig.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import hmac
-import ipaddress
 import logging
 import socket
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import parse_qs, urlsplit
 
-from websockets.asyncio.server import serve
-from websockets.exceptions import ConnectionClosed
+from aiohttp import WSCloseCode, web
 
+from specserve import defaults
+from specserve.server.access import Access
 from specserve.server.engine_worker import EngineWorker
+from specserve.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from specserve.server.page import page_response
 from specserve.server.protocol import ProtocolError, dumps, error_event
+from specserve.server.request_log import log_request
 from specserve.server.session import Session
 
 log = logging.getLogger("specserve.server")
 
 WS_PATH = "/v1/ws"
+API_PREFIX = "/v1/"
 
 
 @dataclass(frozen=True)
@@ -41,12 +50,16 @@ class ServerConfig:
 
     max_connections:   open websockets at once.
     max_queued:        responses that may wait for a batch slot beyond the engine's max_num_seqs
-                       running ones; past that ``response.create`` gets ``server_busy``.
+                       running ones (both APIs together); past that a new one gets ``server_busy`` (429).
     max_responses_per_connection: concurrent responses one socket may have (``too_many_responses``).
     max_message_bytes: client frames above this get ``message_too_large`` (above twice this the
-                       websocket library closes the connection with 1009 without reading it all).
+                       connection closes with 1009 without reading it all); HTTP bodies above it get 413.
     max_pending_bytes: a connection's output waiting on a slow reader before its responses fail
                        with ``slow_consumer``.
+    default_max_output_tokens: a websocket session's default reply length (chats; the HTTP API
+                       defaults to the rest of the context, as OpenAI does).
+    ping_interval:     seconds between websocket pings (None: none); a pong missing for half of that
+                       closes the connection (aiohttp's heartbeat).
     send_buffer_bytes: the kernel send buffer of each connection (None: the OS default, which grows to
                        megabytes on loopback); smaller makes a stalled reader felt sooner.
     threads:           torch threads of the engine thread (None: the starting thread's setting).
@@ -61,9 +74,8 @@ class ServerConfig:
     max_responses_per_connection: int = 8
     max_message_bytes: int = 1 << 20
     max_pending_bytes: int = 1 << 20
-    default_max_output_tokens: int = 256
+    default_max_output_tokens: int = defaults.CHAT_MAX_OUTPUT_TOKENS
     ping_interval: float | None = 20.0
-    ping_timeout: float | None = 20.0
     send_buffer_bytes: int | None = None
     threads: int | None = None
 
@@ -86,7 +98,7 @@ class ServerConfig:
 
 
 class SpecServer:
-    """Serve an ``LLM`` over websockets. ``await start()``, then ``await serve_forever()`` or ``close()``."""
+    """Serve an ``LLM``. ``await start()``, then ``await serve_forever()`` or ``close()``."""
 
     def __init__(self, llm, config: ServerConfig | None = None) -> None:
         self.llm = llm
@@ -103,14 +115,21 @@ class SpecServer:
         self.drafter_name = engine.drafter.name if engine.drafter is not None else None
         self.default_sampling = {
             "max_output_tokens": min(self.config.default_max_output_tokens, self.context_length - 1),
-            "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": None, "stop": (), "ignore_eos": False,
+            **defaults.sampling_defaults(),
+            "stream_pacing": defaults.STREAM_PACING, "truncation": "disabled",
         }
+        self.access = Access(self.config.host, self.config.api_key, self.config.allowed_origins)
+        self.metrics = ServerMetrics(self)
         self.connections = 0
-        self.in_flight = 0  # responses handed to the engine whose response.done has not been delivered
+        self.in_flight = 0  # responses accepted (both APIs) whose end has not been delivered
         self.worker: EngineWorker | None = None
         # Long prompts are tokenized here, one at a time, so the event loop never stalls on them.
         self.tokenize_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="specserve-tokenize")
-        self._server = None
+        self._drafter_of: dict[str, str | None] = {}  # request id -> drafter label, for the metrics
+        self._sockets: set[web.WebSocketResponse] = set()
+        self._streams: set[asyncio.Task] = set()  # HTTP handlers streaming a response
+        self._runner: web.AppRunner | None = None
+        self._stopped = asyncio.Event()
 
     def limits(self) -> dict:
         c = self.config
@@ -124,126 +143,198 @@ class SpecServer:
 
     @property
     def port(self) -> int:
-        return self._server.sockets[0].getsockname()[1]
+        return self._runner.addresses[0][1]
+
+    # ---- the way to the engine, for both APIs -----------------------------------------------------
+
+    def check_capacity(self) -> None:
+        if self.in_flight >= self.max_in_flight:
+            raise ProtocolError("server_busy", f"the server has {self.in_flight} responses in flight; try again shortly")
+
+    def submit(self, rid: str, ids: list[int], params, speculate: bool, received: float, sink) -> None:
+        """Hand a request to the engine thread; ``finish`` must follow once its summary has arrived."""
+        self.in_flight += 1
+        self._drafter_of[rid] = self.drafter_spec if speculate else None
+        self.worker.submit(rid, ids, params, speculate, received, sink)
+
+    def finish(self, rid: str, api: str, client: str, status: str, summary) -> None:
+        """A submitted request has ended: free its place, count it, log it."""
+        self.in_flight -= 1
+        self.metrics.finished(api, status, summary, self._drafter_of.pop(rid, None))
+        timing = summary.timing or {}
+        ttft, e2e = timing.get("ttft_ms"), timing.get("e2e_ms")
+        out = summary.output_tokens
+        tps = (out - 1) / ((e2e - ttft) / 1e3) if ttft is not None and e2e is not None and e2e > ttft and out > 1 else None
+        steps = (summary.spec or {}).get("steps", 0)
+        log_request({"id": rid, "api": api, "client": client, "status": status, "prompt_tokens": summary.input_tokens,
+                     "output_tokens": out, "ttft_ms": ttft, "tokens_per_s": tps,
+                     "tau": summary.spec["tau"] if steps else None, "error": summary.error})
+
+    def reject(self, api: str, client: str, err: ProtocolError) -> None:
+        """A request refused before reaching the engine (bad input, busy, too long)."""
+        self.metrics.finished(api, "rejected")
+        log_request({"id": None, "api": api, "client": client, "status": "rejected", "error": err.code})
+
+    # ---- lifecycle ----------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        from specserve.server.openai_api import add_routes
+
         self.worker = EngineWorker(self.llm.engine, asyncio.get_running_loop(), self.config.threads)
         self.worker.start()
         c = self.config
+        app = web.Application(middlewares=[self._guard], client_max_size=c.max_message_bytes)
+        app.router.add_get("/", self._page)
+        app.router.add_get("/index.html", self._page)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get(WS_PATH, self._websocket)
+        add_routes(app, self)
+        app.on_response_prepare.append(_server_header)
+        app.on_shutdown.append(self._on_shutdown)
+        # handler_cancellation: a client that goes away cancels its handler, which cancels its request
+        # in the engine (within one step) — for streams and for plain requests alike.
+        self._runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True,
+                                     shutdown_timeout=5.0)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, c.host, c.port, backlog=max(128, c.max_connections))
         try:
-            self._server = await serve(
-                self._handle, c.host, c.port,
-                process_request=self._process_request,
-                compression=None,  # deltas are tiny: deflate would cost latency and save nothing
-                max_size=2 * c.max_message_bytes,
-                max_queue=64,
-                write_limit=64 * 1024,
-                ping_interval=c.ping_interval, ping_timeout=c.ping_timeout,
-                server_header="specserve",
-            )
+            await site.start()
         except OSError as exc:
+            await self._runner.cleanup()
             self.worker.stop()
             raise ValueError(f"cannot listen on {c.host}:{c.port}: {exc.strerror or exc}") from None
 
     async def serve_forever(self) -> None:
-        await self._server.serve_forever()
+        await self._stopped.wait()
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
+        if self._runner is not None:
+            await self._runner.cleanup()
         if self.worker is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.worker.stop)
         self.tokenize_executor.shutdown(wait=False, cancel_futures=True)
+        self._stopped.set()
 
-    # ---- HTTP and handshake -----------------------------------------------------------------------
+    async def _on_shutdown(self, app) -> None:
+        for ws in list(self._sockets):
+            await ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutting down")
+        for task in list(self._streams):
+            task.cancel()
 
-    def _process_request(self, connection, request):
+    def track_stream(self, task: asyncio.Task) -> None:
+        """An HTTP handler streaming a response: cancelled when the server shuts down."""
+        self._streams.add(task)
+        task.add_done_callback(self._streams.discard)
+
+    # ---- HTTP ---------------------------------------------------------------------------------------
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler):
         headers = request.headers
+        if any(len(headers.getall(name, ())) > 1 for name in ("Host", "Origin", "Authorization")):
+            return _text(400, "Bad Request: a header is repeated")
+        if not self.access.host_allowed(headers.get("Host")):
+            return _text(403, "Forbidden: this server only answers to localhost names")
+        if "Upgrade" in headers and request.path != WS_PATH:
+            return _text(404, f"Not Found: the websocket endpoint is {WS_PATH}")
+        if request.path.startswith(API_PREFIX) and request.path != WS_PATH:
+            from specserve.server.openai_api import guard_api
+
+            return await guard_api(self, request, handler)
         try:
-            host = headers.get("Host")
-            origin = headers.get("Origin")
-            auth = headers.get("Authorization")
-        except LookupError:  # a header given twice
-            return connection.respond(400, "Bad Request: a header is repeated\n")
-        if not self._host_allowed(host):
-            return connection.respond(403, "Forbidden: this server only answers to localhost names\n")
-        url = urlsplit(request.path)
-        if url.path == WS_PATH:
-            if origin is not None and not self._origin_allowed(origin, host):
-                return connection.respond(403, f"Forbidden: origin {origin!r} is not allowed\n")
-            if self.config.api_key is not None and not self._key_ok(auth, url.query):
-                response = connection.respond(401, "Unauthorized: give the API key as 'Authorization: Bearer KEY' or ?api_key=KEY\n")
-                response.headers["WWW-Authenticate"] = "Bearer"
-                return response
-            return None  # go on with the websocket handshake (a plain GET gets 426 from the library)
-        if "Upgrade" in headers:
-            return connection.respond(404, f"Not Found: the websocket endpoint is {WS_PATH}\n")
-        if url.path in ("/", "/index.html"):
-            return page_response()
-        if url.path == "/healthz":
-            return connection.respond(200, "ok\n")
-        return connection.respond(404, "Not Found\n")
+            return await handler(request)
+        except web.HTTPException as exc:  # the router's 404/405, as plain text
+            if exc.status >= 400:
+                return _text(exc.status, exc.reason)
+            raise
 
-    def _host_allowed(self, host: str | None) -> bool:
-        """Bound to loopback: only loopback Host names, so a rebound DNS name cannot reach us."""
-        if not _is_loopback(self.config.host):
-            return True
-        if not host:
-            return False
-        name = urlsplit("//" + host).hostname or ""
-        return name == "localhost" or name.endswith(".localhost") or _is_loopback(name)
+    async def _page(self, request: web.Request) -> web.Response:
+        return page_response()
 
-    def _origin_allowed(self, origin: str, host: str | None) -> bool:
-        origin = origin.rstrip("/")
-        if "*" in self.config.allowed_origins or origin in self.config.allowed_origins:
-            return True
-        parts = urlsplit(origin)
-        return parts.scheme in ("http", "https") and host is not None and parts.netloc.lower() == host.lower()
+    async def _health(self, request: web.Request) -> web.Response:
+        alive = self.worker is not None and self.worker.alive
+        return web.json_response({"status": "ok" if alive else "the engine thread has stopped"}, status=200 if alive else 503)
 
-    def _key_ok(self, auth: str | None, query: str) -> bool:
-        key = self.config.api_key.encode()
-        candidates = []
-        if auth and auth[:7].lower() == "bearer ":
-            candidates.append(auth[7:].strip())
-        candidates += parse_qs(query).get("api_key", [])
-        return any(hmac.compare_digest(c.encode(), key) for c in candidates)
+    async def _healthz(self, request: web.Request) -> web.Response:
+        alive = self.worker is not None and self.worker.alive
+        return _text(200, "ok") if alive else _text(503, "the engine thread has stopped")
 
-    # ---- connections ------------------------------------------------------------------------------
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    async def _handle(self, ws) -> None:
-        if self.connections >= self.config.max_connections:
+    # ---- websocket ----------------------------------------------------------------------------------
+
+    async def _websocket(self, request: web.Request) -> web.StreamResponse:
+        headers = request.headers
+        origin = headers.get("Origin")
+        if origin is not None and not self.access.origin_allowed(origin, headers.get("Host")):
+            return _text(403, f"Forbidden: origin {origin!r} is not allowed")
+        if not self.access.key_ok(headers.get("Authorization"), request.query_string):
+            response = _text(401, "Unauthorized: give the API key as 'Authorization: Bearer KEY' or ?api_key=KEY")
+            response.headers["WWW-Authenticate"] = "Bearer"
+            return response
+        c = self.config
+        ws = web.WebSocketResponse(
+            compress=False,  # deltas are tiny: deflate would cost latency and save nothing
+            max_msg_size=2 * c.max_message_bytes,
+            heartbeat=c.ping_interval,
+            # aiohttp checks for back-pressure once per writer_limit bytes: check often, so that a stalled
+            # reader blocks our writer (and its outbox starts merging and counting) as soon as the
+            # transport's 64 KiB buffer is full, as the websockets library did.
+            writer_limit=4096,
+        )
+        if not ws.can_prepare(request).ok:
+            response = _text(426, "Upgrade Required: this is the websocket endpoint")
+            response.headers["Upgrade"] = "websocket"
+            return response
+        await ws.prepare(request)
+        if self.connections >= c.max_connections:
             err = ProtocolError("too_many_connections", f"the server holds {self.connections} connections (its limit); try again later")
             try:
-                await ws.send(dumps(error_event(err)))
-                await ws.close(1013, "too many connections")
-            except ConnectionClosed:
+                await ws.send_str(dumps(error_event(err)))
+                await ws.close(code=WSCloseCode.TRY_AGAIN_LATER, message=b"too many connections")
+            except ConnectionError:
                 pass
-            return
+            return ws
         self.connections += 1
-        if self.config.send_buffer_bytes is not None:
-            sock = ws.transport.get_extra_info("socket")
+        self._sockets.add(ws)
+        if c.send_buffer_bytes is not None:
+            sock = request.transport.get_extra_info("socket") if request.transport else None
             if sock is not None:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.config.send_buffer_bytes)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, c.send_buffer_bytes)
         try:
-            await Session(ws, self).run()
+            await Session(ws, self, peer=peer_of(request)).run()
         finally:
             self.connections -= 1
+            self._sockets.discard(ws)
+            if not ws.closed:
+                await ws.close()
+        return ws
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
+def peer_of(request: web.Request) -> str:
+    """The client's address as host:port (the request log's ``client``)."""
+    peer = request.transport.get_extra_info("peername") if request.transport else None
+    if not peer:
+        return "?"
+    host, port = peer[0], peer[1]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _text(status: int, text: str) -> web.Response:
+    return web.Response(status=status, text=text + "\n")
+
+
+async def _server_header(request, response) -> None:
+    response.headers["Server"] = "specserve"
 
 
 class BackgroundServer:
     """A SpecServer on its own event loop in a daemon thread (tests, benchmarks, notebooks).
 
-    ``with BackgroundServer(llm, ServerConfig(port=0)) as srv: ... srv.ws_url ...``
+    ``with BackgroundServer(llm, ServerConfig(port=0)) as srv: ... srv.http_url, srv.ws_url ...``
     """
 
     def __init__(self, llm, config: ServerConfig | None = None) -> None:
@@ -258,6 +349,10 @@ class BackgroundServer:
     @property
     def http_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/"
+
+    @property
+    def openai_base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
 
     @property
     def ws_url(self) -> str:

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import signal
 import sys
 
+from specserve import defaults
 from specserve.server.client import DEFAULT_URL
 
 
@@ -34,16 +34,22 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together in one batch")
     p.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
     p.add_argument("--threads", type=int, default=None, help="torch threads of the engine thread")
-    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="info (the default) logs one line per finished request; warning keeps only problems")
+    p.add_argument("--log-format", default="text", choices=["text", "json"], help="json: one JSON object per line")
 
 
 def add_chat_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default=DEFAULT_URL, help=f"server websocket URL (default: {DEFAULT_URL})")
     p.add_argument("--api-key", default=os.environ.get("SPECSERVE_API_KEY"), help="default: $SPECSERVE_API_KEY")
     p.add_argument("--system", default=None, help="system message that opens the conversation")
-    p.add_argument("--max-output-tokens", type=int, default=None)
-    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--max-output-tokens", type=int, default=None,
+                   help=f"room kept for each reply (default: the server's, {defaults.CHAT_MAX_OUTPUT_TOKENS}); "
+                        "older turns are left out to keep it")
+    p.add_argument("--temperature", type=float, default=None, help=f"default: the server's ({defaults.TEMPERATURE})")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--pacing", default=defaults.CHAT_STREAM_PACING, choices=["smooth", "off"],
+                   help="smooth: spread each step's tokens over the step (default); off: as they come")
     p.add_argument("--drafter", default=None, help="switch the session's drafter: the server's one or 'none'")
     p.add_argument("--json", action="store_true", help="print every server event as a JSON line")
 
@@ -60,7 +66,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_responses_per_connection=args.max_responses_per_connection, max_message_bytes=args.max_message_bytes,
         threads=args.threads,
     )
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from specserve.server.request_log import configure_logging
+
+    configure_logging(args.log_level, args.log_format)
     if args.threads is not None:
         import torch
 
@@ -76,7 +84,8 @@ async def _serve(server) -> int:
     host = server.config.host
     shown = f"[{host}]" if ":" in host else host
     print(f"specserve: serving {server.model_name} (drafter {server.drafter_spec or 'none'}) "
-          f"on http://{shown}:{server.port}/ — websocket ws://{shown}:{server.port}/v1/ws", flush=True)
+          f"on http://{shown}:{server.port}/ — OpenAI API http://{shown}:{server.port}/v1, "
+          f"websocket ws://{shown}:{server.port}/v1/ws", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -3,6 +3,11 @@
 Each line typed (or piped in) is a user message; the reply streams as it is generated. Ctrl-C
 while a reply streams cancels it (``response.cancel``); Ctrl-C at the prompt, or end of input, quits.
 ``--json`` prints every server event as one JSON line on stdout instead of the text.
+
+The conversation never dead-ends: requests ask for ``truncation: "auto"``, so the server leaves out
+the oldest turns (never the system message) when the context would not hold the next reply; the
+client drops them from its history too and says so. Each reply ends with a status line: its tokens,
+TTFT, tokens/s and τ, and "stopped", "failed: reason" or "cut at N tokens" when it did not complete.
 """
 
 from __future__ import annotations
@@ -131,10 +136,13 @@ class ChatClient:
         return event
 
     async def ask(self, messages: list[dict]) -> str | None:
-        """Send one response.create and stream its reply; the reply's text, or None if the user quit."""
+        """Send one response.create and stream its reply; the reply's text, or None if the user quit.
+
+        When the server leaves older turns out to fit the context, they are removed from ``messages``.
+        """
         self._n += 1
         reply = self.reply = _Reply(event_id=f"chat-{self._n}", sent_at=time.perf_counter())
-        response: dict = {"messages": messages}
+        response: dict = {"messages": list(messages), "truncation": "auto", "stream_pacing": self.args.pacing}
         for key in ("max_output_tokens", "temperature", "seed"):
             value = getattr(self.args, key)
             if value is not None:
@@ -148,6 +156,10 @@ class ChatClient:
                 kind = event.get("type")
                 if kind == "response.created" and event.get("event_id") == reply.event_id:
                     reply.id = event["response"]["id"]
+                    dropped = event["response"].get("dropped_messages", 0)
+                    if dropped:
+                        _drop_oldest(messages, dropped)
+                        self.note(f"[{dropped} older messages were left out to fit the context]")
                     self._maybe_cancel()
                 elif kind == "response.output_text.delta" and event.get("response_id") == reply.id:
                     now = time.perf_counter()
@@ -163,8 +175,9 @@ class ChatClient:
                     return "".join(reply.text)
                 elif kind == "error":
                     err = event["error"]
-                    self.note(f"error: {err['code']}: {err['message']}")
-                    if event.get("event_id") == reply.event_id and reply.id is None:
+                    mine = event.get("event_id") == reply.event_id and reply.id is None
+                    self.note(f"error: {err['code']}: {err['message']}" + (" (message not sent)" if mine else ""))
+                    if mine:
                         return ""
         finally:
             self.reply = None
@@ -181,10 +194,9 @@ class ChatClient:
                 parts.append(f"{later / (reply.last_at - reply.first_at):.1f} tok/s")
         if response["spec"]["steps"]:
             parts.append(f"τ {response['spec']['tau']:.2f}")
-        if response["status"] != "completed":
-            parts.append(response["status"])
-        if "error" in response:
-            parts.append(response["error"]["message"])
+        status = reply_status(response)
+        if status:
+            parts.append(status)
         self.note("[" + " · ".join(parts) + "]")
 
     async def run(self) -> int:
@@ -223,7 +235,7 @@ class ChatClient:
             if not line.strip():
                 continue
             messages.append({"role": "user", "content": line})
-            text = await self.ask(list(messages))
+            text = await self.ask(messages)
             if text is None:
                 break
             if text:
@@ -233,6 +245,29 @@ class ChatClient:
         receiver.cancel()
         await self.ws.close()
         return 130 if self.interrupted else 0
+
+
+def reply_status(response: dict) -> str:
+    """How a finished reply ended, in words ("" when it completed): the page says the same."""
+    status = response["status"]
+    if status == "cancelled":
+        return "stopped"
+    if status == "failed":
+        return "failed: " + response.get("error", {}).get("message", "unknown error")
+    if status == "incomplete":
+        return f"cut at {response['usage']['output_tokens']} tokens"
+    return ""
+
+
+def _drop_oldest(messages: list[dict], count: int) -> None:
+    """Remove the ``count`` oldest non-system messages, as the server left them out."""
+    keep, dropped = [], 0
+    for m in messages:
+        if dropped < count and m["role"] not in ("system", "developer"):
+            dropped += 1
+            continue
+        keep.append(m)
+    messages[:] = keep
 
 
 async def _main(args) -> int:

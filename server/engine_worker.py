@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from specserve.sampling import SamplingParams
+from specserve.server.engine_load import EngineLoad, read_engine_load
 
 log = logging.getLogger("specserve.server")
 
@@ -41,16 +42,19 @@ class Summary:
     spec: dict = field(default_factory=dict)
     timing: dict = field(default_factory=dict)
     error: str | None = None
+    drafted: int = 0  # draft tokens proposed over the request's verify steps
+    accepted: int = 0  # of which the target accepted (bonus tokens not counted)
 
 
 @dataclass(frozen=True)
 class Update:
-    """What one step produced for one request: new text, how many tokens, and the summary if it ended."""
+    """What one step produced for one request: new text, its tokens, and the summary if it ended."""
 
     request_id: str
     text: str
     num_tokens: int
     done: Summary | None = None
+    token_ids: tuple[int, ...] = ()  # the step's tokens (the pacer splits ``text`` along them)
 
 
 Sink = Callable[[Update], None]
@@ -77,6 +81,14 @@ class EngineWorker:
         self._live: dict[str, _Live] = {}
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.steps = 0
+        # Queue depth, running sequences and KV blocks after the latest step, for /metrics: written by
+        # the engine thread, read by the loop (one reference swap, so a reader never sees half of one).
+        self.load: EngineLoad = read_engine_load(engine)
+
+    @property
+    def alive(self) -> bool:
+        """The engine thread runs (GET /health answers 503 once it has died)."""
+        return self._thread.is_alive()
 
     # ---- called from any thread -------------------------------------------------------------------
 
@@ -114,6 +126,7 @@ class EngineWorker:
                     return
                 if self.engine.has_unfinished():
                     self._step(out)
+                self.load = read_engine_load(self.engine)  # before delivering: whoever hears of a step sees its load
                 self._deliver(out)
 
     def _drain(self, block: bool, out: list) -> bool:
@@ -175,7 +188,7 @@ class EngineWorker:
             if d.finished:
                 summary = self._summary(self.engine.pop_finished(d.request_id), live)
                 del self._live[d.request_id]
-            out.append((live.sink, Update(d.request_id, d.text, len(d.token_ids), summary)))
+            out.append((live.sink, Update(d.request_id, d.text, len(d.token_ids), summary, tuple(d.token_ids))))
 
     def _fail_all(self, message: str, out) -> None:
         for rid, live in list(self._live.items()):
@@ -208,6 +221,8 @@ class EngineWorker:
                 "e2e_ms": ms(req.finish_time, live.received),
                 "engine_ttft_ms": ms(req.first_token_time, req.arrival_time),
             },
+            drafted=stats.num_drafted,
+            accepted=stats.num_emitted - stats.num_steps,  # each verify step emits its accepted tokens + 1 bonus
         )
 
     def _deliver(self, out: list[tuple[Sink, Update]]) -> None:

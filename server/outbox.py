@@ -16,8 +16,6 @@ import logging
 from collections import deque
 from collections.abc import Callable
 
-from websockets.exceptions import ConnectionClosed
-
 from specserve.server.protocol import delta_event, dumps
 
 log = logging.getLogger("specserve.server")
@@ -33,6 +31,8 @@ class _Delta:
 
 
 class Outbox:
+    """``ws``: an aiohttp WebSocketResponse (anything with ``async send_str``)."""
+
     def __init__(self, ws, max_pending_bytes: int, on_overflow: Callable[[], None]) -> None:
         self.ws = ws
         self.max_pending_bytes = max_pending_bytes
@@ -92,12 +92,12 @@ class Outbox:
                     else:
                         self.pending_bytes -= len(item)
                         frame = item
-                    await self.ws.send(frame)
+                    await self.ws.send_str(frame)
                     if self.pending_bytes <= self.max_pending_bytes // 2:
                         self._overflowed = False
                 if self.closed:
                     return
-        except ConnectionClosed:
+        except ConnectionError:  # the socket closed under us: nobody is left to read the rest
             pass
         finally:
             self.closed = True

@@ -5,12 +5,17 @@ page's own ``?api_key=`` on, if any), sends the conversation as ``messages``, st
 shows per reply the client-measured time to first token, tokens/s and τ (tokens per verify step),
 with a stop button that sends ``response.cancel``. Model text is only ever set through
 ``textContent``, never parsed as HTML.
+
+Its settings start from the session's defaults (specserve/defaults.py). Replies stream paced
+(``stream_pacing: "smooth"``, a checkbox) and ask for ``truncation: "auto"``: when the context cannot
+hold the conversation plus a reply, the server leaves out the oldest turns and the page greys them
+out and says so. A message the server refused is marked "not sent"; every finished reply says how it
+ended: "stopped", "failed: reason" or "cut at N tokens".
 """
 
 from __future__ import annotations
 
-from websockets.datastructures import Headers
-from websockets.http11 import Response
+from aiohttp import web
 
 PAGE_HTML = r"""<!doctype html>
 <html lang="en">
@@ -44,8 +49,12 @@ PAGE_HTML = r"""<!doctype html>
   .content.empty { color: var(--muted); font-style: italic; }
   .msg.assistant[data-status="streaming"] .content::after { content: "▍"; color: var(--accent); }
   .stats { margin-top: 6px; font-size: 12px; color: var(--muted); font-variant-numeric: tabular-nums; display: flex; gap: 12px; }
-  .msg[data-status="cancelled"] .stats::after, .msg[data-status="failed"] .stats::after,
-  .msg[data-status="incomplete"] .stats::after { content: attr(data-status); color: var(--err); }
+  .stats [data-k="status"] { color: var(--err); }
+  .msg[data-status="incomplete"] .stats [data-k="status"] { color: var(--muted); }
+  .msg.dropped { opacity: .45; }
+  .msg.user.unsent { border-style: dashed; }
+  .msg .unsent-label { margin-top: 4px; font-size: 12px; color: var(--err); }
+  .note { align-self: center; font-size: 12px; color: var(--muted); font-style: italic; }
   #error { max-width: 820px; margin: 0 auto; color: var(--err); font-size: 13px; min-height: 1em; }
   footer { padding: 10px 16px 16px; background: var(--bg); }
   form { max-width: 820px; margin: 0 auto; display: flex; gap: 8px; }
@@ -61,9 +70,10 @@ PAGE_HTML = r"""<!doctype html>
 <header>
   <h1>specserve</h1><span id="model"></span><span id="status" data-state="connecting">connecting</span>
   <div class="settings">
-    <label>temperature <input id="temperature" type="number" min="0" max="2" step="0.1" value="0.7"></label>
-    <label>max tokens <input id="max-tokens" type="number" min="1" step="1" value="256"></label>
+    <label>temperature <input id="temperature" type="number" min="0" max="2" step="0.1"></label>
+    <label>max tokens <input id="max-tokens" type="number" min="1" step="1"></label>
     <label><input id="speculate" type="checkbox" checked> speculate</label>
+    <label title="spread each step's tokens over the step"><input id="smooth" type="checkbox" checked> smooth</label>
     <button id="clear" class="secondary" type="button">New chat</button>
   </div>
 </header>
@@ -79,8 +89,8 @@ PAGE_HTML = r"""<!doctype html>
 <script>
 "use strict";
 const $ = (id) => document.getElementById(id);
-const turns = [];              // [{role, content}] of finished turns
-let ws = null, session = null, live = null, retryMs = 500, nextEvent = 0;
+const turns = [];              // [{role, content, el}] of the conversation the model still sees
+let ws = null, session = null, live = null, retryMs = 500, nextEvent = 0, settingsFilled = false;
 
 function wsUrl() {
   const key = new URLSearchParams(location.search).get("api_key");
@@ -104,7 +114,7 @@ function connect() {
   ws.onclose = (e) => {
     session = null;
     setStatus("closed", "disconnected" + (e.reason ? ": " + e.reason : ""));
-    if (live) finish({status: "failed"});
+    if (live) finish({status: "failed", error: {message: "the connection was lost"}});
     refreshButtons();
     setTimeout(connect, retryMs); retryMs = Math.min(retryMs * 2, 8000);
   };
@@ -119,7 +129,7 @@ function addMessage(role, text) {
   if (role === "assistant") {
     const stats = document.createElement("div");
     stats.className = "stats";
-    for (const k of ["ttft", "tps", "tau"]) { const s = document.createElement("span"); s.dataset.k = k; stats.appendChild(s); }
+    for (const k of ["ttft", "tps", "tau", "status"]) { const s = document.createElement("span"); s.dataset.k = k; stats.appendChild(s); }
     el.appendChild(stats);
   }
   $("messages").appendChild(el);
@@ -155,10 +165,18 @@ function onEvent(ev) {
       $("speculate").checked = !!session.drafter;
       $("speculate").disabled = session.available_drafters.length < 2;
       $("max-tokens").max = session.limits.max_output_tokens;
+      if (!settingsFilled) {  // the server's defaults, once: later changes are the user's
+        $("temperature").value = session.defaults.temperature;
+        $("max-tokens").value = session.defaults.max_output_tokens;
+        settingsFilled = true;
+      }
       setStatus("ready", "connected");
       break;
     case "response.created":
-      if (live && !live.id) { live.id = ev.response.id; live.el.dataset.responseId = live.id; }
+      if (live && !live.id && ev.event_id === live.eventId) {
+        live.id = ev.response.id; live.el.dataset.responseId = live.id;
+        if (ev.response.dropped_messages) leaveOut(ev.response.dropped_messages, ev.response.max_output_tokens);
+      }
       break;
     case "response.output_text.delta":
       if (!live || ev.response_id !== live.id) break;
@@ -175,23 +193,52 @@ function onEvent(ev) {
       break;
     case "error":
       showError(ev.error.code + ": " + ev.error.message);
-      if (live && !live.id && ev.event_id === live.eventId) { live.el.remove(); live = null; turns.pop(); }
+      if (live && !live.id && ev.event_id === live.eventId) {  // refused: the message was not sent
+        live.el.remove();
+        const user = turns.pop().el;
+        user.classList.add("unsent"); user.dataset.unsent = "1";
+        const label = document.createElement("div");
+        label.className = "unsent-label"; label.textContent = "not sent: " + ev.error.message;
+        user.appendChild(label);
+        live = null;
+      }
       break;
   }
   refreshButtons();
+}
+
+// The server left out the oldest turns to fit the context: so does the page (greyed out, with a note).
+function leaveOut(count, maxTokens) {
+  let n = 0;
+  while (n < count && turns.length) { turns.shift().el.classList.add("dropped"); n++; }
+  const note = document.createElement("div");
+  note.className = "note";
+  note.textContent = count + " older message" + (count > 1 ? "s were" : " was") + " left out to fit the " +
+    session.limits.context_length + "-token context (reply room " + maxTokens + " tokens)";
+  $("messages").insertBefore(note, live.el.previousSibling);
+}
+
+// How a reply ended, in words ("" when it completed).
+function statusText(response) {
+  if (response.status === "cancelled") return "stopped";
+  if (response.status === "failed") return "failed: " + (response.error ? response.error.message : "unknown error");
+  if (response.status === "incomplete") return "cut at " + (response.usage ? response.usage.output_tokens : live.tokens) + " tokens";
+  return "";
 }
 
 function finish(response) {
   if (live.lastAt === null) live.lastAt = performance.now();
   updateStats(response);
   live.el.dataset.status = response.status;
+  setStat(live.el, "status", statusText(response));
   if (response.usage) live.el.dataset.outputTokens = response.usage.output_tokens;
   if (!live.text) {
     const content = live.el.querySelector(".content");
-    content.textContent = response.status === "failed" && response.error ? response.error.message : "(no text)";
+    content.textContent = "(no text)";
     content.classList.add("empty");
   }
-  if (live.text) turns.push({role: "assistant", content: live.text});
+  if (live.text) turns.push({role: "assistant", content: live.text, el: live.el});
+  else turns.pop();  // a reply with no text: its question leaves the conversation too
   live = null;
   refreshButtons();
   $("prompt").focus();
@@ -202,12 +249,13 @@ function send() {
   if (!text || live || !session) return;
   showError("");
   $("prompt").value = "";
-  addMessage("user", text);
-  turns.push({role: "user", content: text});
+  turns.push({role: "user", content: text, el: addMessage("user", text)});
   const el = addMessage("assistant", "");
   el.dataset.status = "streaming";
   live = {id: null, eventId: "page-" + (++nextEvent), el, text: "", tokens: 0, deltas: 0, firstTokens: 0, sentAt: performance.now(), firstAt: null, lastAt: null};
-  const response = {messages: turns.slice(), temperature: Number($("temperature").value) || 0};
+  const response = {messages: turns.map((t) => ({role: t.role, content: t.content})), truncation: "auto",
+                    stream_pacing: $("smooth").checked ? "smooth" : "off",
+                    temperature: Number($("temperature").value) || 0};
   const maxTokens = parseInt($("max-tokens").value, 10);
   if (maxTokens > 0) response.max_output_tokens = maxTokens;
   ws.send(JSON.stringify({type: "response.create", event_id: live.eventId, response}));
@@ -242,8 +290,12 @@ _SECURITY_HEADERS = (
 )
 
 
-def page_response() -> Response:
-    """The chat page as an HTTP 200 response (for websockets' process_request)."""
-    body = PAGE_HTML.encode("utf-8")
-    headers = Headers([("Content-Type", "text/html; charset=utf-8"), ("Content-Length", str(len(body))), *_SECURITY_HEADERS])
-    return Response(200, "OK", headers, body)
+_BODY = None
+
+
+def page_response() -> web.Response:
+    """The chat page as an HTTP 200 response."""
+    global _BODY
+    if _BODY is None:
+        _BODY = PAGE_HTML.encode("utf-8")
+    return web.Response(body=_BODY, headers={"Content-Type": "text/html; charset=utf-8", **dict(_SECURITY_HEADERS)})

@@ -4,9 +4,10 @@ Every frame is one JSON object with a ``type``. Client events (validated here, s
 fields are errors so that typos never pass silently):
 
 - ``response.create {event_id?, response: {input | messages, max_output_tokens, temperature, top_p,
-  top_k, min_p, seed, stop, ignore_eos, metadata}}``
+  top_k, min_p, seed, stop, ignore_eos, stream_pacing, truncation, metadata}}``
 - ``response.cancel {event_id?, response_id}``
-- ``session.update {event_id?, session: {drafter?, defaults?}}``
+- ``session.update {event_id?, session: {drafter?, defaults?}}`` (defaults: the sampling fields,
+  ``stream_pacing`` and ``truncation``)
 
 Server events: ``session.created``, ``session.updated``, ``response.created``,
 ``response.output_text.delta``, ``response.done`` and ``error`` (builders below).
@@ -50,6 +51,12 @@ ERROR_CODES: dict[str, str] = {
     "server_busy": RATE_LIMIT,  # server-wide queue of responses is full
     "slow_consumer": RATE_LIMIT,  # this connection's unsent output passed its bound
     "internal_error": SERVER_ERROR,
+    # The HTTP API's own (openai_protocol.py gives each its status):
+    "invalid_api_key": INVALID_REQUEST,  # 401
+    "origin_not_allowed": INVALID_REQUEST,  # 403: a browser page from an origin that is not allowed
+    "model_not_found": INVALID_REQUEST,  # 404: "model" names a model this server does not serve
+    "not_found": INVALID_REQUEST,  # 404: no such route
+    "method_not_allowed": INVALID_REQUEST,  # 405
 }
 
 MAX_EVENT_ID_CHARS = 128
@@ -80,6 +87,7 @@ class ProtocolError(Exception):
         self.message = message
         self.param = param
         self.event_id = event_id
+        self.event_type: str | None = None  # the client event it answers, when known (metrics count refused creates)
 
     def to_error(self) -> dict:
         """The ``error`` object (inside an ``error`` event or a failed ``response.done``)."""
@@ -155,6 +163,7 @@ def parse_event(text: str, *, max_output_tokens: int) -> ClientEvent:
         return parser(obj, event_id, max_output_tokens)
     except ProtocolError as err:
         err.event_id = event_id
+        err.event_type = kind
         raise
 
 
@@ -172,7 +181,7 @@ def _event_id(obj: dict) -> str | None:
 def _parse_create(obj: dict, event_id: str | None, max_output_tokens: int) -> CreateResponse:
     _only(obj, ("type", "event_id", "response"), "")
     resp = _object(obj, "response", "response", required=True)
-    _only(resp, ("input", "messages", "metadata", *SAMPLING_FIELDS), "response.")
+    _only(resp, ("input", "messages", "metadata", *SAMPLING_FIELDS, *RESPONSE_OPTIONS), "response.")
     has_input, has_messages = "input" in resp, "messages" in resp
     if has_input == has_messages:
         raise ProtocolError(
@@ -186,7 +195,7 @@ def _parse_create(obj: dict, event_id: str | None, max_output_tokens: int) -> Cr
         event_id=event_id,
         input=prompt_input,
         messages=messages,
-        sampling=parse_sampling(resp, "response.", max_output_tokens),
+        sampling=parse_sampling(resp, "response.", max_output_tokens) | parse_options(resp, "response."),
         metadata=_metadata(resp.get("metadata")),
     )
 
@@ -217,8 +226,8 @@ def _parse_update(obj: dict, event_id: str | None, max_output_tokens: int) -> Up
     defaults: dict[str, Any] = {}
     if "defaults" in sess:
         d = _object(sess, "defaults", "session.defaults", required=True)
-        _only(d, SAMPLING_FIELDS, "session.defaults.")
-        defaults = parse_sampling(d, "session.defaults.", max_output_tokens)
+        _only(d, (*SAMPLING_FIELDS, *RESPONSE_OPTIONS), "session.defaults.")
+        defaults = parse_sampling(d, "session.defaults.", max_output_tokens) | parse_options(d, "session.defaults.")
     return UpdateSession(event_id, drafter, defaults)
 
 
@@ -230,8 +239,32 @@ _PARSERS = {"response.create": _parse_create, "response.cancel": _parse_cancel, 
 SAMPLING_FIELDS = ("max_output_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos")
 
 
-def parse_sampling(obj: dict, prefix: str, max_output_tokens: int) -> dict[str, Any]:
-    """Validate the sampling fields present in ``obj``; return them (``stop`` as a tuple)."""
+#: How a response is delivered rather than sampled: set per response or as a session default.
+#: stream_pacing: "off" (each engine step's tokens as they come) | "smooth" (spread over the step, pacing.py).
+#: truncation: "disabled" (a prompt too long for the window is an error) | "auto" (the oldest turns of
+#: ``messages`` are left out until prompt + max_output_tokens fits; prompts.py).
+RESPONSE_OPTIONS = ("stream_pacing", "truncation")
+OPTION_VALUES = {"stream_pacing": ("off", "smooth"), "truncation": ("disabled", "auto")}
+
+
+def parse_options(obj: dict, prefix: str) -> dict[str, str]:
+    out = {}
+    for name in RESPONSE_OPTIONS:
+        if name in obj:
+            allowed = OPTION_VALUES[name]
+            if not isinstance(obj[name], str) or obj[name] not in allowed:
+                choices = " or ".join(f'"{v}"' for v in allowed)
+                raise ProtocolError("invalid_value", f"{prefix}{name} must be {choices}", prefix + name)
+            out[name] = obj[name]
+    return out
+
+
+def parse_sampling(obj: dict, prefix: str, max_output_tokens: int | None) -> dict[str, Any]:
+    """Validate the sampling fields present in ``obj``; return them (``stop`` as a tuple).
+
+    max_output_tokens: the largest value that field may take (None: no bound here; the caller checks
+    it against the prompt and the window).
+    """
     out: dict[str, Any] = {}
     if "max_output_tokens" in obj:
         out["max_output_tokens"] = _int(obj["max_output_tokens"], prefix + "max_output_tokens", 1, max_output_tokens)

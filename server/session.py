@@ -3,25 +3,27 @@
 Message handling is synchronous (parse → validate → tokenize → hand to the engine thread → queue
 ``response.created``), so each client event is answered in order and nothing waits on another
 connection; only a long prompt is tokenized on the server's tokenizer thread, so that it cannot
-stall the event loop. Engine updates arrive on the event loop through :meth:`Session.on_update` and leave
-through the connection's :class:`~specserve.server.outbox.Outbox`.
+stall the event loop. Engine updates arrive on the event loop through :meth:`Session.on_update` and
+leave through the connection's :class:`~specserve.server.outbox.Outbox` — directly, or through a
+:class:`~specserve.server.pacing.Pacer` when the response asked for ``stream_pacing: "smooth"``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 import uuid
 from dataclasses import dataclass
 
-from websockets.exceptions import ConnectionClosed
+from aiohttp import WSMsgType
 
 from specserve.sampling import SamplingParams
-from specserve.server.engine_worker import Update
+from specserve.server.engine_worker import Summary, Update
+from specserve.server.metrics import TokenClock
 from specserve.server.outbox import Outbox
-from specserve.server.prompts import prompt_ids
+from specserve.server.pacing import Pacer, split_text, token_weights
+from specserve.server.prompts import Prompt, prepare_prompt
 from specserve.server.protocol import (
     CancelResponse,
     CreateResponse,
@@ -31,18 +33,11 @@ from specserve.server.protocol import (
     parse_event,
     with_event_id,
 )
+from specserve.server.submit import final_status, fitted, make_params, needs_thread
 
 log = logging.getLogger("specserve.server")
 
-#: Prompts up to this many characters are tokenized inline (well under a millisecond); longer ones in
-#: the server's tokenizer thread.
-INLINE_TOKENIZE_CHARS = 16384
-
-
-def _text_chars(ev: CreateResponse) -> int:
-    if isinstance(ev.input, str):
-        return len(ev.input)
-    return sum(len(m["content"]) for m in ev.messages or ())
+API = "websocket"
 
 
 @dataclass
@@ -50,7 +45,9 @@ class _Response:
     id: str
     event_id: str | None
     metadata: dict
-    max_tokens: int
+    max_tokens: int  # what the client asked for (or its default), before fitting the window
+    clock: TokenClock
+    pacer: Pacer | None = None
     status: str = "in_progress"  # | "cancelling" (client asked) | "failing" (slow consumer)
     failure: ProtocolError | None = None
     unsent_tokens: int = 0  # tokens whose text is still held back (UTF-8 or stop-string holdback)
@@ -59,10 +56,11 @@ class _Response:
 class Session:
     """Per-connection state. ``server`` is the SpecServer (llm, worker, config, shared counters)."""
 
-    def __init__(self, ws, server) -> None:
+    def __init__(self, ws, server, peer: str = "") -> None:
         self.ws = ws
         self.server = server
         self.id = "sess_" + uuid.uuid4().hex[:24]
+        self.client = f"{peer} {self.id}".strip()
         self.defaults = dict(server.default_sampling)
         self.speculate = server.drafter_spec is not None
         self.responses: dict[str, _Response] = {}
@@ -79,12 +77,17 @@ class Session:
         self.outbox.send({"type": "session.created", "session": self.describe()})
         try:
             async for message in self.ws:
-                self.handle_frame(message, time.perf_counter())
-        except ConnectionClosed:
+                if message.type in (WSMsgType.TEXT, WSMsgType.BINARY):
+                    self.handle_frame(message.data, time.perf_counter())
+                else:  # ERROR: the library has closed the socket (e.g. 1009, a frame past twice the limit)
+                    break
+        except ConnectionError:
             pass
         finally:
             self.closed = True
             for resp in self.responses.values():
+                if resp.pacer is not None:
+                    resp.pacer.cancel()
                 if resp.status == "in_progress":
                     resp.status = "cancelling"
                     self.server.worker.cancel(resp.id)
@@ -130,6 +133,8 @@ class Session:
         except ProtocolError as err:
             if err.event_id is None and event is not None:
                 err.event_id = event.event_id
+            if isinstance(event, CreateResponse) or err.event_type == "response.create":
+                self.server.reject(API, self.client, err)
             self.outbox.send(error_event(err))
         except Exception as exc:  # a bug: say so, keep the session
             log.exception("session %s: handling a frame failed", self.id)
@@ -143,36 +148,32 @@ class Session:
                 f"this connection already has {len(self.responses) + self._tokenizing} responses in flight "
                 f"(limit {config.max_responses_per_connection}); wait for one to finish or cancel one",
             )
-        if server.in_flight >= server.max_in_flight:
-            raise ProtocolError("server_busy", f"the server has {server.in_flight} responses in flight; try again shortly")
+        server.check_capacity()
         s = {**self.defaults, **ev.sampling}
-        try:
-            params = SamplingParams(
-                temperature=s["temperature"], top_p=s["top_p"], top_k=s["top_k"], min_p=s["min_p"],
-                max_tokens=s["max_output_tokens"], stop=tuple(s["stop"]), seed=s["seed"], ignore_eos=s["ignore_eos"],
-            )
-        except ValueError as exc:  # parse_event checked every field; this is a backstop
-            raise ProtocolError("invalid_value", str(exc)) from None
-        if _text_chars(ev) <= INLINE_TOKENIZE_CHARS:
-            self._submit(ev, params, prompt_ids(server.llm, ev.input, ev.messages), received)
+        params = make_params(s)
+        policy = "auto" if s["truncation"] == "auto" else "clamp"
+        if not needs_thread(ev.input, ev.messages):
+            prompt = prepare_prompt(server.llm, server.context_length, ev.input, ev.messages, params.max_tokens, policy)
+            self._submit(ev, s, params, prompt, received)
             return
         # A long text takes milliseconds to seconds to tokenize: do it off the event loop so no other
         # connection's stream stalls, holding this response's place in the limits meanwhile.
         self._tokenizing += 1
         server.in_flight += 1
-        task = asyncio.get_running_loop().create_task(self._create_later(ev, params, received))
+        task = asyncio.get_running_loop().create_task(self._create_later(ev, s, params, policy, received))
         self._tasks.add(task)  # keep a reference until it is done
         task.add_done_callback(self._tasks.discard)
 
-    async def _create_later(self, ev: CreateResponse, params: SamplingParams, received: float) -> None:
+    async def _create_later(self, ev: CreateResponse, s: dict, params: SamplingParams, policy: str, received: float) -> None:
         server = self.server
+        prompt = None
         try:
-            ids = await asyncio.get_running_loop().run_in_executor(
-                server.tokenize_executor, prompt_ids, server.llm, ev.input, ev.messages)
-            if not self.closed:
-                self._submit(ev, params, ids, received)
+            prompt = await asyncio.get_running_loop().run_in_executor(
+                server.tokenize_executor, prepare_prompt, server.llm, server.context_length, ev.input, ev.messages,
+                params.max_tokens, policy)
         except ProtocolError as err:
             err.event_id = ev.event_id
+            server.reject(API, self.client, err)
             self.outbox.send(error_event(err))
         except Exception as exc:
             log.exception("session %s: tokenizing a prompt failed", self.id)
@@ -180,29 +181,24 @@ class Session:
             self.outbox.send(error_event(err))
         finally:
             self._tokenizing -= 1
-            server.in_flight -= 1
+            server.in_flight -= 1  # the place it held; submit takes one of its own
+        if prompt is not None and not self.closed:
+            self._submit(ev, s, params, prompt, received)
 
-    def _submit(self, ev: CreateResponse, params: SamplingParams, ids: list[int], received: float) -> None:
+    def _submit(self, ev: CreateResponse, s: dict, params: SamplingParams, prompt: Prompt, received: float) -> None:
         """Hand a tokenized request to the engine thread and announce it."""
         server = self.server
-        if len(ids) >= server.context_length:
-            raise ProtocolError(
-                "context_length_exceeded",
-                f"the prompt has {len(ids)} tokens but the context window is {server.context_length}: "
-                "leave room for at least one output token",
-                "response.input" if ev.input is not None else "response.messages",
-            )
-        # The Responses protocol ends a reply that reaches the context window as "incomplete"
-        # (context_length); the engine refuses prompt + max_tokens past the window, so clamp here.
-        room = server.context_length - len(ids)
-        asked = params.max_tokens if params.max_tokens is not None else room
-        if asked > room:
-            params = dataclasses.replace(params, max_tokens=room)
+        asked = params.max_tokens if params.max_tokens is not None else prompt.max_tokens
         rid = "resp_" + uuid.uuid4().hex[:24]
-        self.responses[rid] = _Response(rid, ev.event_id, ev.metadata, asked)
-        server.in_flight += 1
-        server.worker.submit(rid, ids, params, self.speculate, received, self.on_update)
-        created = {"type": "response.created", "response": {"id": rid, "status": "in_progress", "metadata": ev.metadata}}
+        resp = _Response(rid, ev.event_id, ev.metadata, asked, server.metrics.token_clock(API))
+        if s["stream_pacing"] == "smooth":
+            loop = asyncio.get_running_loop()
+            resp.pacer = Pacer(lambda text, n, rid=rid: self.outbox.send_delta(rid, text, n), loop.time, loop.call_at)
+        self.responses[rid] = resp
+        server.submit(rid, prompt.ids, fitted(params, prompt), self.speculate, received, self.on_update)
+        created = {"type": "response.created", "response": {
+            "id": rid, "status": "in_progress", "metadata": ev.metadata, "input_tokens": len(prompt.ids),
+            "max_output_tokens": prompt.max_tokens, "dropped_messages": prompt.dropped_messages}}
         self.outbox.send(with_event_id(created, ev.event_id))
 
     def _cancel(self, ev: CancelResponse) -> None:
@@ -213,6 +209,8 @@ class Session:
             )
         if resp.status == "in_progress":
             resp.status = "cancelling"
+            if resp.pacer is not None:
+                resp.pacer.cancel()  # nothing more streams after a cancel, held text included
             self.server.worker.cancel(resp.id)
         # Cancelling twice is harmless: the one response.done (status cancelled) answers both.
 
@@ -241,17 +239,36 @@ class Session:
         resp = self.responses.get(update.request_id)
         if resp is None:
             return
+        resp.clock.tokens(time.perf_counter(), update.num_tokens)
         if resp.status == "in_progress":  # after a cancel, nothing more streams
-            resp.unsent_tokens += update.num_tokens
-            if update.text:
-                self.outbox.send_delta(resp.id, update.text, resp.unsent_tokens)
-                resp.unsent_tokens = 0
+            if resp.pacer is not None:
+                self._pace(resp, update)
+            else:
+                resp.unsent_tokens += update.num_tokens
+                # The last step's tokens go out even without text (EOS, a stop string's tokens): a client
+                # that adds up the deltas' tokens gets usage.output_tokens.
+                if update.text or (update.done is not None and resp.unsent_tokens):
+                    self.outbox.send_delta(resp.id, update.text, resp.unsent_tokens)
+                    resp.unsent_tokens = 0
         if update.done is not None:
             del self.responses[resp.id]
-            self.server.in_flight -= 1
-            self._done(resp, update.done)
+            if resp.pacer is not None and resp.status == "in_progress":
+                resp.pacer.finish(lambda: self._done(resp, update.done))  # after the held text has gone
+            else:
+                self._done(resp, update.done)
 
-    def _done(self, resp: _Response, summary) -> None:
+    def _pace(self, resp: _Response, update: Update) -> None:
+        if not update.text:
+            resp.pacer.push_tokens(update.num_tokens)
+            return
+        weights = token_weights(self.server.llm.tokenizer, update.token_ids) if update.token_ids else [1]
+        resp.pacer.push(split_text(update.text, weights))
+        extra = update.num_tokens - len(weights)
+        if extra > 0:
+            resp.pacer.push_tokens(extra)
+
+    def _done(self, resp: _Response, summary: Summary) -> None:
+        self.server.finish(resp.id, API, self.client, final_status(summary, resp.failure is not None), summary)
         body: dict = {"id": resp.id, "status": "completed", "metadata": resp.metadata}
         error: ProtocolError | None = None
         if summary.reason == "stop":
@@ -287,4 +304,6 @@ class Session:
                 resp.failure = ProtocolError(
                     "slow_consumer", f"the client read too slowly: more than {limit} bytes waited to be sent"
                 )
+                if resp.pacer is not None:
+                    resp.pacer.cancel()
                 self.server.worker.cancel(resp.id)

@@ -13,68 +13,78 @@ from typing import Sequence
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, NotADirectoryError, PermissionError, MemoryError)
 
 
+def one_line(exc: BaseException, limit: int = 600) -> str:
+    """An error message on one line, whole: libraries' messages often continue after a line break (a
+    tokenizer error's cause came after "...: " and was cut off when only the first line was shown)."""
+    message = " ".join(str(exc).split()) or type(exc).__name__
+    return message if len(message) <= limit else message[: limit - 3] + "..."
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse prints usage + message; we want one line
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+# Every command: (help, module, its add_arguments, its handler). A command's module is imported only when
+# that command runs (or its --help is asked for), so `specserve --help`, and argument errors of the
+# light commands, never import torch.
+COMMANDS: dict[str, tuple[str, str, str, str]] = {
+    "generate": ("generate a completion for one prompt", "specserve.cli", "add_generate_arguments", "cmd_generate"),
+    "info": ("version, device and registered drafters", "specserve.cli", "add_info_arguments", "cmd_info"),
+    "serve": ("OpenAI-compatible HTTP API, websocket and browser chat page on one port",
+              "specserve.server.cli", "add_serve_arguments", "cmd_serve"),
+    "chat": ("interactive terminal chat with a running server", "specserve.server.cli", "add_chat_arguments", "cmd_chat"),
+    "eval": ("acceptance and speed of drafters vs plain decoding and transformers peers on a dataset",
+             "specserve.evals.suite", "add_arguments", "run"),
+}
+BENCH_COMMANDS: dict[str, tuple[str, str, str, str]] = {
+    "decode": ("plain decode vs transformers vs the bandwidth floor; n-gram vs plain",
+               "specserve.evals.bench_decode", "add_arguments", "run"),
+    "drafters": ("tau and speed of drafters vs plain decoding on held-out code",
+                 "specserve.evals.bench_drafters", "add_arguments", "run"),
+    "serve": ("HTTP/SSE and websocket clients over loopback: TTFT, inter-token latency, overhead, pacing",
+              "specserve.evals.bench_serve", "add_arguments", "run"),
+    "verify": ("verify forward cost vs draft tree size", "specserve.evals.bench_verify", "add_arguments", "run"),
+    "batch": ("decode throughput vs batch size", "specserve.evals.bench_batch", "add_arguments", "run"),
+}
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The parser for ``argv``: every command is listed, but only the one ``argv`` names gets its
+    arguments (importing its module); None builds them all."""
+    words = [a for a in (argv if argv is not None else ()) if not a.startswith("-")]
+    everything = argv is None
+
+    def wanted(*path: str) -> bool:
+        return everything or tuple(words[: len(path)]) == path
+
     parser = _Parser(prog="specserve", description="Latency-first speculative decoding serving stack.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-
-    gen = sub.add_parser("generate", help="generate a completion for one prompt")
-    gen.add_argument("--model", default=None, help="Hugging Face Llama-family model directory (default: the embedded model)")
-    gen.add_argument("--drafter", default="auto",
-                     help="drafter spec: 'ngram', 'NAME:PATH' or 'none' (default 'auto': the embedded model's default drafter, else none)")
-    gen.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
-                     help="drafter knob, e.g. depth=8 (repeatable)")
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    gen.add_argument("--json", action="store_true", help="print token ids, text and speculation stats as JSON")
-    gen.set_defaults(handler=cmd_generate)
-
-    info = sub.add_parser("info", help="version, device and registered drafters")
-    info.add_argument("--json", action="store_true")
-    info.set_defaults(handler=cmd_info)
-
-    from specserve.evals import bench_batch, bench_decode, bench_drafters, bench_serve, bench_verify, suite
-    from specserve.server import cli as server_cli
-
-    _command(sub, "serve", "websocket server with a browser chat page", server_cli.add_serve_arguments, server_cli.cmd_serve)
-    _command(sub, "chat", "interactive terminal chat with a running server", server_cli.add_chat_arguments, server_cli.cmd_chat)
-    _command(sub, "eval", "acceptance and speed of drafters vs plain decoding and transformers peers on a dataset",
-             suite.add_arguments, suite.run)
+    for name, entry in COMMANDS.items():
+        _command(sub, name, entry, wanted(name))
     bench = sub.add_parser("bench", help="microbenchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
-    _command(bench_sub, "decode", "plain decode vs transformers vs the bandwidth floor; n-gram vs plain",
-             bench_decode.add_arguments, bench_decode.run)
-    _command(bench_sub, "drafters", "tau and speed of drafters vs plain decoding on held-out code",
-             bench_drafters.add_arguments, bench_drafters.run)
-    _command(bench_sub, "serve", "websocket clients over loopback: TTFT, inter-token latency, server overhead",
-             bench_serve.add_arguments, bench_serve.run)
-    _command(bench_sub, "verify", "verify forward cost vs draft tree size", bench_verify.add_arguments, bench_verify.run)
-    _command(bench_sub, "batch", "decode throughput vs batch size", bench_batch.add_arguments, bench_batch.run)
-    from specserve.training.cli import add_train_parser
+    for name, entry in BENCH_COMMANDS.items():
+        _command(bench_sub, name, entry, wanted("bench", name))
+    if wanted("train"):
+        from specserve.training.cli import add_train_parser
 
-    add_train_parser(sub, _Parser)  # train corpus | lm | distill-data | draft | bundle
-    # Each command: add_parser(...) + set_defaults(handler=fn(args) -> exit code). Keep imports of heavy
-    # modules inside handlers so `specserve --help` stays fast.
+        add_train_parser(sub, _Parser)  # train corpus | lm | distill-data | draft | bundle
+    else:
+        sub.add_parser("train", help="train the models specserve serves: corpus, lm, distill-data, draft, medusa, eagle, bundle")
     return parser
 
 
-def _command(sub, name: str, help: str, add_arguments, handler) -> None:
-    """Register a subcommand: its arguments, and the handler ``fn(args) -> exit code`` main() calls."""
-    parser = sub.add_parser(name, help=help)
-    add_arguments(parser)
-    parser.set_defaults(handler=handler)
+def _command(sub, name: str, entry: tuple[str, str, str, str], load: bool) -> None:
+    """Register a subcommand; when ``load``, import its module for its arguments and handler."""
+    help_text, module_name, add_arguments, handler = entry
+    parser = sub.add_parser(name, help=help_text, description=help_text)
+    if load:
+        import importlib
+
+        module = importlib.import_module(module_name)
+        getattr(module, add_arguments)(parser)
+        parser.set_defaults(handler=getattr(module, handler))
 
 
 def _drafter_options(items: list[str]) -> dict:
@@ -88,6 +98,32 @@ def _drafter_options(items: list[str]) -> dict:
         except json.JSONDecodeError:
             options[key] = value
     return options
+
+
+def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
+    from specserve import defaults
+
+    gen.add_argument("--model", default=None, help="Hugging Face Llama-family model directory (default: the embedded model)")
+    gen.add_argument("--drafter", default="auto",
+                     help="drafter spec: 'ngram', 'NAME:PATH' or 'none' (default 'auto': the embedded model's default drafter, else none)")
+    gen.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
+                     help="drafter knob, e.g. depth=8 (repeatable)")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-tokens", type=int, default=defaults.MAX_TOKENS, help="default: the rest of the context window")
+    gen.add_argument("--temperature", type=float, default=defaults.TEMPERATURE, help="0 = greedy (default %(default)s)")
+    gen.add_argument("--top-p", type=float, default=defaults.TOP_P)
+    gen.add_argument("--top-k", type=int, default=defaults.TOP_K)
+    gen.add_argument("--min-p", type=float, default=defaults.MIN_P)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--seed", type=int, default=defaults.SEED)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    gen.add_argument("--json", action="store_true",
+                     help="print token ids, text, speculation stats, TTFT and tokens/s as JSON")
+
+
+def add_info_arguments(info: argparse.ArgumentParser) -> None:
+    info.add_argument("--json", action="store_true")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -105,7 +141,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(json.dumps({
             "model": llm.model_dir, "drafter": llm.drafter_spec, "prompt": args.prompt,
             "prompt_token_ids": out.prompt_token_ids, "token_ids": out.token_ids, "text": out.text,
-            "finish_reason": out.finish_reason, "spec": out.spec.to_dict(), "ttft_s": out.ttft_s, "e2e_s": out.e2e_s,
+            "finish_reason": out.finish_reason, "spec": out.spec.to_dict(), "tau": out.spec.mean_accepted_length,
+            "ttft_s": out.ttft_s, "e2e_s": out.e2e_s, "tokens_per_s": _tokens_per_s(out),
         }))
     else:
         for delta in llm.stream(args.prompt, params):
@@ -113,6 +150,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.flush()
         sys.stdout.write("\n")
     return 0
+
+
+def _tokens_per_s(out) -> float | None:
+    """Decode speed after the first token: (tokens - 1) / (e2e - TTFT), as the server and the page report it."""
+    if out.ttft_s is None or out.e2e_s is None or out.e2e_s <= out.ttft_s or len(out.token_ids) < 2:
+        return None
+    return (len(out.token_ids) - 1) / (out.e2e_s - out.ttft_s)
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -142,13 +186,12 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)
     try:
         return int(args.handler(args) or 0)
     except USER_ERRORS as exc:
-        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        print(f"specserve: error: {message}", file=sys.stderr)
+        print(f"specserve: error: {one_line(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("specserve: interrupted", file=sys.stderr)

@@ -7,14 +7,18 @@ distribution speculation must reproduce is defined in exactly one place.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
+
+from specserve import defaults
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request. Validated on construction (ValueError naming the field).
+
+    The defaults live in specserve/defaults.py, shared with the CLI, the HTTP API and the server.
 
     temperature: 0 means greedy (argmax); > 0 samples from softmax(logits / temperature).
     top_k:       keep the k most likely tokens; 0 (or -1) keeps all.
@@ -27,14 +31,14 @@ class SamplingParams:
     ignore_eos:  keep generating past end-of-sequence tokens (benchmarks).
     """
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    max_tokens: int | None = None
-    stop: tuple[str, ...] = field(default_factory=tuple)
-    seed: int | None = None
-    ignore_eos: bool = False
+    temperature: float = defaults.TEMPERATURE
+    top_p: float = defaults.TOP_P
+    top_k: int = defaults.TOP_K
+    min_p: float = defaults.MIN_P
+    max_tokens: int | None = defaults.MAX_TOKENS
+    stop: tuple[str, ...] = defaults.STOP
+    seed: int | None = defaults.SEED
+    ignore_eos: bool = defaults.IGNORE_EOS
 
     def __post_init__(self) -> None:
         def number(name: str) -> float:

@@ -22,12 +22,37 @@ def test_generate_json(llama_dir):
     assert len(out["token_ids"]) == 12 and out["finish_reason"] == "length"
     assert out["spec"]["num_steps"] >= 1 and out["spec"]["mean_accepted_length"] >= 1.0
     assert isinstance(out["text"], str)
+    assert out["tau"] == out["spec"]["mean_accepted_length"] and 0 < out["ttft_s"] <= out["e2e_s"]
+    assert out["tokens_per_s"] == pytest.approx(11 / (out["e2e_s"] - out["ttft_s"]))
 
 
 def test_generate_streams_text(llama_dir):
     res = run("generate", "--model", str(llama_dir), "--prompt", "class A:", "--max-tokens", "8", "--temperature", "0.7", "--seed", "3")
     assert res.returncode == 0, res.stderr
     assert res.stdout.endswith("\n")
+
+
+def test_help_and_argument_errors_do_not_import_torch():
+    """`specserve --help` and a bad argument answer without importing torch (the ~2-5 s of every start)."""
+    code = ("import sys\nfrom specserve.cli import main\n"
+            "for argv in (['--help'], ['generate', '--max-tokens', 'abc', '--prompt', 'x'], ['serve', '--help'],"
+            " ['chat', '--port'], ['bench', '--help']):\n"
+            "    try:\n        main(argv)\n    except SystemExit as e:\n        assert e.code in (0, 2), (argv, e.code)\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\nprint('ok')\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr
+
+
+def test_a_multi_line_error_is_shown_whole_on_one_line(tmp_path):
+    from tiny_models import build_model
+
+    model = build_model(tmp_path / "m", "llama")
+    (model / "tokenizer.json").write_text("{ this is not a tokenizer")
+    res = run("generate", "--model", str(model), "--prompt", "x")
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    line = res.stderr.strip()
+    assert "cannot load the tokenizer" in line and not line.rstrip().endswith(":")
+    assert len(line.split("cannot load the tokenizer", 1)[1]) > len(str(model)) + 10  # the cause is there
 
 
 def test_info_json():
@@ -78,7 +103,7 @@ def test_generate_without_model_or_bundle_exits_2(tmp_path):
 
 def test_readme_main_command_runs_on_the_embedded_model():
     """README's first command: the bundled default model with its default drafter (EAGLE), no arguments."""
-    res = run("generate", "--prompt", "def fibonacci(n):", "--max-tokens", "16", "--ignore-eos", "--json")
+    res = run("generate", "--prompt", "def fibonacci(n):", "--max-tokens", "16", "--ignore-eos", "--temperature", "0", "--json")
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert len(out["token_ids"]) == 16 and out["spec"]["num_steps"] >= 1
@@ -86,7 +111,7 @@ def test_readme_main_command_runs_on_the_embedded_model():
     assert info["default_model"] and {"draft", "medusa", "eagle"} <= set(info["default_drafters"])
     assert out["drafter"] == info["default_drafter"] == "eagle"
     plain = json.loads(run("generate", "--drafter", "none", "--prompt", "def fibonacci(n):", "--max-tokens", "16",
-                           "--ignore-eos", "--json").stdout)
+                           "--ignore-eos", "--temperature", "0", "--json").stdout)
     assert plain["drafter"] is None and plain["token_ids"] == out["token_ids"]
 
 

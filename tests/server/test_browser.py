@@ -54,3 +54,43 @@ def test_chat_page_streams_shows_stats_and_stops(make_server, noeos_dir):
         assert page.eval("document.querySelectorAll('.msg.user').length") == 2
         assert page.eval("document.getElementById('error').textContent") == ""
     assert wait_until(lambda: kv_blocks(srv)[0] == kv_blocks(srv)[1] and srv.server.in_flight == 0)
+
+
+def test_ten_turn_chat_with_the_embedded_model_never_dead_ends():
+    """The issue's dead end: 512-token context, replies of up to 64 tokens, ten turns. Older turns are left
+    out (and greyed out, with a note), every turn is answered and labelled, a refused message says so."""
+    from specserve.server import BackgroundServer, ServerConfig
+
+    with BackgroundServer(LLM(), ServerConfig(port=0, threads=1)) as srv, Chromium(srv.http_url) as page:
+        page.wait_for("document.getElementById('status').dataset.state === 'ready'")
+        assert page.eval("document.getElementById('temperature').value") == "1"  # the shared default
+        page.set_value("#max-tokens", "64")
+        questions = ["def fibonacci(n):", "write a stack class", "add a pop method", "read a file", "sort a list",
+                     "parse json", "write a unittest", "what does yield do?", "make it async", "summarize"]
+        for i, question in enumerate(questions, start=1):
+            page.type("#prompt", question)
+            page.click("#send")
+            page.wait_for(f"document.querySelectorAll('.msg.assistant').length === {i} && "
+                          f"{LAST}.dataset.status !== 'streaming'", timeout=60)
+            status = page.eval(f"{LAST}.dataset.status")
+            assert status in ("completed", "incomplete"), (i, status)
+            shown = page.eval(f"{LAST}.querySelector('[data-k=\"status\"]').textContent")
+            tokens = page.eval(f"{LAST}.dataset.outputTokens")
+            assert shown == ("" if status == "completed" else f"cut at {tokens} tokens")
+            assert "tok/s" in page.eval(f"{LAST}.querySelector('.stats').textContent")
+        assert page.eval("document.getElementById('error').textContent") == ""
+        assert page.eval("document.querySelectorAll('.note').length") >= 1
+        assert "left out to fit the 512-token context" in page.eval("document.querySelector('.note').textContent")
+        assert page.eval("document.querySelectorAll('.msg.dropped').length") >= 2
+        # A message the context cannot hold even alone: refused, and marked as not sent.
+        page.type("#prompt", "def f(x): return x + 1 " * 300)
+        page.click("#send")
+        page.wait_for("document.querySelector('.msg.user.unsent') !== null")
+        assert "not sent: " in page.eval("document.querySelector('.msg.user.unsent').textContent")
+        assert "context_length_exceeded" in page.eval("document.getElementById('error').textContent")
+        assert page.eval("document.querySelectorAll('.msg.assistant').length") == 10
+        # ... and the chat goes on.
+        page.type("#prompt", "one more")
+        page.click("#send")
+        page.wait_for(f"document.querySelectorAll('.msg.assistant').length === 11 && {LAST}.dataset.status !== 'streaming'",
+                      timeout=60)

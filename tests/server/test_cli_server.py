@@ -145,3 +145,26 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_ten_turn_chat_with_the_embedded_model(tmp_path):
+    """`specserve serve` (the embedded model, 512-token context) and `specserve chat` for ten turns: older
+    turns are left out as needed, and every turn is answered."""
+    proc = subprocess.Popen([sys.executable, "-m", "specserve", "serve", "--port", "0", "--threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        url = re.search(r"ws://\S+/v1/ws", Lines(proc).next(120)).group(0)
+        questions = ["def fibonacci(n):", "write a stack class", "add a pop method", "read a file", "sort a list",
+                     "parse json", "write a unittest", "what does yield do?", "make it async", "summarize"]
+        res = specserve("chat", "--url", url, "--max-output-tokens", "96", stdin="\n".join(questions) + "\n")
+        assert res.returncode == 0, res.stderr
+        summaries = [line for line in res.stderr.splitlines() if line.startswith("[") and "tokens ·" in line]
+        assert len(summaries) == 10, res.stderr
+        assert all("failed" not in s and "stopped" not in s and "tok/s" in s for s in summaries), summaries
+        assert "older messages were left out to fit the context" in res.stderr
+        assert "error" not in res.stderr
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
+        proc.wait()

@@ -1,0 +1,279 @@
+"""The OpenAI-compatible HTTP API: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``.
+
+Streams are server-sent events through aiohttp-sse (``data: {chunk}`` ... ``data: [DONE]``): a chunk
+with the assistant role first, one per delivered piece of text, one with the finish reason, then the
+usage chunk when ``stream_options.include_usage`` asks for it; the last chunk carries ``spec``
+(τ, verify steps, acceptance per depth). A client that disconnects has its handler cancelled by
+aiohttp, which cancels the request in the engine: its KV is free within one step.
+
+A request goes the same way as a websocket response (submit.py): capacity, sampling, tokenizing
+off the loop when long, fitting the context (policy "error": OpenAI's 400 naming both numbers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from aiohttp import web
+from aiohttp_sse import EventSourceResponse
+
+from specserve import defaults
+from specserve.server.engine_worker import Summary, Update
+from specserve.server.openai_protocol import (
+    CompletionRequest,
+    Shapes,
+    error_body,
+    error_status,
+    parse_body,
+    parse_request,
+    spec_of,
+    usage_of,
+)
+from specserve.server.pacing import Pacer, split_text, token_weights
+from specserve.server.protocol import ProtocolError
+from specserve.server.submit import final_status, fitted, make_params, prepare
+
+API = "openai"
+FINISH_REASONS = {"stop": "stop", "length": "length"}
+
+
+def add_routes(app: web.Application, server) -> None:
+    api = OpenAIApi(server)
+    app.router.add_post("/v1/chat/completions", api.chat_completions)
+    app.router.add_post("/v1/completions", api.completions)
+    app.router.add_get("/v1/models", api.models)
+    app.router.add_get("/v1/models/{model:.+}", api.model)
+    app.on_response_prepare.append(api.cors_headers)
+
+
+def error_response(err: ProtocolError, headers: dict | None = None) -> web.Response:
+    return web.json_response(error_body(err), status=error_status(err), headers=headers)
+
+
+async def guard_api(server, request: web.Request, handler) -> web.StreamResponse:
+    """Origin and API key for ``/v1/*`` (besides the websocket), CORS preflight, errors in OpenAI's shape."""
+    origin = request.headers.get("Origin")
+    host = request.headers.get("Host")
+    if origin is not None and not server.access.origin_allowed(origin, host):
+        return error_response(ProtocolError("origin_not_allowed", f"origin {origin[:100]!r} is not allowed"))
+    if request.method == "OPTIONS" and origin is not None:  # a browser's CORS preflight (no key is sent with it)
+        return web.Response(status=204, headers={
+            "Access-Control-Allow-Origin": origin, "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+            "Access-Control-Allow-Headers": "Authorization, Content-Type", "Access-Control-Max-Age": "600",
+            "Vary": "Origin"})
+    if not server.access.key_ok(request.headers.get("Authorization"), request.query_string):
+        err = ProtocolError("invalid_api_key", "missing or wrong API key: send 'Authorization: Bearer KEY'")
+        return error_response(err, {"WWW-Authenticate": "Bearer"})
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status == 404:
+            return error_response(ProtocolError("not_found", f"no route {request.method} {request.path[:100]}"))
+        if exc.status == 405:
+            return error_response(ProtocolError("method_not_allowed", f"{request.method} is not allowed on {request.path[:100]}"))
+        raise
+
+
+class OpenAIApi:
+    def __init__(self, server) -> None:
+        self.server = server
+        self.started = int(time.time())
+
+    # ---- models ---------------------------------------------------------------------------------
+
+    def _model_card(self) -> dict:
+        s = self.server
+        return {"id": s.model_name, "object": "model", "created": self.started, "owned_by": "specserve",
+                "context_length": s.context_length, "drafter": s.drafter_spec}
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name != self.server.model_name:
+            return error_response(self._model_not_found(name))
+        return web.json_response(self._model_card())
+
+    def _model_not_found(self, name: str) -> ProtocolError:
+        return ProtocolError("model_not_found", f"the model {name[:100]!r} does not exist here: this server serves "
+                             f"{self.server.model_name!r} (GET /v1/models)", "model")
+
+    async def cors_headers(self, request: web.Request, response: web.StreamResponse) -> None:
+        """An allowed cross-origin browser app may read our answers (set before a stream's headers go)."""
+        origin = request.headers.get("Origin")
+        if (origin is not None and request.path.startswith("/v1/")
+                and self.server.access.cross_origin(origin, request.headers.get("Host"))
+                and self.server.access.origin_allowed(origin, request.headers.get("Host"))):
+            response.headers["Access-Control-Allow-Origin"] = origin
+            response.headers["Vary"] = "Origin"
+
+    # ---- completions ----------------------------------------------------------------------------
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, chat=False)
+
+    async def _handle(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        from specserve.server.app import peer_of
+
+        received = time.perf_counter()
+        server = self.server
+        client = peer_of(request)
+        try:
+            try:
+                raw = await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                raise ProtocolError("message_too_large",
+                                    f"the request body is larger than the {server.config.max_message_bytes}-byte limit") from None
+            body = parse_body(raw)
+            sampling_defaults = {**defaults.sampling_defaults(), "max_output_tokens": None}
+            req = parse_request(body, chat, sampling_defaults)
+            if req.model is not None and req.model != server.model_name:
+                raise self._model_not_found(req.model)
+            speculate = self._speculate(req.drafter)
+            server.check_capacity()
+            params = make_params(req.sampling)
+            prompt = await prepare(server, req.input, req.messages, params.max_tokens, "error", req.names)
+        except ProtocolError as err:
+            server.reject(API, client, err)
+            return error_response(err)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        stream = _Stream(server, rid, client, req.stream_pacing == "smooth", len(prompt.ids))
+        server.submit(rid, prompt.ids, fitted(params, prompt), speculate, received, stream.on_update)
+        shapes = Shapes(rid, chat, server.model_name)
+        try:
+            if req.stream:
+                return await self._stream(request, req, stream, shapes)
+            return await self._whole(stream, shapes)
+        finally:
+            if stream.summary is None:  # the client went away (or the server is stopping): free its KV now
+                server.worker.cancel(rid)
+
+    def _speculate(self, drafter: str | None) -> bool:
+        server = self.server
+        if drafter is None:
+            return server.drafter_spec is not None
+        if drafter == "none":
+            return False
+        if server.drafter_spec is not None and drafter in (server.drafter_spec, server.drafter_name):
+            return True
+        loaded = f"drafter {server.drafter_spec!r}" if server.drafter_spec else "no drafter"
+        raise ProtocolError("drafter_unavailable", f"drafter {drafter[:64]!r} is not loaded: this server loaded {loaded}; "
+                            "give its name or \"none\"", "drafter")
+
+    async def _whole(self, stream: _Stream, shapes: Shapes) -> web.Response:
+        texts = []
+        while True:
+            kind, value = await stream.queue.get()
+            if kind == "text":
+                texts.append(value[0])
+                continue
+            summary: Summary = value
+            failure = _failure(summary)
+            if failure is not None:
+                return error_response(failure)
+            body = shapes.whole("".join(texts), FINISH_REASONS.get(summary.reason, "stop"), usage_of(summary), spec_of(summary),
+                                summary.timing)
+            return web.json_response(body, dumps=_dumps)
+
+    async def _stream(self, request: web.Request, req: CompletionRequest, stream: _Stream, shapes: Shapes):
+        self.server.track_stream(asyncio.current_task())
+        sse = EventSourceResponse(sep="\n", ping_interval=15, allow_all_methods=True)  # POST, as OpenAI streams
+        await sse.prepare(request)
+        sent_tokens = 0
+        try:
+            if shapes.chat:
+                await sse.send(shapes.chunk(text="", role=True))
+            while True:
+                kind, value = await stream.queue.get()
+                if kind == "text":
+                    text, tokens = value
+                    while not stream.queue.empty() and stream.queue._queue[0][0] == "text":  # merge what queued up
+                        more = stream.queue.get_nowait()[1]
+                        text, tokens = text + more[0], tokens + more[1]
+                    sent_tokens += tokens
+                    if text or req.continuous_usage:  # a text-less piece only matters to a client counting tokens
+                        usage = stream.usage_so_far(sent_tokens) if req.continuous_usage else None
+                        await sse.send(shapes.text_chunk(text, usage))
+                    continue
+                summary: Summary = value
+                failure = _failure(summary)
+                if failure is not None:
+                    await sse.send(_dumps(error_body(failure)))
+                else:
+                    usage = usage_of(summary) if req.include_usage else None
+                    for chunk in shapes.final_chunk(FINISH_REASONS.get(summary.reason, "stop"), spec_of(summary), usage,
+                                                    summary.timing):
+                        await sse.send(chunk)
+                await sse.send("[DONE]")
+                break
+        except ConnectionError:  # the client went away mid-stream; _handle's finally cancels the request
+            pass
+        finally:
+            sse.stop_streaming()
+        return sse
+
+
+class _Stream:
+    """One HTTP request's updates: text pieces (paced or not) and finally its Summary, on a queue."""
+
+    def __init__(self, server, rid: str, client: str, pacing: bool, prompt_tokens: int) -> None:
+        self.server, self.rid, self.client = server, rid, client
+        self.prompt_tokens = prompt_tokens
+        self.queue: asyncio.Queue = asyncio.Queue()  # ("text", (text, tokens)) ... ("done", Summary)
+        self.summary: Summary | None = None
+        self.clock = server.metrics.token_clock(API)
+        self.unsent_tokens = 0  # tokens whose text the detokenizer still holds back
+        self.pacer = None
+        if pacing:
+            loop = asyncio.get_running_loop()
+            self.pacer = Pacer(lambda text, n: self.queue.put_nowait(("text", (text, n))), loop.time, loop.call_at)
+
+    def usage_so_far(self, completion_tokens: int) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": self.prompt_tokens + completion_tokens}
+
+    def on_update(self, update: Update) -> None:
+        self.clock.tokens(time.perf_counter(), update.num_tokens)
+        if self.pacer is not None:
+            if update.text:
+                weights = token_weights(self.server.llm.tokenizer, update.token_ids) if update.token_ids else [1]
+                self.pacer.push(split_text(update.text, weights))
+                if update.num_tokens > len(weights):
+                    self.pacer.push_tokens(update.num_tokens - len(weights))
+            else:
+                self.pacer.push_tokens(update.num_tokens)
+        else:
+            self.unsent_tokens += update.num_tokens
+            if update.text:
+                self.queue.put_nowait(("text", (update.text, self.unsent_tokens)))
+                self.unsent_tokens = 0
+        if update.done is not None:
+            summary = update.done
+            self.summary = summary
+            self.server.finish(self.rid, API, self.client, final_status(summary), summary)
+            if self.pacer is not None:
+                self.pacer.finish(lambda: self.queue.put_nowait(("done", summary)))
+            else:
+                self.queue.put_nowait(("done", summary))
+
+
+def _failure(summary: Summary) -> ProtocolError | None:
+    if summary.reason == "rejected":
+        return ProtocolError("request_rejected", summary.error or "the engine refused the request")
+    if summary.reason == "error":
+        return ProtocolError("internal_error", summary.error or "the engine failed")
+    if summary.reason == "cancelled":
+        return ProtocolError("internal_error", "the request was cancelled (the server is stopping)")
+    return None
+
+
+def _dumps(obj) -> str:
+    from specserve.server.protocol import dumps
+
+    return dumps(obj)

@@ -1,0 +1,314 @@
+"""The OpenAI-compatible HTTP API's requests, responses and errors (the handlers are in openai_api.py).
+
+Requests are validated like websocket events, by the same field validators (protocol.py), and just as
+strictly: an unknown field is an error (OpenAI answers "Unrecognized request argument" too). Fields
+OpenAI defines that we do not implement (penalties, logprobs, tools, ...) are accepted only at their
+neutral values, so a client that sends its defaults works and one that relies on them is told.
+
+specserve extras (vLLM spells the first three the same): ``top_k``, ``min_p``, ``ignore_eos``,
+``drafter`` (the server's drafter or ``"none"``), ``stream_pacing`` (``"off"`` | ``"smooth"``).
+Omitted ``max_tokens`` means the rest of the context; a prompt plus ``max_tokens`` past the window is
+a 400 naming both numbers.
+
+Errors are ``{"error": {"message", "type", "param", "code"}}`` with OpenAI's statuses: 400 invalid
+request, 401 bad key, 403 origin, 404 model or route not found, 405, 413, 429 busy, 500.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from specserve.server.prompts import FieldNames
+from specserve.server.protocol import (
+    MAX_MESSAGES,
+    ProtocolError,
+    _int,
+    _json_type,
+    _reject_constant,
+    dumps,
+    parse_options,
+    parse_sampling,
+)
+
+CHAT_NAMES = FieldNames(input="prompt", messages="messages", max_tokens="max_tokens")
+COMPLETION_NAMES = FieldNames(input="prompt", messages="messages", max_tokens="max_tokens")
+
+#: HTTP status of each error code (anything else: 400 for invalid_request_error, 429 rate_limit_error, 500).
+HTTP_STATUS = {
+    "invalid_api_key": 401,
+    "origin_not_allowed": 403,
+    "model_not_found": 404,
+    "not_found": 404,
+    "method_not_allowed": 405,
+    "message_too_large": 413,
+}
+TYPE_STATUS = {"invalid_request_error": 400, "rate_limit_error": 429, "server_error": 500}
+
+_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos")
+_COMMON = ("model", "max_tokens", "n", "stream", "stream_options", "user", "drafter", "stream_pacing", *_SAMPLING)
+#: Accepted only at these neutral values (the first one is what we behave as).
+_NEUTRAL: dict[str, tuple] = {
+    "presence_penalty": (0, None), "frequency_penalty": (0, None), "logit_bias": (None, {}),
+    "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None, "none", "auto"),
+    "parallel_tool_calls": (None, True, False), "functions": (None, []), "function_call": (None, "none", "auto"),
+    "response_format": (None, {"type": "text"}), "service_tier": (None, "auto", "default"), "store": (None, False),
+    "metadata": (None,), "modalities": (None, ["text"]), "reasoning_effort": (None,), "prediction": (None,),
+    "audio": (None,), "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1),
+}
+_CHAT_ONLY = ("messages", "max_completion_tokens")
+_CHAT_NEUTRAL = ("presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "tools",
+                 "tool_choice", "parallel_tool_calls", "functions", "function_call", "response_format",
+                 "service_tier", "store", "metadata", "modalities", "reasoning_effort", "prediction", "audio")
+_COMPLETION_NEUTRAL = ("presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "echo", "suffix", "best_of")
+ROLES = ("system", "developer", "user", "assistant")
+
+
+@dataclass
+class CompletionRequest:
+    chat: bool
+    model: str | None
+    input: str | list[int] | None  # completions
+    messages: list[dict] | None  # chat completions
+    sampling: dict[str, Any]  # websocket field names; max_output_tokens None = the rest of the context
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool  # stream_options.continuous_usage_stats (vLLM's): usage so far in every chunk
+    drafter: str | None  # None: the server's choice
+    stream_pacing: str
+
+    @property
+    def names(self) -> FieldNames:
+        return CHAT_NAMES if self.chat else COMPLETION_NAMES
+
+
+def parse_body(raw: bytes) -> dict:
+    try:
+        obj = json.loads(raw, parse_constant=_reject_constant)
+    except RecursionError:
+        raise ProtocolError("invalid_json", "the request body nests JSON too deeply") from None
+    except ValueError as exc:
+        raise ProtocolError("invalid_json", f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("invalid_type", f"the request body must be a JSON object, got {_json_type(obj)}")
+    return obj
+
+
+def parse_request(body: dict, chat: bool, defaults: dict) -> CompletionRequest:
+    """Validate a chat completion (``chat``) or completion body; ``defaults``: the sampling defaults."""
+    neutral = _CHAT_NEUTRAL if chat else _COMPLETION_NEUTRAL
+    allowed = (*_COMMON, *(_CHAT_ONLY if chat else ("prompt",)), *neutral)
+    for key in body:
+        if key not in allowed:
+            shown = key if len(key) <= 64 else key[:64] + "..."
+            raise ProtocolError("unknown_field", f"Unrecognized request argument supplied: {shown}", shown)
+    for key in neutral:
+        if key in body and not any(_same(body[key], v) for v in _NEUTRAL[key]):
+            raise ProtocolError("invalid_value", f"{key} is not supported by this server; leave it out", key)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ProtocolError("invalid_type", f"model must be a string, got {_json_type(model)}", "model")
+    if chat:
+        if "messages" not in body:
+            raise ProtocolError("missing_field", "messages is required: a list of {role, content} objects", "messages")
+        messages, prompt = _messages(body["messages"]), None
+    else:
+        if "prompt" not in body:
+            raise ProtocolError("missing_field", "prompt is required: a string or a list of token ids", "prompt")
+        messages, prompt = None, _prompt(body["prompt"])
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or n != 1):
+        raise ProtocolError("invalid_value", f"n must be 1: this server returns one choice per request, got {n!r}", "n")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise ProtocolError("invalid_type", "stream must be a boolean", "stream")
+    include_usage, continuous_usage = _stream_options(body.get("stream_options"), stream)
+    sampling = {**defaults, **parse_sampling({k: body[k] for k in _SAMPLING if k in body and body[k] is not None}, "", None)}
+    sampling["max_output_tokens"] = _max_tokens(body, chat)
+    drafter = body.get("drafter")
+    if drafter is not None and (not isinstance(drafter, str) or not drafter):
+        raise ProtocolError("invalid_type", 'drafter must be the server\'s drafter name or "none"', "drafter")
+    options = parse_options({k: body[k] for k in ("stream_pacing",) if k in body and body[k] is not None}, "")
+    return CompletionRequest(chat, model, prompt, messages, sampling, stream, include_usage, continuous_usage, drafter,
+                             options.get("stream_pacing", "off"))
+
+
+def _same(value, neutral) -> bool:
+    if neutral is None:
+        return value is None
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (value, neutral))
+    return value == neutral if numbers else (type(value) is type(neutral) and value == neutral)
+
+
+def _max_tokens(body: dict, chat: bool) -> int | None:
+    given = {k: body[k] for k in ("max_tokens", "max_completion_tokens") if body.get(k) is not None}
+    for key, value in given.items():
+        _int(value, key, 1, None)
+    if len(set(given.values())) > 1:
+        raise ProtocolError("invalid_value", "max_tokens and max_completion_tokens disagree: give one of them",
+                            "max_completion_tokens")
+    return next(iter(given.values()), None)
+
+
+def _stream_options(value, stream: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats)."""
+    if value is None:
+        return False, False
+    if not stream:
+        raise ProtocolError("invalid_value", "stream_options is only allowed when stream is true", "stream_options")
+    if not isinstance(value, dict):
+        raise ProtocolError("invalid_type", "stream_options must be an object", "stream_options")
+    out = []
+    for key in value:
+        if key not in ("include_usage", "continuous_usage_stats"):
+            raise ProtocolError("unknown_field", f"Unrecognized stream option: {key[:64]}", f"stream_options.{key[:64]}")
+    for key in ("include_usage", "continuous_usage_stats"):
+        flag = value.get(key, False)
+        if not isinstance(flag, bool):
+            raise ProtocolError("invalid_type", f"stream_options.{key} must be a boolean", f"stream_options.{key}")
+        out.append(flag)
+    return out[0], out[1]
+
+
+def _messages(value: Any) -> list[dict]:
+    if not isinstance(value, list):
+        raise ProtocolError("invalid_type", "messages must be a list of {role, content} objects", "messages")
+    if not 0 < len(value) <= MAX_MESSAGES:
+        raise ProtocolError("invalid_value", f"messages must hold 1..{MAX_MESSAGES} messages", "messages")
+    out = []
+    for i, msg in enumerate(value):
+        here = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise ProtocolError("invalid_type", f"{here} must be an object with role and content", here)
+        for key in msg:
+            if key not in ("role", "content", "name"):
+                raise ProtocolError("unknown_field", f"{here}.{key[:64]} is not supported (no tools here)", f"{here}.{key[:64]}")
+        role = msg.get("role")
+        if role not in ROLES:
+            raise ProtocolError("invalid_value", f"{here}.role must be one of {', '.join(ROLES)}", f"{here}.role")
+        out.append({"role": role, "content": _content(msg.get("content"), f"{here}.content")})
+    return out
+
+
+def _content(value: Any, path: str) -> str:
+    """A message's content: a string, or a list of text parts (joined)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for j, part in enumerate(value):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ProtocolError("invalid_value", f"{path}[{j}] must be a text part {{\"type\": \"text\", \"text\": ...}}",
+                                    f"{path}[{j}]")
+            texts.append(part["text"])
+        return "".join(texts)
+    if value is None:
+        raise ProtocolError("missing_field", f"{path} is required", path)
+    raise ProtocolError("invalid_type", f"{path} must be a string or a list of text parts", path)
+
+
+def _prompt(value: Any) -> str | list[int]:
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]  # a batch of one
+    if isinstance(value, str):
+        if not value:
+            raise ProtocolError("invalid_value", "prompt is empty", "prompt")
+        return value
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return list(value)
+    if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
+        raise ProtocolError("invalid_value", "one prompt per request: send several requests for several prompts", "prompt")
+    if isinstance(value, list) and not value:
+        raise ProtocolError("invalid_value", "prompt is empty", "prompt")
+    raise ProtocolError("invalid_type", "prompt must be a string or a list of token ids", "prompt")
+
+
+# ---- responses ----------------------------------------------------------------------------------------
+
+
+def error_body(err: ProtocolError) -> dict:
+    return {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
+
+
+def error_status(err: ProtocolError) -> int:
+    return HTTP_STATUS.get(err.code) or TYPE_STATUS.get(err.type, 400)
+
+
+class Shapes:
+    """Builds one response's objects: the whole response, its stream chunks, the usage chunk."""
+
+    def __init__(self, rid: str, chat: bool, model: str) -> None:
+        self.rid, self.chat, self.model = rid, chat, model
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+        # A text chunk is the same JSON every time but for its text: render the rest once (the stream's
+        # hot path; json.dumps of the whole dict per token cost more than the text itself).
+        marker = "\u0000TEXT\u0000"
+        template = self.chunk(text=marker)
+        self._text_head, self._text_tail = template.split(dumps(marker))
+
+    def _base(self, obj: str) -> dict:
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "system_fingerprint": None}
+
+    def text_chunk(self, text: str, usage: dict | None = None) -> str:
+        """A chunk carrying ``text`` (and, when asked for, the usage so far)."""
+        if usage is not None:
+            return self.chunk(text=text, usage=usage)
+        return self._text_head + dumps(text) + self._text_tail
+
+    def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False,
+              usage: dict | None = None) -> str:
+        if self.chat:
+            delta: dict = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            out = {**self._base("chat.completion.chunk"), "choices": [choice]}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            out = {**self._base("text_completion"), "choices": [choice]}
+        if usage is not None:
+            out["usage"] = usage
+        return dumps(out)
+
+    def final_chunk(self, finish_reason: str, spec: dict, usage: dict | None, timing: dict | None = None) -> list[str]:
+        """The chunk with the finish reason, and the usage chunk when asked for; the last one carries ``spec``
+        and ``timing`` (ms: queue_ms, ttft_ms, e2e_ms from receipt; engine_ttft_ms as LLM.generate reports)."""
+        base = self._base("chat.completion.chunk" if self.chat else "text_completion")
+        if self.chat:
+            choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason}
+        chunks = [{**base, "choices": [choice]}]
+        if usage is not None:
+            chunks.append({**base, "choices": [], "usage": usage})
+        chunks[-1]["spec"] = spec
+        if timing:
+            chunks[-1]["timing"] = timing
+        return [dumps(c) for c in chunks]
+
+    def whole(self, text: str, finish_reason: str, usage: dict, spec: dict, timing: dict | None = None) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        out = {**self._base(self.object), "choices": [choice], "usage": usage, "spec": spec}
+        if timing:
+            out["timing"] = timing
+        return out
+
+
+def usage_of(summary) -> dict:
+    return {"prompt_tokens": summary.input_tokens, "completion_tokens": summary.output_tokens,
+            "total_tokens": summary.input_tokens + summary.output_tokens}
+
+
+def spec_of(summary) -> dict:
+    return summary.spec or {"tau": 0.0, "steps": 0, "accepted_per_position": []}

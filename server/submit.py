@@ -1,0 +1,63 @@
+"""The way every request takes to the engine, shared by the websocket sessions and the HTTP API.
+
+sampling fields → ``SamplingParams`` (:func:`make_params`); input or messages → token ids fitted to
+the context (:func:`prepare`, on the event loop for short texts, on the server's tokenizer thread for
+long ones so no other stream stalls); and, once it ends, the one status word that the metrics and the
+request log use (:func:`final_status`). The server's ``check_capacity``/``submit``/``finish`` do the
+rest (app.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from specserve.sampling import SamplingParams
+from specserve.server.prompts import WEBSOCKET_NAMES, FieldNames, Prompt, prepare_prompt
+from specserve.server.protocol import ProtocolError
+
+#: Texts up to this many characters are tokenized inline (well under a millisecond); longer ones on
+#: the server's tokenizer thread.
+INLINE_TOKENIZE_CHARS = 16384
+
+
+def text_chars(input_, messages) -> int:
+    if isinstance(input_, str):
+        return len(input_)
+    return sum(len(m["content"]) for m in messages or ())
+
+
+def needs_thread(input_, messages) -> bool:
+    return text_chars(input_, messages) > INLINE_TOKENIZE_CHARS
+
+
+def make_params(s: dict) -> SamplingParams:
+    """``s``: sampling fields as the websocket protocol names them (max_output_tokens None = the rest)."""
+    try:
+        return SamplingParams(
+            temperature=s["temperature"], top_p=s["top_p"], top_k=s["top_k"], min_p=s["min_p"],
+            max_tokens=s.get("max_output_tokens"), stop=tuple(s["stop"]), seed=s["seed"], ignore_eos=s["ignore_eos"],
+        )
+    except ValueError as exc:  # every field was validated already; this is a backstop
+        raise ProtocolError("invalid_value", str(exc)) from None
+
+
+def fitted(params: SamplingParams, prompt: Prompt) -> SamplingParams:
+    """``params`` with max_tokens set to what fits the window (the engine refuses anything past it)."""
+    return params if params.max_tokens == prompt.max_tokens else dataclasses.replace(params, max_tokens=prompt.max_tokens)
+
+
+async def prepare(server, input_, messages, max_tokens: int | None, policy: str,
+                  names: FieldNames = WEBSOCKET_NAMES) -> Prompt:
+    """Tokenize and fit, off the event loop when the text is long."""
+    args = (server.llm, server.context_length, input_, messages, max_tokens, policy, names)
+    if not needs_thread(input_, messages):
+        return prepare_prompt(*args)
+    return await asyncio.get_running_loop().run_in_executor(server.tokenize_executor, prepare_prompt, *args)
+
+
+def final_status(summary, failed: bool = False) -> str:
+    """completed | length | cancelled | failed (see metrics.py) for an engine Summary."""
+    if failed or summary.reason in ("rejected", "error"):
+        return "failed"
+    return {"stop": "completed", "length": "length"}.get(summary.reason, "cancelled")

@@ -1,0 +1,39 @@
+"""The default sampling settings, defined once for every way in: `SamplingParams` (Python), the CLI
+(`generate`, `chat`), the OpenAI-compatible HTTP API, websocket sessions and the chat page.
+
+Kept free of heavy imports: the CLI reads it while building its parser (`specserve --help` must not
+import torch).
+
+- ``temperature`` 1.0 (what OpenAI's API and `SamplingParams` have always used; 0 is greedy),
+  ``top_p`` 1.0, ``top_k`` 0 and ``min_p`` 0.0 (no filtering), no ``seed``, no ``stop`` strings.
+- ``max_tokens`` None: the rest of the context window (Python, `generate`, HTTP). A prompt plus an
+  explicit ``max_tokens`` past the window is an error naming both numbers.
+- Chats (websocket sessions, the page, `specserve chat`) keep ``CHAT_MAX_OUTPUT_TOKENS`` of the window
+  for each reply, and drop the oldest turns to keep that room (see server/prompts.py): with "the
+  rest of the context" a long conversation would leave its next reply no room at all.
+"""
+
+from __future__ import annotations
+
+TEMPERATURE = 1.0
+TOP_P = 1.0
+TOP_K = 0
+MIN_P = 0.0
+MAX_TOKENS: int | None = None
+SEED: int | None = None
+STOP: tuple[str, ...] = ()
+IGNORE_EOS = False
+
+#: Output tokens a chat reply may use when the client does not say (capped at the context window - 1).
+CHAT_MAX_OUTPUT_TOKENS = 256
+
+#: How streamed text is delivered: "off" sends each engine step's tokens as they come (the default for
+#: API clients); "smooth" spreads a multi-token step over the time until the next step (chat windows).
+STREAM_PACING = "off"
+CHAT_STREAM_PACING = "smooth"
+
+
+def sampling_defaults() -> dict:
+    """The defaults as the websocket protocol names them (a session's ``defaults``; max_output_tokens apart)."""
+    return {"temperature": TEMPERATURE, "top_p": TOP_P, "top_k": TOP_K, "min_p": MIN_P, "seed": SEED,
+            "stop": STOP, "ignore_eos": IGNORE_EOS}
