@@ -227,6 +227,10 @@ class Engine:
     def _accept(self, out: StepForward) -> list[VerifyResult]:
         """Logits processors, then greedy / sampled acceptance of every verifying request, batched."""
         reqs, trees, logits = out.verifying, out.trees, out.logits
+        if not self.logits_processors and all(not t.num_nodes and r.params.greedy for r, t in zip(reqs, trees)):
+            # Plain greedy decoding: each request's token is its row's argmax (the common case, kept lean:
+            # right after a forward has streamed the weights through the caches, every Python step is slow).
+            return [VerifyResult((), (), token, 0) for token in logits.argmax(dim=-1).tolist()]
         packed = pack_trees(trees, logits.device)
         if self.logits_processors:
             rows = VerifyRows(reqs, trees, packed.cu_rows)

@@ -48,6 +48,7 @@ __all__ = ["RESIDUAL_EPS", "accept_trees", "draw_uniforms", "greedy_accept", "st
 # (unreachable: p is then one-hot at x, so q(x) = 1 and x is always accepted). This can move the
 # output distribution by at most RESIDUAL_EPS in total variation per child tried.
 RESIDUAL_EPS = 1e-5
+_NO_PROBS = np.zeros((1, 1), dtype=np.float32)
 
 
 def draw_uniforms(trees_or_packed: PackedTrees | Sequence[DraftTree], greedy: Sequence[bool],
@@ -89,17 +90,17 @@ def accept_trees(
     Tensors on the CPU go through one compiled call; on an accelerator through tensor ops there.
     """
     if argmax.device.type == "cpu":
-        probs_np = probs.numpy() if probs is not None else np.zeros((1, 1), dtype=np.float32)
-        q_ids, q_probs = packed.q_ids.cpu().numpy(), packed.q_probs.cpu().float().numpy()
         num_requests = packed.num_requests
-        last = np.empty(num_requests, dtype=np.int64)
+        probs_np = probs.numpy() if probs is not None else _NO_PROBS
+        q_ids, q_probs = packed.q_ids.numpy(), packed.q_probs.numpy()
+        length = np.empty(num_requests, dtype=np.int64)
         bonus = np.empty(num_requests, dtype=np.int64)
         path = np.empty((num_requests, max(packed.max_depth, 1)), dtype=np.int64)
-        length = np.empty(num_requests, dtype=np.int64)
         bad = accept_packed(greedy, packed.cu_rows, packed.cu_nodes, packed.tokens, packed.parent_row,
                             packed.first_child, packed.next_sibling, packed.depth, argmax.numpy(), prob_index,
                             probs_np, q_ids, q_probs, uniforms, RESIDUAL_EPS, length, path, bonus)
-        last = np.where(length > 0, path[np.arange(num_requests), np.maximum(length - 1, 0)], -1)
+        last = path[np.arange(num_requests), np.maximum(length - 1, 0)]
+        last[length == 0] = -1
     else:
         from specserve.verify.accept_device import accept_on_device
 

@@ -68,6 +68,8 @@ class PackedTrees:
 def pack_trees(trees: Sequence[DraftTree], q_device: torch.device | str = "cpu") -> PackedTrees:
     """Pack one step's trees (validated when they were built: nothing is checked twice)."""
     sizes = np.fromiter((t.num_nodes for t in trees), dtype=np.int64, count=len(trees))
+    if not sizes.any():  # plain decoding: every tree is empty
+        return _empty_pack(len(trees), torch.device(q_device))
     cu_nodes = np.zeros(len(trees) + 1, dtype=np.int64)
     np.cumsum(sizes, out=cu_nodes[1:])
     cu_rows = cu_nodes + np.arange(len(trees) + 1, dtype=np.int64)
@@ -128,3 +130,15 @@ def _pack_q(trees: Sequence[DraftTree], tokens: np.ndarray, device) -> tuple[tor
         id_parts.append(ids)
         prob_parts.append(probs)
     return torch.cat(id_parts), torch.cat(prob_parts)
+
+
+_NO_Q: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _empty_pack(num_requests: int, device: torch.device) -> PackedTrees:
+    """The packing of `num_requests` empty trees (one root row each), without the general path's work."""
+    if device not in _NO_Q:
+        _NO_Q[device] = (torch.zeros(0, 1, dtype=torch.int64, device=device), torch.zeros(0, 1, device=device))
+    none = np.zeros(0, dtype=np.int64)
+    return PackedTrees(np.arange(num_requests + 1, dtype=np.int64), np.zeros(num_requests + 1, dtype=np.int64), none,
+                       none, np.full(num_requests, -1, dtype=np.int64), none, none, *_NO_Q[device])
