@@ -12,17 +12,17 @@ Trees (``tree=``):
 - ``static`` — a fixed tree of rank paths (``choices``, Medusa's format: ``[[0], [1], [0, 0], ...]``,
   the checkpoint's own list or `medusa_tree.DEFAULT_CHOICES` by default), cut to each request's budget
   by its priority order (every cut is ancestor-closed).
-- ``dynamic`` — per request, the ``budget`` rank paths with the highest product of per-depth head
-  probabilities among each node's ``topk`` candidates (vectorised: no loop over nodes).
+- ``dynamic`` — per request, the ``budget`` best nodes grown by the shared `tree_builder` (each node's
+  ``topk`` candidates, scored by cumulative head log-probability; every node of depth d reads head d-1).
 
 Verification is greedy at temperature 0 (tokens are the heads' top ranks). At temperature T > 0 it is
-lossless rejection sampling with the heads' distributions q_d = softmax(head logits / T): every node
-draws its own children from q_{d+1} without replacement (`sample_siblings`, exact per-child q in
-``DraftTree.probs``); siblings are drawn in node order, so in a tree listing them by rank the node of
-rank j is the j-th draw. The tree's shape never depends on the tokens drawn into it — static trees are
-fixed, sampled dynamic trees are scored by the heads' confidence (max q_d), a property of q alone
-(`medusa_tree.sampled_logscores`) — so the shape carries no information about the draws and the
-verifier's output follows the target exactly. Medusa's "typical acceptance" is lossy and is not offered.
+lossless rejection sampling with the heads' distributions q_d = softmax(head logits / T), kept compact:
+every node draws its own children from q_{d+1} without replacement (`tree_builder.draw_siblings`, exact
+per-child q); siblings are drawn in node order, so in a tree listing them by rank the node of rank j is
+the j-th draw. The tree's shape never depends on the tokens drawn into it — static trees are fixed,
+sampled dynamic trees are scored by sibling rank only — so the shape carries no information about the
+draws and the verifier's output follows the target exactly. Medusa's "typical acceptance" is lossy and
+is not offered.
 """
 
 from __future__ import annotations
@@ -31,15 +31,9 @@ import numpy as np
 import torch
 from specserve.drafters.base import check_int_option, Drafter, DraftRequest, TargetInfo, register
 from specserve.drafters.medusa_heads import load_heads
-from specserve.drafters.medusa_tree import (
-    DEFAULT_CHOICES,
-    StaticTree,
-    parse_choices,
-    sampled_logscores,
-    select_dynamic,
-    sibling_index,
-)
-from specserve.drafters.siblings import request_generator, sample_siblings
+from specserve.drafters.medusa_tree import DEFAULT_CHOICES, StaticTree, parse_choices, sample_static_tree
+from specserve.drafters.draft_rng import request_generator
+from specserve.drafters.tree_builder import TreeBuilder
 from specserve.verify import DraftTree
 
 TREES = ("static", "dynamic")
@@ -163,16 +157,12 @@ class MedusaDrafter(Drafter):
             feats = torch.stack([self._features[req.request_id][0] for _, req, _ in work])  # [A, H]
             logits = self.heads(feats, self.lm_weight, heads=self.depth)
             logits = logits.transpose(0, 1).float()  # [A, D, V]
-        temps = [req.temperature for _, req, _ in work]
-        greedy = [a for a, t in enumerate(temps) if t <= 0]
-        sampled = [a for a, t in enumerate(temps) if t > 0]
-        if greedy:
-            for a, tree in zip(greedy, self._greedy_trees(logits[greedy], [work[a][2] for a in greedy])):
-                trees[work[a][0]] = tree
-        if sampled:
-            reqs = [work[a][1] for a in sampled]
-            for a, tree in zip(sampled, self._sampled_trees(logits[sampled], reqs, [work[a][2] for a in sampled])):
-                trees[work[a][0]] = tree
+        logits = logits.cpu().numpy()
+        temps = np.array([req.temperature for _, req, _ in work], dtype=np.float32)
+        reqs, caps = [req for _, req, _ in work], [cap for _, _, cap in work]
+        made = (self._dynamic_trees if self.static is None else self._static_trees)(logits, reqs, temps, caps)
+        for (i, _, _), tree in zip(work, made):
+            trees[i] = tree
         return trees
 
     # ---- trees ----------------------------------------------------------------------------------
@@ -187,64 +177,47 @@ class MedusaDrafter(Drafter):
         if rows.shape[0]:
             self._features[req.request_id] = (rows[-1].detach().to(self.device, self.dtype), len(req.token_ids) - 2)
 
-    def _shapes(self, caps: list[int], logscores: torch.Tensor | None):
-        """(parents, depths, ranks) per request: the static tree's prefix, or the dynamic selection."""
-        if self.static is not None:
-            s = self.static
-            return [(s.parents[:c], s.depths[:c], s.ranks[:c]) for c in caps]
-        return select_dynamic(logscores, caps)
+    def _uniforms(self, reqs: list[DraftRequest], temps: np.ndarray, size: int) -> np.ndarray | None:
+        """One uniform per possible node of each sampled request, from its own seeded stream."""
+        if not (temps > 0).any():
+            return None
+        out = np.zeros((len(reqs), size))
+        for a, req in enumerate(reqs):
+            if temps[a] > 0:
+                out[a] = torch.rand(size, generator=self._generator(req), dtype=torch.float64).numpy()
+        return out
 
-    def _greedy_trees(self, logits: torch.Tensor, caps: list[int]) -> list[DraftTree]:
-        """logits: float32[G, D, V]. Nodes take their depth's head's top-ranked tokens."""
-        k = self.static.max_rank + 1 if self.static is not None else self.topk
-        top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)  # [G, D, k]
-        ids = top.indices.cpu()
-        shapes = self._shapes(caps, None if self.static is not None else top.values)
-        trees = []
-        for g, (parents, depths, ranks) in enumerate(shapes):
-            tokens = ids[g][torch.from_numpy(depths - 1), torch.from_numpy(ranks)]
-            trees.append(DraftTree(tokens.to(torch.int64), torch.from_numpy(np.ascontiguousarray(parents))))
-        return trees
+    def _dynamic_trees(self, logits: np.ndarray, reqs: list[DraftRequest], temps: np.ndarray,
+                       caps: list[int]) -> list[DraftTree]:
+        """logits: float32[A, D, V]. The shared builder grows every request's tree from its heads' logits:
+        all nodes of depth d read head d-1 (they share the target feature), so a level's rows repeat it."""
+        width = max(caps)
+        size = self.topk + (self.depth - 1) * width * self.topk
+        builder = TreeBuilder(self.topk, self.depth, width, temps, self._uniforms(reqs, temps, size), logits.shape[-1])
+        builder.add_level(logits[:, 0])
+        for d in range(1, self.depth):
+            builder.add_level(np.repeat(logits[:, d][:, None], width, axis=1))
+        return [_tree(t, p, qi, qp) for t, p, qi, qp in builder.finish(caps)]
 
-    def _sampled_trees(self, logits: torch.Tensor, reqs: list[DraftRequest], caps: list[int]) -> list[DraftTree]:
-        """logits: float32[S, D, V]. Each node draws its children from its depth's q without replacement."""
-        temps = torch.tensor([r.temperature for r in reqs], dtype=torch.float32, device=logits.device)
-        q = torch.softmax(logits / temps[:, None, None], dim=-1)  # [S, D, V]
-        logscores = None if self.static is not None else sampled_logscores(q.max(dim=-1).values.cpu(), self.topk)
-        shapes = self._shapes(caps, logscores)
-        if not any(len(p) for p, _, _ in shapes):
-            return [DraftTree.empty() for _ in reqs]
-        rows_q, generators, row_of_node, base = [], [], [], 0
-        for s, (req, (parents, depths, _)) in enumerate(zip(reqs, shapes)):
-            n = len(parents)
-            counts = np.bincount(parents + 1, minlength=n + 1)  # children per verify row (0 = root)
-            rows = np.flatnonzero(counts)
-            head = np.where(rows == 0, 0, depths[np.maximum(rows - 1, 0)])  # children of a depth-d row: head d
-            rows_q.append(q[s, torch.from_numpy(head).to(q.device)])
-            generators += [self._generator(req)] * len(rows)
-            lookup = np.full(n + 1, -1, dtype=np.int64)
-            lookup[rows] = np.arange(len(rows)) + base
-            row_of_node.append(lookup[parents + 1])
-            base += len(rows)
-        k = max(int(np.bincount(p + 1).max()) for p, _, _ in shapes if len(p))
-        tokens, valid, probs = sample_siblings(torch.cat(rows_q), generators, k)
-        tokens, valid = tokens.cpu(), valid.cpu()
-        trees = []
-        for (parents, depths, _), rows in zip(shapes, row_of_node):
-            if not len(parents):
-                trees.append(DraftTree.empty())
+    def _static_trees(self, logits: np.ndarray, reqs: list[DraftRequest], temps: np.ndarray,
+                      caps: list[int]) -> list[DraftTree]:
+        """The static tree's prefix of each cap: greedy nodes take their depth's head's rank-j token;
+        sampled nodes are their parent's j-th draw without replacement from that head's compact q."""
+        s = self.static
+        out = []
+        uniforms = self._uniforms(reqs, temps, s.num_nodes)
+        for a, cap in enumerate(caps):
+            parents, depths, ranks = s.parents[:cap], s.depths[:cap], s.ranks[:cap]
+            if temps[a] <= 0:
+                order = np.argsort(-logits[a], axis=-1, kind="stable")[:, : s.max_rank + 1]  # [D, ranks]
+                out.append(_tree(order[depths - 1, ranks], parents, None, None))
                 continue
-            r, j = torch.from_numpy(rows), torch.from_numpy(sibling_index(parents))
-            keep = valid[r, j].numpy().copy()
-            for d in range(2, int(depths.max()) + 1):  # a node whose draw failed takes its subtree along
-                at = depths == d
-                keep[at] &= keep[parents[at]]
+            tokens, q_ids, q_probs, keep = sample_static_tree(logits[a], float(temps[a]), parents, depths, uniforms[a])
+            # A node whose draw failed (q's support ran out) takes its subtree along.
             index = np.cumsum(keep) - 1
             new_parents = np.where(parents >= 0, index[np.maximum(parents, 0)], -1)[keep]
-            kept = torch.from_numpy(np.flatnonzero(keep))
-            trees.append(DraftTree(tokens[r, j][kept].to(torch.int64), torch.from_numpy(new_parents.astype(np.int64)),
-                                   probs[r[kept].to(probs.device), j[kept].to(probs.device)].float().cpu()))
-        return trees
+            out.append(_tree(tokens[keep], new_parents, q_ids[keep], q_probs[keep]))
+        return out
 
     def _generator(self, req: DraftRequest) -> torch.Generator:
         generator = self._generators.get(req.request_id)
@@ -256,3 +229,12 @@ class MedusaDrafter(Drafter):
         shape = f"{self.static.num_nodes} static nodes" if self.static is not None else f"dynamic topk={self.topk}"
         return (f"MedusaDrafter(path={self.path!r}, layout={self.layout}, heads={self.num_heads}, depth={self.depth}, "
                 f"tree={shape}, max_budget={self.max_budget})")
+
+
+def _tree(tokens: np.ndarray, parents: np.ndarray, q_ids: np.ndarray | None, q_probs: np.ndarray | None) -> DraftTree:
+    if not len(tokens):
+        return DraftTree.empty()
+    q = ((torch.from_numpy(np.ascontiguousarray(q_ids)), torch.from_numpy(np.ascontiguousarray(q_probs)))
+         if q_ids is not None else (None, None))
+    return DraftTree(torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64)),
+                     torch.from_numpy(np.ascontiguousarray(parents, dtype=np.int64)), q_ids=q[0], q_probs=q[1])

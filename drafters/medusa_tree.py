@@ -1,4 +1,5 @@
-"""Medusa token trees: static trees from rank paths ("choices"), dynamic trees from head scores.
+"""Medusa token trees: static trees from rank paths ("choices") and their sampled tokens (dynamic trees
+come from the shared `tree_builder`).
 
 A Medusa tree is a tree of *ranks*: a node at depth d with rank j takes the j-th candidate of head
 d-1 (greedy: its j-th most likely token; sampled: its j-th token drawn without replacement). Every
@@ -7,8 +8,7 @@ node of one depth reads the same head, because all heads read the same target fe
 Shapes are host-side numpy arrays (trees are small): ``parents`` int64[N] (-1 = child of the root,
 ``parents[i] < i``), ``depths`` int64[N] (children of the root have depth 1), ``ranks`` int64[N].
 Node order is a priority order: cutting a tree to a budget B keeps nodes ``0..B-1``, which is always
-ancestor-closed — for the static tree that order comes from the choices list (best first), for the
-dynamic tree from the scores.
+ancestor-closed — that order comes from the choices list (best first).
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numba
 import numpy as np
-import torch
 
+from specserve.drafters.tree_builder import DRAFT_Q_SUPPORT, draw_siblings
 from specserve.verify import tree_kernels
 
 # 20 nodes for 4 heads, best first: deep along the top-1 path, then second and third guesses near the
@@ -122,80 +123,48 @@ class StaticTree:
         return committed_len + np.concatenate([[0], self.depths])
 
 
-def sibling_index(parents: np.ndarray) -> np.ndarray:
-    """int64[N]: how many earlier nodes share each node's parent (its draw index among siblings)."""
-    n = len(parents)
-    if n == 0:
-        return np.zeros(0, dtype=np.int64)
-    order = np.argsort(parents, kind="stable")
-    sorted_parents = parents[order]
-    starts = np.concatenate([[True], sorted_parents[1:] != sorted_parents[:-1]])
-    group_start = np.maximum.accumulate(np.where(starts, np.arange(n), 0))
-    out = np.empty(n, dtype=np.int64)
-    out[order] = np.arange(n) - group_start
-    return out
+@numba.njit(cache=True, nogil=True)
+def sample_static_tree(logits, temperature, parents, depths, uniforms):
+    """Draw a static tree's tokens: the children of every row (the root, then each node), in node order,
+    are drawn without replacement from the compact q of their depth's head (`draw_siblings`).
 
-
-def select_dynamic(logscores: torch.Tensor, budgets: Sequence[int]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """The best ``budgets[r]`` rank paths of each request by summed per-depth log score.
-
-    logscores: float[R, D, k], ``[r, d, j]`` the log score of taking rank j at depth d+1 (must be <= 0
-    and non-increasing in j). A path's score is the sum over its depths, so a child never beats its
-    parent and the best B paths are ancestor-closed (ties go to the shallower, then earlier, node).
-    Only the best max(budgets) nodes of each depth can be chosen, so each depth keeps that many:
-    no loop over nodes. Returns (parents, depths, ranks) per request, in topological order.
+    logits: float32[D, V] the heads' logits; parents, depths: int64[N] the shape; uniforms: float64[>= N],
+    node i's draw uses uniforms[i]. Returns tokens int64[N], q_ids int64[N, K], q_probs float32[N, K] (the
+    distribution each node was drawn from) and keep bool[N]: drawn, and so were all its ancestors.
     """
-    num_r, depth, k = logscores.shape
-    cap = max(int(b) for b in budgets) if len(budgets) else 0
-    if num_r == 0 or cap == 0:
-        return [(np.zeros(0, np.int64),) * 3 for _ in range(num_r)]
-    logscores = logscores.float().cpu()
-    level_scores, level_parents, level_ranks = [], [], []
-    prev = None
-    for d in range(depth):
-        if prev is None:
-            cand = logscores[:, 0, :]  # [R, k]
-        else:
-            cand = (prev[:, :, None] + logscores[:, d, None, :]).reshape(num_r, -1)  # [R, n_prev * k]
-        keep = min(cap, cand.shape[1])
-        order = torch.sort(cand, dim=1, descending=True, stable=True).indices[:, :keep]  # [R, keep]
-        prev = cand.gather(1, order)
-        level_scores.append(prev)
-        level_parents.append(order // k if d else torch.full_like(order, -1))
-        level_ranks.append(order % k)
-    sizes = [s.shape[1] for s in level_scores]
-    offsets = np.concatenate([[0], np.cumsum(sizes)])
-    scores = torch.cat(level_scores, dim=1)  # [R, M] in level-major order: parents before children
-    parent_flat = torch.cat([p + int(offsets[d - 1]) if d else p
-                             for d, p in enumerate(level_parents)], dim=1)  # [R, M], -1 at depth 1
-    ranks = torch.cat(level_ranks, dim=1)
-    depths = torch.cat([torch.full((num_r, s), d + 1, dtype=torch.int64) for d, s in enumerate(sizes)], dim=1)
-    order = torch.sort(scores, dim=1, descending=True, stable=True).indices
-    place = torch.empty_like(order)
-    place.scatter_(1, order, torch.arange(order.shape[1]).expand_as(order).contiguous())
-    budget_t = torch.tensor([int(b) for b in budgets], dtype=torch.int64)[:, None]
-    selected = (place < budget_t) & torch.isfinite(scores)  # [R, M], ancestor-closed
-    node = torch.cumsum(selected.long(), dim=1) - 1
-    parent_node = torch.where(parent_flat >= 0, node.gather(1, parent_flat.clamp_min(0)), torch.full_like(node, -1))
-    out = []
-    sel_np, par_np, dep_np, rank_np = selected.numpy(), parent_node.numpy(), depths.numpy(), ranks.numpy()
-    for r in range(num_r):
-        m = sel_np[r]
-        out.append((par_np[r][m].copy(), dep_np[r][m].copy(), rank_np[r][m].copy()))
-    return out
-
-
-def sampled_logscores(q_max: torch.Tensor, k: int) -> torch.Tensor:
-    """Value-independent scores for sampled dynamic trees: float[R, D, k] from float[R, D].
-
-    At temperature > 0 a tree's shape must not depend on the tokens drawn into it. It may depend on
-    the heads' distributions, which are fixed before any draw: with a_d = max q_d (clamped to
-    [0.05, 0.95]) as the chance a depth-d draw is accepted, the j-th drawn sibling is reached and
-    accepted with chance about a_d (1 - a_d)^j.
-    """
-    a = q_max.float().clamp(0.05, 0.95)[..., None]  # [R, D, 1]
-    j = torch.arange(k, dtype=torch.float32)
-    return torch.log(a) + j * torch.log1p(-a)
+    n = parents.shape[0]
+    support = max(DRAFT_Q_SUPPORT, n)
+    tokens = np.zeros(n, np.int64)
+    q_ids = np.full((n, support), -1, np.int64)
+    q_probs = np.zeros((n, support), np.float32)
+    keep = np.zeros(n, np.bool_)
+    top_ids = np.empty(support, np.int64)
+    top_vals = np.empty(support, np.float64)
+    weights = np.empty(support, np.float64)
+    children = np.empty(n, np.int64)
+    for row in range(-1, n):  # -1: the root
+        count = 0
+        for i in range(n):
+            if parents[i] == row:
+                children[count] = i
+                count += 1
+        if count == 0 or (row >= 0 and not keep[row]):
+            continue
+        head = 0 if row < 0 else depths[row]
+        u = np.empty(count, np.float64)
+        for j in range(count):
+            u[j] = uniforms[children[j]]
+        c_tokens = np.zeros(count, np.int64)
+        c_ids = np.full((count, support), -1, np.int64)
+        c_probs = np.zeros((count, support), np.float32)
+        drawn = draw_siblings(logits[head], temperature, count, u, c_ids, c_probs, c_tokens, top_ids, top_vals, weights)
+        for j in range(drawn):
+            i = children[j]
+            tokens[i] = c_tokens[j]
+            q_ids[i] = c_ids[j]
+            q_probs[i] = c_probs[j]
+            keep[i] = True
+    return tokens, q_ids, q_probs, keep
 
 
 def choices_from_accuracies(rank_accuracy: Sequence[Sequence[float]], size: int) -> list[list[int]]:

@@ -102,7 +102,7 @@ def test_any_tree_shape_is_lossless_greedy_and_well_formed(small_vocab_dir, draf
         for row in range(tree.num_nodes + 1):
             kids = tree.children(row)
             assert len(kids) <= topk and len({int(tree.tokens[k]) for k in kids}) == len(kids)
-        assert (tree.probs is None) == (temperature == 0.0)
+        assert (not tree.has_q) == (temperature == 0.0)
 
 
 def test_greedy_equals_plain_with_text_prompts(llama_dir, tmp_path):
@@ -160,8 +160,9 @@ def test_tree_probs_are_what_each_node_was_drawn_from(small_vocab_dir, draft_dir
     drafter = DraftModelDrafter(target_info(small_vocab_dir), str(draft_dir), depth=3, topk=3, width=2)
     (tree,) = _propose(drafter, [PROMPT], [drafter.max_budget], temperature=0.7)
     assert tree.num_nodes == drafter.max_budget == 3 * (1 + 2 * 2)
-    assert tree.probs is not None and tree.probs.shape == (tree.num_nodes, 16)
-    torch.testing.assert_close(tree.probs.sum(-1), torch.ones(tree.num_nodes))
+    assert tree.has_q
+    probs = tree.q_dense(16)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(tree.num_nodes))
     # Depth-1 siblings: the first is drawn from q = softmax(draft logits / T), later ones from q minus
     # the earlier siblings, renormalised.
     hf = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=torch.float32).eval()
@@ -172,12 +173,12 @@ def test_tree_probs_are_what_each_node_was_drawn_from(small_vocab_dir, draft_dir
     for j, node in enumerate(roots):
         expected = q.clone()
         expected[tree.tokens[roots[:j]]] = 0
-        torch.testing.assert_close(tree.probs[node], expected / expected.sum(), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(probs[node], expected / expected.sum(), atol=1e-5, rtol=1e-4)
     for row in range(tree.num_nodes + 1):  # siblings are distinct and each had positive probability
         kids = tree.children(row)
         assert len({int(tree.tokens[k]) for k in kids}) == len(kids)
         for k in kids:
-            assert float(tree.probs[k, tree.tokens[k]]) > 0
+            assert float(probs[k, tree.tokens[k]]) > 0
     assert tree.max_depth == 3
 
 
@@ -187,7 +188,7 @@ def test_greedy_trees_take_the_draft_top_k(small_vocab_dir, draft_dir):
     hf = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=torch.float32).eval()
     with torch.no_grad():
         logits = hf(torch.tensor([PROMPT])).logits[0, -1]
-    assert tree.probs is None
+    assert not tree.has_q
     assert tree.tokens[tree.children(0)].tolist() == logits.topk(3).indices.tolist()
     best = tree.children(0)[0]
     with torch.no_grad():
@@ -200,18 +201,22 @@ def test_mixed_greedy_and_sampled_requests_in_one_batch(small_vocab_dir, draft_d
     requests = [DraftRequest(f"m{i}", np.asarray(PROMPT, dtype=np.int64), t) for i, t in enumerate((0.0, 0.8, 0.0, 1.3))]
     ensure_kv(drafter, [r.request_id for r in requests])
     trees = drafter.propose(requests, [6, 6, 6, 6])
-    assert [t.probs is None for t in trees] == [True, False, True, False]
+    assert [not t.has_q for t in trees] == [True, False, True, False]
     assert trees[0].tokens.tolist() == trees[2].tokens.tolist()  # greedy drafts are deterministic
     (alone,) = _propose(DraftModelDrafter(target_info(small_vocab_dir), str(draft_dir), depth=3, topk=2), [PROMPT], [6], 0.0)
     assert alone.tokens.tolist() == trees[0].tokens.tolist()  # and independent of the batch
 
 
-def test_budgets_cap_trees_and_keep_depth(small_vocab_dir, draft_dir):
+def test_budgets_cap_trees_to_their_best_nodes(small_vocab_dir, draft_dir):
     drafter = DraftModelDrafter(target_info(small_vocab_dir), str(draft_dir), depth=4, topk=3)
     trees = _propose(drafter, [PROMPT, PROMPT[:2], PROMPT[:3], [5]], [0, 1, 4, 100], temperature=0.0)
     assert [t.num_nodes for t in trees] == [0, 1, 4, drafter.max_budget]
-    assert trees[2].max_depth == 4  # a small budget still buys a full-depth chain first
     assert trees[3].max_depth == 4 and drafter.max_budget == 12
+    # A budget keeps the most probable nodes (cumulative draft log-probability): the same request with
+    # a bigger budget keeps a superset of its smaller tree's token paths.
+    small, big = _propose(drafter, [PROMPT[:3]], [3], 0.0)[0], _propose(drafter, [PROMPT[:3]], [6], 0.0)[0]
+    paths = lambda t: {tuple(t.tokens[t.path_to(n)].tolist()) for n in range(t.num_nodes)}  # noqa: E731
+    assert paths(small) < paths(big)
 
 
 def test_requests_past_the_draft_context_get_empty_trees(small_vocab_dir, draft_dir):

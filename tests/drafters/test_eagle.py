@@ -206,8 +206,9 @@ def test_tree_probs_are_exact_sibling_distributions(small_vocab_dir, heads, mode
     drafter = EagleDrafter(target_info(small_vocab_dir), str(heads[mode]), depth=3, topk=3, max_budget=100)
     context = [3, 1, 4, 1, 5]
     (tree,) = _propose(drafter, [_request("r", context, small_vocab_dir, drafter, temperature=0.7)], [100])
-    assert tree.probs is not None and tree.probs.shape == (tree.num_nodes, 16)
-    torch.testing.assert_close(tree.probs.sum(-1), torch.ones(tree.num_nodes))
+    assert tree.has_q
+    probs = tree.q_dense(16)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(tree.num_nodes))
     head = drafter.head
     feats = _features(small_vocab_dir, context[:-1], drafter.hidden_layers)
     with torch.no_grad():
@@ -220,12 +221,12 @@ def test_tree_probs_are_exact_sibling_distributions(small_vocab_dir, heads, mode
     for j, node in enumerate(roots):
         expected = q.clone()
         expected[tree.tokens[roots[:j]]] = 0
-        torch.testing.assert_close(tree.probs[node], expected / expected.sum(), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(probs[node], expected / expected.sum(), atol=1e-5, rtol=1e-4)
     for row in range(tree.num_nodes + 1):  # siblings are distinct, drawable, and in the draft vocabulary
         kids = tree.children(row)
         assert len({int(tree.tokens[k]) for k in kids}) == len(kids)
         for k in kids:
-            assert float(tree.probs[k, tree.tokens[k]]) > 0
+            assert float(probs[k, tree.tokens[k]]) > 0
     if mode == "eagle3":
         assert set(tree.tokens.tolist()) <= set(DRAFT_IDS)
 
@@ -333,7 +334,7 @@ def test_missing_features_are_an_engine_contract_error(small_vocab_dir, heads):
 def _proposals(head_dir, target_dir, temperature=0.0, **options):
     drafter = EagleDrafter(target_info(target_dir), str(head_dir), **options)
     reqs = [_request(f"p{i}", c, target_dir, drafter, temperature) for i, c in enumerate((PROMPT, PROMPTS[2]))]
-    return [(t.tokens.tolist(), t.parents.tolist(), None if t.probs is None else t.probs) for t in _propose(drafter, reqs, [9, 9])]
+    return [(t.tokens.tolist(), t.parents.tolist(), t.q_dense(16)) for t in _propose(drafter, reqs, [9, 9])]
 
 
 def _same(a, b):

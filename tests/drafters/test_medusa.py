@@ -19,13 +19,7 @@ from safetensors.torch import save_file
 from specserve.drafters import DraftRequest, TargetInfo, create_drafter
 from specserve.drafters import medusa as _medusa  # noqa: F401  (registers "medusa")
 from specserve.drafters.medusa_heads import MedusaHeads, load_heads, save_heads
-from specserve.drafters.medusa_tree import (
-    DEFAULT_CHOICES,
-    StaticTree,
-    choices_from_accuracies,
-    select_dynamic,
-    sibling_index,
-)
+from specserve.drafters.medusa_tree import DEFAULT_CHOICES, StaticTree, choices_from_accuracies
 from specserve.verify import DraftTree
 from target_stats import SAMPLED_MAX_TOKENS, assert_follows_target
 from tiny_models import build_model
@@ -155,7 +149,7 @@ def test_any_tree_is_lossless_greedy_and_well_formed(small_vocab_dir, random_dir
             assert len({int(t.tokens[k]) for k in kids}) == len(kids)
             if tree == "dynamic":
                 assert len(kids) <= topk
-        assert (t.probs is None) == (temperature == 0.0)
+        assert (not t.has_q) == (temperature == 0.0)
 
 
 # ---- losslessness: sampling ----------------------------------------------------------------------
@@ -204,7 +198,6 @@ def test_static_buffers_match_hand_computed():
     draft = DraftTree(torch.zeros(6, dtype=torch.int64), torch.from_numpy(tree.parents))
     assert torch.equal(draft.ancestor_mask[1:, 1:], torch.from_numpy(expected))
     assert draft.positions(10).tolist() == tree.positions(10).tolist()
-    assert sibling_index(tree.parents).tolist() == [0, 1, 0, 1, 2, 0]
 
 
 def test_static_order_keeps_the_list_order_and_puts_parents_first():
@@ -244,26 +237,27 @@ def test_choices_from_accuracies_is_greedy_and_ancestor_closed():
 # ---- dynamic trees -------------------------------------------------------------------------------
 
 
-def test_dynamic_selection_is_the_best_ancestor_closed_set():
-    gen = torch.Generator().manual_seed(0)
-    r, d, k = 3, 3, 3
-    logscores = torch.log(torch.rand(r, d, k, generator=gen)).sort(dim=-1, descending=True).values
-    budgets = [1, 7, 30]
-    shapes = select_dynamic(logscores, budgets)
-    paths = [p for depth in range(1, d + 1) for p in itertools.product(range(k), repeat=depth)]
-    for i, (parents, depths, ranks) in enumerate(shapes):
-        score = {p: float(sum(logscores[i, j, x] for j, x in enumerate(p))) for p in paths}
-        best = sorted(paths, key=lambda p: -score[p])[: budgets[i]]
-        got = []
-        for n in range(len(parents)):  # rebuild each node's rank path from parents
-            path, m = [], n
-            while m != -1:
-                path.append(int(ranks[m]))
-                m = int(parents[m])
-            got.append(tuple(reversed(path)))
-        assert set(got) == set(best)
-        assert all(parents[n] < n for n in range(len(parents)))
-        assert [len(p) for p in got] == depths.tolist()
+def test_dynamic_trees_are_the_best_ancestor_closed_sets(small_vocab_dir, random_dir):
+    """Greedy dynamic trees keep, among each depth's top-k candidates, the budget's best rank paths by
+    summed head log-probability — the best ancestor-closed set (checked by enumerating every path)."""
+    k = 3
+    drafter = create_drafter(f"medusa:{random_dir}", target_info(small_vocab_dir), {"tree": "dynamic", "topk": k,
+                                                                                    "max_budget": 39})
+    heads = load_heads(random_dir, hidden_size=64, vocab_size=16).heads
+    for i, budget in enumerate((1, 7, 30)):
+        req = _requests([PROMPT], prefix=f"d{i}-")[0]
+        (tree,) = drafter.propose([req], [budget])
+        with torch.no_grad():
+            logq = torch.log_softmax(heads(req.hidden_states[2][-1]), -1)  # [D, V]
+        top = logq.topk(k, dim=-1)
+        paths = [p for depth in range(1, drafter.depth + 1) for p in itertools.product(range(k), repeat=depth)]
+        score = {p: float(sum(top.values[j, x] for j, x in enumerate(p))) for p in paths}
+        best = sorted(paths, key=lambda p: -score[p])[:budget]
+        got = set()
+        for node in range(tree.num_nodes):
+            path = [tree.tokens[n] for n in tree.path_to(node)]
+            got.add(tuple(top.indices[j].tolist().index(int(t)) for j, t in enumerate(path)))
+        assert got == set(best)
 
 
 def test_budgets_cut_trees_to_a_prefix(small_vocab_dir, random_dir):
@@ -291,7 +285,7 @@ def test_greedy_trees_take_each_heads_top_ranks(small_vocab_dir, random_dir):
         depth = int(tree.depths[node])
         assert int(tree.tokens[node]) in top[depth - 1].tolist()
     assert tree.tokens[tree.children(0)].tolist() == top[0, : len(tree.children(0))].tolist()
-    assert tree.probs is None
+    assert not tree.has_q
 
 
 def test_sampled_tree_probs_are_what_each_node_was_drawn_from(small_vocab_dir, random_dir):
@@ -302,15 +296,16 @@ def test_sampled_tree_probs_are_what_each_node_was_drawn_from(small_vocab_dir, r
     heads = load_heads(random_dir, hidden_size=64, vocab_size=16).heads
     with torch.no_grad():
         q = torch.softmax(heads(req.hidden_states[2][-1]) / 0.7, dim=-1)  # [K, V]
-    torch.testing.assert_close(tree.probs.sum(-1), torch.ones(tree.num_nodes))
+    probs = tree.q_dense(16)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(tree.num_nodes))
     for row in range(tree.num_nodes + 1):
         kids = tree.children(row)
         depth = 0 if row == 0 else int(tree.depths[row - 1])
         for j, node in enumerate(kids):  # sibling j: q of its depth without siblings 0..j-1, renormalised
             expected = q[depth].clone()
             expected[tree.tokens[kids[:j]]] = 0
-            torch.testing.assert_close(tree.probs[node], expected / expected.sum(), atol=1e-5, rtol=1e-4)
-            assert float(tree.probs[node, tree.tokens[node]]) > 0
+            torch.testing.assert_close(probs[node], expected / expected.sum(), atol=1e-5, rtol=1e-4)
+            assert float(probs[node, tree.tokens[node]]) > 0
         assert len({int(tree.tokens[k]) for k in kids}) == len(kids)
 
 
@@ -332,7 +327,7 @@ def test_mixed_greedy_and_sampled_requests_in_one_batch(small_vocab_dir, random_
     reqs = [DraftRequest(f"m{i}", np.asarray(PROMPT, dtype=np.int64), t, {2: torch.ones(4, 64) * (1 + (i % 2))})
             for i, t in enumerate((0.0, 0.8, 0.0, 1.3))]
     trees = drafter.propose(reqs, [6, 6, 6, 6])
-    assert [t.probs is None for t in trees] == [True, False, True, False]
+    assert [not t.has_q for t in trees] == [True, False, True, False]
     alone = create_drafter(f"medusa:{random_dir}", target_info(small_vocab_dir), {"tree": "dynamic"})
     (single,) = alone.propose(reqs[2:3], [6])
     assert single.tokens.tolist() == trees[2].tokens.tolist() == trees[0].tokens.tolist()

@@ -89,7 +89,7 @@ def reference_tree(ctx, min_n, max_n, branching, depth, cap) -> tuple[list[int],
 def test_repeated_sequence_proposes_its_continuation_as_a_chain():
     tree = propose([1, 2, 3, 4, 5, 9, 1, 2, 3])
     assert as_lists(tree) == ([4, 5, 9, 1, 2, 3], [-1, 0, 1, 2, 3, 4])
-    assert tree.probs is None
+    assert not tree.has_q
 
 
 def test_two_continuations_branch_with_the_more_frequent_first():

@@ -1,0 +1,131 @@
+"""Drafters that run their own model once per tree level: the draft model and EAGLE heads.
+
+Each step, for all drafting requests of the batch together:
+
+1. **catch up** (`_catch_up`, per drafter) — one batched forward over what each request committed
+   since its last draft; its output at the root gives the depth-1 distribution.
+2. **levels** d = 2 .. depth — the frontier of level d-1 (the `width` best nodes, `TreeBuilder`) is fed
+   in one batched forward (`_feed_level`, per drafter) at cache slots past the committed entries, each
+   frontier node seeing only its ancestors among the earlier levels' slots (a tail mask); its logits
+   give the next level.
+3. **cut** — each request keeps its best `budget` nodes (`TreeBuilder.finish`).
+
+Tree growth, reranking and sampling run in compiled code on the host (`tree_builder`); only logits
+cross into it, once per level. What each drafter feeds, and how it turns a frontier into model inputs,
+is its own.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specserve.drafters.base import Drafter, DraftRequest
+from specserve.drafters.draft_rng import request_generator
+from specserve.drafters.tree_builder import Frontier, TreeBuilder
+from specserve.verify import DraftTree
+
+
+@dataclass
+class LevelWork:
+    """One drafting request of a `propose` call: its index in the call, view, node cap and levels."""
+
+    index: int
+    req: DraftRequest
+    cap: int
+    levels: int
+    state: object
+
+
+class LevelDrafter(Drafter):
+    """Shared propose loop; subclasses set depth/topk/width/max_budget/seed and implement the hooks."""
+
+    depth: int
+    topk: int
+    width: int
+    seed: int
+    vocab: int  # of the drafter's logits (EAGLE-3: its draft vocabulary)
+
+    def propose(self, requests: list[DraftRequest], budgets: list[int]) -> list[DraftTree]:
+        if len(budgets) != len(requests):
+            raise ValueError(f"propose got {len(requests)} requests but {len(budgets)} budgets")
+        trees = [DraftTree.empty() for _ in requests]
+        work: list[LevelWork] = []
+        for i, (req, budget) in enumerate(zip(requests, budgets)):
+            budget = int(budget)
+            if budget < 0:
+                raise ValueError(f"budget for request {req.request_id!r} must be >= 0, got {budget}")
+            state = self._prepare(req)
+            cap = min(budget, self.max_budget)
+            levels = min(self.depth, cap, self._max_levels(req))
+            if cap > 0 and levels >= 1:
+                work.append(LevelWork(i, req, cap, levels, state))
+        if not work:
+            return trees
+        logits = self._catch_up(work)  # [A, V]
+        temps = np.array([w.req.temperature for w in work], dtype=np.float32)
+        builder = TreeBuilder(self.topk, self.depth, self.width, temps, self._uniforms(work, temps), self.vocab)
+        front = builder.add_level(_numpy(logits))
+        levels = np.array([w.levels for w in work])
+        for level in range(2, self.depth + 1):
+            active = np.flatnonzero(levels >= level)
+            if not active.size:
+                break
+            logits = self._feed_level(work, builder, front, active, level)  # [A', W, V]
+            front = builder.add_level(_numpy(logits), active)
+        for w, (tokens, parents, q_ids, q_probs) in zip(work, builder.finish([w.cap for w in work])):
+            if len(tokens):
+                trees[w.index] = self._tree(tokens, parents, q_ids, q_probs)
+        return trees
+
+    def _uniforms(self, work: list[LevelWork], temps: np.ndarray) -> np.ndarray | None:
+        """One uniform per generated node for each sampled request, from its own seeded stream."""
+        if not (temps > 0).any():
+            return None
+        size = self.topk + (self.depth - 1) * self.width * self.topk
+        out = np.zeros((len(work), size))
+        for a, w in enumerate(work):
+            if temps[a] > 0:
+                out[a] = torch.rand(size, generator=self._generator(w), dtype=torch.float64).numpy()
+        return out
+
+    def _generator(self, w: LevelWork) -> torch.Generator:
+        state = w.state
+        if getattr(state, "generator", None) is None:
+            state.generator = request_generator(self.name, self.seed, w.req, torch.device("cpu"))
+        return state.generator
+
+    def _tree(self, tokens: np.ndarray, parents: np.ndarray, q_ids: np.ndarray | None,
+              q_probs: np.ndarray | None) -> DraftTree:
+        """A finished request's tree from the builder's draft-vocabulary ids (EAGLE-3 maps them)."""
+        q = (torch.from_numpy(q_ids), torch.from_numpy(q_probs)) if q_ids is not None else (None, None)
+        return DraftTree(torch.from_numpy(tokens), torch.from_numpy(parents), q_ids=q[0], q_probs=q[1])
+
+    # ---- per drafter ------------------------------------------------------------------------------
+
+    @abstractmethod
+    def _prepare(self, req: DraftRequest) -> object:
+        """Take what the engine handed over (features, ...) for every request, drafting or not; return
+        the request's state object."""
+
+    @abstractmethod
+    def _max_levels(self, req: DraftRequest) -> int:
+        """How many levels fit the drafter's own context window for this request."""
+
+    @abstractmethod
+    def _catch_up(self, work: list[LevelWork]) -> torch.Tensor:
+        """Feed what each request committed since its last draft; logits at its root [A, V]."""
+
+    @abstractmethod
+    def _feed_level(self, work: list[LevelWork], builder: TreeBuilder, front: Frontier, active: np.ndarray,
+                    level: int) -> torch.Tensor:
+        """Feed the frontier of level ``level - 1`` of the `active` requests; logits [A', W, V]."""
+
+
+def _numpy(logits: torch.Tensor | np.ndarray) -> np.ndarray:
+    if isinstance(logits, np.ndarray):
+        return logits
+    return logits.detach().float().cpu().numpy()

@@ -1,0 +1,296 @@
+"""The one dynamic tree builder of the learned drafters (EAGLE, draft model, Medusa's dynamic trees).
+
+Trees of A requests grow level by level from a drafter's logits, in compiled code (one call per level,
+no per-node Python), with ``k = topk`` children per expanded node and ``W = width`` nodes expanded per
+level (EAGLE-2: W = k):
+
+- level 1: the root's k best children (greedy: the top-k tokens; sampled: k tokens drawn without
+  replacement from q — see below);
+- level d >= 2: the **frontier** — the W best nodes of level d-1 — each get k children;
+- `finish`: every generated node is **reranked** by its score and the best ``budget`` are kept.
+
+Scores are cumulative: a child's score is its parent's plus its own term, so a node never scores above
+its parent and the kept set is closed under ancestors (ties go to the lower generation index; a parent
+always has a lower index than its children). Greedy requests (temperature 0) score a child by its draft
+log-probability, as EAGLE-2 does. Sampled requests score the j-th drawn sibling by
+``log 0.8 + j log 0.2`` — a guess at the chance the verifier walks through it that does not look at the
+drawn value: which nodes exist, which are expanded and which survive the cut then depend on the budget
+and sibling ranks only, never on the values drawn, and the kept siblings of a node are always its first
+draws. That is what keeps stochastic verification lossless.
+
+Draft distributions (sampled requests): a node's q is softmax(logits / T) restricted to its
+``q_support`` most likely tokens and renormalised — the drafter's own (lossless) choice of draft
+distribution, kept compact. Child j is drawn from q without children 0..j-1 (renormalised), and that is
+the q it carries (`DraftTree.q_ids` / `q_probs`). Uniforms are pre-drawn per request.
+
+Generation numbering: level 1 holds ``0 .. k-1``; level d >= 2 holds ``k + (d-2) W k + f k + j`` for
+child j of frontier slot f. Frontier slots are the frontier's nodes in score order (ties: lower index).
+A drafter feeds the frontier of level d at cache slots ``(d-1) W + f`` past its committed entries, each
+slot seeing its fed ancestors and itself (`feed_mask`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+
+# Expansion/rerank score of the j-th drawn sibling (log): with a good draft (q close to p) the first draw
+# is accepted with probability near 1 whatever its q, and later siblings are only tried after rejections;
+# so sibling j is scored as accepted with probability 0.8 * 0.2**j, never by its drawn value.
+SAMPLED_SIBLING_LOGP = np.array([math.log(0.8) + j * math.log(0.2) for j in range(64)])
+
+# Tokens in a sampled node's draft distribution: the rest of the draft's mass is dropped (renormalised).
+DRAFT_Q_SUPPORT = 32
+
+
+@dataclass(frozen=True)
+class Frontier:
+    """The nodes whose children come next, W slots per request (rows of `requests`).
+
+    requests:    int64[A'] the requests that generated this level (indices into the builder's batch).
+    nodes:       int64[A', W] generation indices (-1: no node); tokens: int64[A', W] draft-vocabulary ids;
+    parent_slot: int64[A', W] the frontier slot (of the previous level) of each node's parent — the row
+                 of the previous feed whose output a node is fed with (0 at level 1);
+    valid:       bool[A', W] slots holding a real node.
+    """
+
+    requests: np.ndarray
+    nodes: np.ndarray
+    tokens: np.ndarray
+    parent_slot: np.ndarray
+    valid: np.ndarray
+
+
+class TreeBuilder:
+    """Dynamic trees of A requests under construction (see the module docstring).
+
+    temperatures: float32[A] (0 = greedy); uniforms: float64[A, size] for sampled requests (one per
+    generated node: child j of a row uses its own slot's), None when every request is greedy;
+    vocab: the draft vocabulary size.
+    """
+
+    def __init__(self, topk: int, depth: int, width: int, temperatures: np.ndarray, uniforms: np.ndarray | None,
+                 vocab: int, q_support: int = DRAFT_Q_SUPPORT) -> None:
+        if not 1 <= topk <= 64 or depth < 1 or width < 1:
+            raise ValueError(f"tree builder needs 1 <= topk <= 64, depth >= 1, width >= 1; got {topk}, {depth}, {width}")
+        self.k, self.depth, self.width, self.vocab = topk, depth, width, vocab
+        self.num = len(temperatures)
+        self.temperatures = np.ascontiguousarray(temperatures, dtype=np.float32)
+        self.sampled = self.temperatures > 0
+        self.size = topk + (depth - 1) * width * topk  # generated nodes of a full tree
+        a, g = self.num, self.size
+        self.scores = np.full((a, g), -np.inf)
+        self.tokens = np.zeros((a, g), dtype=np.int64)
+        self.parents = np.full((a, g), -1, dtype=np.int64)
+        self.q_support = max(q_support, topk)
+        if self.sampled.any():
+            if uniforms is None or uniforms.shape != (a, g):
+                raise ValueError(f"sampled requests need uniforms of shape ({a}, {g})")
+            self.uniforms = np.ascontiguousarray(uniforms, dtype=np.float64)
+            self.q_ids = np.full((a, g, self.q_support), -1, dtype=np.int64)
+            self.q_probs = np.zeros((a, g, self.q_support), dtype=np.float32)
+        else:
+            self.uniforms = np.zeros((a, 1))
+            self.q_ids = np.zeros((a, 1, 1), dtype=np.int64)
+            self.q_probs = np.zeros((a, 1, 1), dtype=np.float32)
+        self.frontier_nodes = np.full((a, width), -1, dtype=np.int64)
+        self.level = 0
+        # Ancestors among fed frontier slots, for tail masks: [A, S, S] over slots of levels 1..depth-1.
+        self.fed = max(depth - 1, 0) * width
+        self.anc = np.zeros((a, max(self.fed, 1), max(self.fed, 1)), dtype=np.bool_)
+
+    def add_level(self, logits: np.ndarray, requests: np.ndarray | None = None) -> Frontier:
+        """Give the current frontier's nodes (the root at level 1) k children each; return the next frontier.
+
+        logits: float32[A', F, V] the drafter's raw logits at each frontier slot of the requests
+        `requests` (int64[A'], ascending; default all), F = 1 at level 1 and W later. Rows of slots
+        without a node are ignored.
+        """
+        level, k, w = self.level + 1, self.k, self.width
+        if level > self.depth:
+            raise ValueError(f"the tree has depth {self.depth}: no level {level}")
+        if requests is None:
+            requests = np.arange(self.num, dtype=np.int64)
+        logits = np.asarray(logits, dtype=np.float32)
+        if logits.ndim == 2:
+            logits = logits[:, None]
+        n, width, vocab = logits.shape
+        if n != len(requests) or width != (1 if level == 1 else w) or vocab != self.vocab:
+            raise ValueError(f"level {level}: logits have shape {tuple(logits.shape)}, expected "
+                             f"[{len(requests)}, {1 if level == 1 else w}, {self.vocab}]")
+        self.level = level
+        frontier_tokens = np.zeros((n, w), dtype=np.int64)
+        parent_slot = np.zeros((n, w), dtype=np.int64)
+        _expand_level(np.ascontiguousarray(logits.reshape(n * width, vocab)), np.asarray(requests, dtype=np.int64),
+                      width, level, k, w, self.depth, self.temperatures, self.uniforms, SAMPLED_SIBLING_LOGP,
+                      self.scores, self.tokens, self.parents, self.q_ids, self.q_probs, self.frontier_nodes,
+                      frontier_tokens, parent_slot, self.anc)
+        nodes = self.frontier_nodes[requests].copy()
+        return Frontier(np.asarray(requests), nodes, frontier_tokens, parent_slot, nodes >= 0)
+
+    def feed_mask(self, level: int, request: int) -> np.ndarray:
+        """bool[W, level * W]: which fed slots (levels 1..level) the frontier of ``level`` sees — a tail
+        mask over the slots of levels 1..level-1 already in the cache, then the new ones."""
+        w = self.width
+        return self.anc[request, (level - 1) * w:level * w, :level * w]
+
+    def finish(self, budgets) -> list[tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]]:
+        """Keep each request's ``budgets[a]`` best nodes; per request (tokens int64[N] draft ids, parents
+        int64[N] in output numbering, q_ids int64[N, K] and q_probs float32[N, K] or None for greedy
+        requests), parents first."""
+        budgets = np.asarray(budgets, dtype=np.int64)
+        kept = np.zeros((self.num, self.size), dtype=np.int64)
+        counts = np.zeros(self.num, dtype=np.int64)
+        new_parent = np.zeros((self.num, self.size), dtype=np.int64)
+        _cut(self.scores, self.parents, budgets, kept, counts, new_parent)
+        out = []
+        for a in range(self.num):
+            sel = kept[a, :counts[a]]
+            q_ids = q_probs = None
+            if self.sampled[a]:
+                q_ids, q_probs = self.q_ids[a, sel], self.q_probs[a, sel]
+            out.append((self.tokens[a, sel], new_parent[a, :counts[a]], q_ids, q_probs))
+        return out
+
+
+@numba.njit(cache=True, nogil=True)
+def _top(row, count, ids, values):
+    """The `count` largest entries of row (ties: the lower index first), best first, into ids/values."""
+    for j in range(count):
+        ids[j] = -1
+        values[j] = -np.inf
+    for t in range(row.shape[0]):
+        v = row[t]
+        if v > values[count - 1]:
+            j = count - 1
+            while j > 0 and v > values[j - 1]:
+                values[j] = values[j - 1]
+                ids[j] = ids[j - 1]
+                j -= 1
+            values[j] = v
+            ids[j] = t
+
+
+@numba.njit(cache=True, nogil=True)
+def draw_siblings(row, temperature, count, uniforms, q_ids, q_probs, tokens, top_ids, top_vals, weights):
+    """Draw `count` siblings without replacement from q = softmax(row / temperature) restricted to its
+    `support` (= len(weights)) most likely tokens and renormalised. Sibling j's token goes to tokens[j]
+    and the distribution it was drawn from (q without siblings 0..j-1, renormalised) to q_ids[j] /
+    q_probs[j]; uniforms[j] drives its inverse-CDF draw. Returns how many could be drawn (fewer when the
+    support runs out). top_ids / top_vals / weights: scratch of at least `support` entries."""
+    support = weights.shape[0]
+    _top(row, support, top_ids, top_vals)
+    peak = top_vals[0]
+    mass = 0.0
+    for m in range(support):
+        weights[m] = math.exp((top_vals[m] - peak) / temperature) if top_ids[m] >= 0 else 0.0
+        mass += weights[m]
+    for j in range(count):
+        if not mass > 0.0:
+            return j
+        for m in range(support):
+            q_ids[j, m] = top_ids[m]
+            q_probs[j, m] = weights[m] / mass
+        target = uniforms[j] * mass
+        acc = 0.0
+        pick = -1
+        for m in range(support):
+            if weights[m] > 0.0:
+                acc += weights[m]
+                pick = m
+                if acc > target:
+                    break
+        tokens[j] = top_ids[pick]
+        mass -= weights[pick]
+        weights[pick] = 0.0
+    return count
+
+
+@numba.njit(cache=True, nogil=True)
+def _expand_level(logits, requests, width, level, k, w, depth, temperatures, uniforms, sampled_logp,
+                  scores, tokens, parents, q_ids, q_probs, frontier_nodes, frontier_tokens, parent_slot, anc):
+    base = 0 if level == 1 else k + (level - 2) * w * k
+    size = k * width
+    support = q_ids.shape[2]
+    top_ids = np.empty(max(k, support), np.int64)
+    top_vals = np.empty(max(k, support), np.float64)
+    weights = np.empty(support, np.float64)  # (support is 1 when every request is greedy: unused then)
+    for i in range(requests.shape[0]):
+        a = requests[i]
+        temp = temperatures[a]
+        for f in range(width):
+            row = logits[i * width + f]
+            parent = -1 if level == 1 else frontier_nodes[a, f]
+            if level > 1 and parent < 0:
+                continue  # an empty frontier slot: its children do not exist
+            parent_score = 0.0 if level == 1 else scores[a, parent]
+            first = base + f * k
+            if temp == 0.0:
+                _top(row, k, top_ids, top_vals)
+                peak = top_vals[0]
+                total = 0.0
+                for t in range(row.shape[0]):
+                    total += math.exp(row[t] - peak)
+                lse = peak + math.log(total)
+                for j in range(k):
+                    g = first + j
+                    parents[a, g] = parent
+                    if top_ids[j] >= 0 and top_vals[j] > -np.inf:
+                        tokens[a, g] = top_ids[j]
+                        scores[a, g] = parent_score + (top_vals[j] - lse)
+                continue
+            # Sampled: k siblings drawn without replacement from the row's compact q.
+            drawn = draw_siblings(row, temp, k, uniforms[a, first:first + k], q_ids[a, first:first + k],
+                                  q_probs[a, first:first + k], tokens[a, first:first + k], top_ids, top_vals, weights)
+            for j in range(k):
+                parents[a, first + j] = parent
+                if j < drawn:
+                    scores[a, first + j] = parent_score + sampled_logp[j]
+        # The next frontier: the W best of this level's nodes (stable: ties to the lower index).
+        order = np.argsort(-scores[a, base:base + size], kind="mergesort")
+        for f in range(w):
+            if f < size and scores[a, base + order[f]] > -np.inf:
+                node = base + order[f]
+                frontier_nodes[a, f] = node
+                frontier_tokens[i, f] = tokens[a, node]
+                parent_slot[i, f] = order[f] // k
+            else:
+                frontier_nodes[a, f] = -1
+                frontier_tokens[i, f] = 0
+                parent_slot[i, f] = 0
+        if level < depth:  # fed slot (level-1) W + f sees itself and its parent's fed ancestors
+            mine = (level - 1) * w
+            for f in range(w):
+                if level > 1:
+                    parent_fed = (level - 2) * w + parent_slot[i, f]
+                    for s in range(mine):
+                        anc[a, mine + f, s] = anc[a, parent_fed, s]
+                anc[a, mine + f, mine + f] = True
+
+
+@numba.njit(cache=True, nogil=True)
+def _cut(scores, parents, budgets, kept, counts, new_parent):
+    """Per request: the best `budget` nodes (score desc, index asc), listed in generation order."""
+    num, size = scores.shape
+    for a in range(num):
+        order = np.argsort(-scores[a], kind="mergesort")
+        keep = np.zeros(size, np.bool_)
+        valid = 0
+        for r in range(size):
+            if valid >= budgets[a] or not scores[a, order[r]] > -np.inf:
+                break
+            keep[order[r]] = True
+            valid += 1
+        index = np.full(size, -1, np.int64)
+        n = 0
+        for g in range(size):
+            if keep[g]:
+                index[g] = n
+                kept[a, n] = g
+                p = parents[a, g]
+                new_parent[a, n] = index[p] if p >= 0 else -1
+                n += 1
+        counts[a] = n
