@@ -33,7 +33,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-message-bytes", type=int, default=1 << 20)
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together in one batch")
     p.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads of the engine thread")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for the kernels (default: every core)")
+    p.add_argument("--dtype", default=None, help="CPU: weight storage float32 (default), bfloat16 or float16")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="info (the default) logs one line per finished request; warning keeps only problems")
     p.add_argument("--log-format", default="text", choices=["text", "json"], help="json: one JSON object per line")
@@ -69,12 +70,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from specserve.server.request_log import configure_logging
 
     configure_logging(args.log_level, args.log_format)
-    if args.threads is not None:
-        import torch
-
-        torch.set_num_threads(args.threads)
     llm = LLM(args.model, drafter=args.drafter, drafter_options=_drafter_options(args.drafter_option),
-              device=args.device, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
+              device=args.device, dtype=args.dtype, threads=args.threads, max_num_seqs=args.max_num_seqs,
+              max_model_len=args.max_model_len)
     server = SpecServer(llm, config)
     return asyncio.run(_serve(server))
 

@@ -118,6 +118,10 @@ def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--seed", type=int, default=defaults.SEED)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    gen.add_argument("--dtype", default=None,
+                     help="CPU: weight storage float32 (default), bfloat16 or float16 (compute stays float32); "
+                          "CUDA: compute dtype (default bfloat16)")
+    gen.add_argument("--threads", type=int, default=None, help="CPU threads for the kernels (default: every core)")
     gen.add_argument("--json", action="store_true",
                      help="print token ids, text, speculation stats, TTFT and tokens/s as JSON")
 
@@ -135,7 +139,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     if not args.prompt:
         raise ValueError("--prompt is empty")
-    llm = LLM(args.model, drafter=args.drafter, drafter_options=_drafter_options(args.drafter_option), device=args.device)
+    llm = LLM(args.model, drafter=args.drafter, drafter_options=_drafter_options(args.drafter_option), device=args.device,
+              dtype=args.dtype, threads=args.threads)
     if args.json:
         out = llm.generate([args.prompt], params)[0]
         print(json.dumps({
