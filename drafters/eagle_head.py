@@ -222,9 +222,9 @@ class EagleHead(nn.Module):
         tokens int64[T] (target ids) and feats [T, H] (fused target features or the head's own
         outputs) are the StepBatch's rows; returns the output features [T, H].
         """
-        x, attn_input = self._inputs(tokens, feats)
         if self.kernels is not None:
-            return self.kernels.layer_forward(x, attn_input, batch, cache)
+            return self.kernels.forward(tokens, feats, batch, cache)
+        x, attn_input = self._inputs(tokens, feats)
         d = batch.device_arrays(cache.device)
         meta = self.backend.prepare(batch, cache)
         return self.layer(0, x, d.positions, self.rope, self.backend, meta, cache, attn_input)
@@ -285,14 +285,36 @@ class _HeadKernels:
             self.norm = None
         self.cos = head.rope.cos.float().numpy()
         self.sin = head.rope.sin.float().numpy()
+        self.embed = head.embed.float().numpy()
+        self.input_norm = head.input_norm.detach().float().numpy() if head.input_norm is not None else None
+        self.hidden_norm = head.hidden_norm.detach().float().numpy() if head.hidden_norm is not None else None
+        from specserve.kernels.model_kernels import move_to_arena
 
-    def layer_forward(self, x: torch.Tensor, attn_input: torch.Tensor | None, batch: StepBatch,
-                      cache: PagedKVCache) -> torch.Tensor:
+        own = [*self.layer.products(), self.fc] + ([self.lm_head] if head.mode == "eagle3" else [])
+        self._arena = move_to_arena(own)
+
+    def forward(self, tokens: torch.Tensor, feats: torch.Tensor, batch: StepBatch, cache: PagedKVCache) -> torch.Tensor:
+        """The head over a StepBatch, inputs included, in numpy and compiled calls (no torch ops)."""
+        from specserve.kernels.layer import rms_norm
         from specserve.kernels.threads import apply_threads
 
         apply_threads()
-        x = np.array(x.float().numpy(), dtype=np.float32, order="C")  # a copy: the layer updates it in place
-        attn = None if attn_input is None else np.ascontiguousarray(attn_input.float().numpy())
+        head = self.head
+        ids = tokens.numpy()
+        f = np.ascontiguousarray(feats.float().numpy())
+        e = self.embed[ids]  # [T, H] float32
+        eps = np.float32(head.eps)
+        if head.mode == "eagle3":  # attention reads [input_norm(e); hidden_norm(f)], the residual is f
+            hidden = f.shape[1]
+            attn = np.empty((len(ids), 2 * hidden), dtype=np.float32)
+            left, right = np.empty_like(e), np.empty_like(f)
+            rms_norm(e, self.input_norm, eps, left)
+            rms_norm(f, self.hidden_norm, eps, right)
+            attn[:, :hidden], attn[:, hidden:] = left, right
+            x = f.copy()
+        else:  # x = fc([e; f]) + b, which the layer normalises itself when it has an input norm
+            x = np.array(self.fc(torch.from_numpy(np.concatenate([e, f], axis=1))).numpy())
+            attn = None if head.layer.input_norm is not None else x.copy()
         k, v = cache.layer_arrays()[0]
         self.layer(x, batch, k, v, self.cos, self.sin, 0, attn)
         return torch.from_numpy(x)

@@ -125,6 +125,7 @@ class MedusaDrafter(Drafter):
                 raise ValueError(f"medusa heads in {self.path!r} share the target's LM head, but the target model is "
                                  "not available")
             self.lm_weight = target.model.lm_head.detach()
+        self.kernels = _HeadKernels.build(self.heads, target, self.depth)
         self.feature_layer = target.num_layers
         self.hidden_layers = (target.num_layers,)
         self._features: dict[str, tuple[torch.Tensor, int]] = {}  # request -> (feature [H], its position)
@@ -155,9 +156,11 @@ class MedusaDrafter(Drafter):
             return trees
         with torch.inference_mode():
             feats = torch.stack([self._features[req.request_id][0] for _, req, _ in work])  # [A, H]
-            logits = self.heads(feats, self.lm_weight, heads=self.depth)
-            logits = logits.transpose(0, 1).float()  # [A, D, V]
-        logits = logits.cpu().numpy()
+            if self.kernels is not None:
+                logits = self.kernels(feats)  # [A, D, V]
+            else:
+                logits = self.heads(feats, self.lm_weight, heads=self.depth).transpose(0, 1).float()
+        logits = np.asarray(logits) if isinstance(logits, np.ndarray) else logits.cpu().numpy()
         temps = np.array([req.temperature for _, req, _ in work], dtype=np.float32)
         reqs, caps = [req for _, req, _ in work], [cap for _, _, cap in work]
         made = (self._dynamic_trees if self.static is None else self._static_trees)(logits, reqs, temps, caps)
@@ -238,3 +241,42 @@ def _tree(tokens: np.ndarray, parents: np.ndarray, q_ids: np.ndarray | None, q_p
          if q_ids is not None else (None, None))
     return DraftTree(torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64)),
                      torch.from_numpy(np.ascontiguousarray(parents, dtype=np.int64)), q_ids=q[0], q_probs=q[1])
+
+
+class _HeadKernels:
+    """The heads' products on the CPU kernels: each head's residual blocks, then ONE pass over the LM head
+    for every head's row together when the heads share the target's (the target's packed weights)."""
+
+    @classmethod
+    def build(cls, heads, target, depth: int) -> "_HeadKernels | None":
+        kernels = getattr(target.model, "kernels", None) if target.model is not None else None
+        if kernels is None:
+            return None
+        return cls(heads, kernels, depth)
+
+    def __init__(self, heads, target_kernels, depth: int) -> None:
+        from specserve.kernels import PackedLinear
+
+        storage = target_kernels.storage
+        self.blocks = [[PackedLinear(heads.weight[k, layer], heads.bias[k, layer], storage)
+                        for layer in range(heads.num_layers)] for k in range(depth)]
+        self.lm_heads = ([PackedLinear(heads.lm_heads[k], None, storage) for k in range(depth)]
+                         if heads.lm_heads is not None else None)
+        self.shared = target_kernels.lm_head
+        self.depth = depth
+
+    def __call__(self, feats: torch.Tensor) -> np.ndarray:
+        """feats float[A, H] -> logits float32[A, D, V]."""
+        h = feats.float()
+        xs = []
+        for blocks in self.blocks:
+            x = h
+            for block in blocks:
+                y = block(x)
+                x = x + y * torch.sigmoid(y)  # x + SiLU(W x + b)
+            xs.append(x)
+        if self.lm_heads is not None:
+            logits = [lm(x) for lm, x in zip(self.lm_heads, xs)]
+            return torch.stack(logits, dim=1).numpy()
+        flat = self.shared(torch.cat(xs))  # [D * A, V]: the LM head streamed once for every head
+        return flat.view(self.depth, feats.shape[0], -1).transpose(0, 1).contiguous().numpy()

@@ -14,6 +14,7 @@ import logging
 import numpy as np
 import torch
 
+from specserve.kernels.arena import pack_into_arena
 from specserve.kernels.layer import decoder_layer, rms_norm
 from specserve.kernels.linear import PackedLinear, linear_rows
 from specserve.kernels.simd import LANES
@@ -26,6 +27,15 @@ log = logging.getLogger("specserve")
 _STORAGE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _NO_INPUT = np.zeros((0, 0), dtype=np.float32)
 _logged: set[str] = set()
+
+
+def move_to_arena(products: list[PackedLinear]):
+    """Put the packed weights of `products` into one huge-page-backed arena (see `arena`); returns the
+    mapping, which must live as long as they do."""
+    weights, mapping = pack_into_arena([p.weight for p in products])
+    for product, weight in zip(products, weights):
+        product.weight = weight
+    return mapping
 
 
 def kernels_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
@@ -63,9 +73,12 @@ class LayerKernels:
         self.inter = layer.down.shape[1]
         self.num_heads, self.num_kv, self.head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
 
+    def products(self) -> tuple[PackedLinear, ...]:
+        return self.qkv, self.o_proj, self.gate_up, self.down
+
     @property
     def nbytes(self) -> int:
-        return sum(p.nbytes for p in (self.qkv, self.o_proj, self.gate_up, self.down)) + 2 * self.post_norm.nbytes
+        return sum(p.nbytes for p in self.products()) + 2 * self.post_norm.nbytes
 
     def __call__(self, x: np.ndarray, batch: StepBatch, k_cache: np.ndarray, v_cache: np.ndarray,
                  cos: np.ndarray, sin: np.ndarray, window: int, attn_input: np.ndarray | None = None) -> None:
@@ -104,6 +117,7 @@ class ModelKernels:
         self.sin = _np(model.rope.sin)
         self.window = int(cfg.sliding_window or 0)
         self.eps = np.float32(cfg.rms_norm_eps)
+        self._arena = move_to_arena([self.lm_head, *(p for layer in self.layers for p in layer.products())])
 
     def bytes_read_per_token(self) -> int:
         """Weight bytes one decode step streams (the floor's numerator; the embedding is only indexed)."""
