@@ -1,5 +1,10 @@
-"""`specserve bench decode`: plain-decode speed against transformers and the weight-bandwidth floor,
-and n-gram speculation against plain decoding on a prompt with repeated structure.
+"""`specserve bench decode`: plain-decode speed against transformers, the weight-bandwidth floor and
+(`--peer llama.cpp`) llama.cpp, and n-gram speculation against plain decoding on a prompt with
+repeated structure.
+
+llama.cpp runs the same checkpoint converted by its own converter (evals/llamacpp_peer.py), from the
+same prompt token ids, greedy, with the same thread count; its weights are f32 against our float32
+and f16 against our half-size storage (--dtype bfloat16 or float16).
 
 Everything is measured side by side in one run (alternating, after a warm-up) because absolute
 times on shared machines drift; compare the ratios.
@@ -10,11 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
+from specserve.evals import llamacpp_peer
 from specserve.evals.common import host, set_threads, use_model_dir, write_json
 
 
@@ -24,8 +31,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5, help="alternating timed runs per contender")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--dtype", default=None,
+                   help="CPU: weight storage float32 (default), bfloat16 or float16 (compute stays float32); "
+                        "llama.cpp gets f32 weights against float32, f16 against the half-size ones")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU kernel threads, and llama.cpp's n_threads and n_threads_batch (default: every core)")
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--peer", choices=["llama.cpp"], default=None,
+                   help="also time llama.cpp (llama-cpp-python) on the same checkpoint; skipped with one line "
+                        "when it or llama.cpp's converter is not available")
+    llamacpp_peer.add_arguments(p)
     p.add_argument("--json", default=None, metavar="FILE", help="also write the figures as JSON")
 
 
@@ -83,23 +98,41 @@ def _median_spread(xs: list[float]) -> dict:
 def run(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     torch.manual_seed(0)
+    converter = llamacpp_peer.locate(args.llama_cpp_source) if args.peer == "llama.cpp" else None
+    if isinstance(converter, llamacpp_peer.PeerUnavailable):  # said once; the rest of the benchmark runs
+        print(llamacpp_peer.skip_line(converter), file=sys.stderr)
     with use_model_dir(args.model, build_random_llama, "a random ~110M Llama") as path:
-        results = _measure(args, path)
+        results = _measure(args, path, converter)
     print(json.dumps(results, indent=2))
     write_json(results, args.json)
     return 0
 
 
-def _measure(args: argparse.Namespace, model_dir: Path) -> dict:
-    from specserve import LLM
+def _time_llama_cpp(peer, prompt: list[int], new_tokens: int) -> tuple[float, list[int]]:
+    seconds, out = peer.timed(prompt, new_tokens)
+    return new_tokens / seconds, out
 
-    plain = LLM(model_dir, drafter=None, device=args.device, max_num_seqs=1)
+
+def _agreement(ours: list[int], theirs: list[int]) -> dict:
+    """How far two greedy continuations agree: after the first differing token they continue from
+    different prefixes, so only the common prefix is comparable."""
+    first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    same = len(ours) if first is None else first
+    return {"greedy_tokens_match": first is None and len(ours) == len(theirs),
+            "greedy_agreement": same / max(len(ours), 1), "first_divergence": first}
+
+
+def _measure(args: argparse.Namespace, model_dir: Path, converter=None) -> dict:
+    from specserve import LLM
+    from specserve.kernels import get_threads
+
+    plain = LLM(model_dir, drafter=None, device=args.device, max_num_seqs=1, dtype=args.dtype)
     vocab = plain.model.config.vocab_size
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, vocab, (args.prompt_tokens,), generator=gen).tolist()
 
     results: dict = {
-        "machine": host() | {"threads": torch.get_num_threads(), "torch": torch.__version__},
+        "machine": host() | {"threads": get_threads(), "torch": torch.__version__},
         "model": {"dir": str(args.model or "random ~110M Llama"), "params": plain.model.config.num_params,
                   "bytes_read_per_token": plain.model.bytes_read_per_token()},
         "settings": {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "repeats": args.repeats,
@@ -112,16 +145,32 @@ def _measure(args: argparse.Namespace, model_dir: Path) -> dict:
 
         hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=plain.dtype).to(plain.device).eval()
 
-    # Warm up both, check they agree, then alternate timed runs.
+    peer = None
+    if isinstance(converter, llamacpp_peer.PeerUnavailable):
+        results["llama_cpp"] = {"skipped": str(converter)}
+    elif converter is not None:
+        peer = llamacpp_peer.load(model_dir, converter, dtype=plain.dtype, threads=get_threads(),
+                                  n_ctx=args.prompt_tokens + args.new_tokens, gpu=plain.device.type == "cuda",
+                                  cache_dir=args.llama_cpp_cache, log=lambda m: print(m, file=sys.stderr))
+
+    # Warm up every contender, check they agree, then alternate timed runs.
     _, ours_tokens, _ = _time_specserve(plain, prompt, 8)
     if hf is not None:
         _, hf_tokens = _time_transformers(hf, prompt, 8)
         results["greedy_tokens_match_transformers"] = ours_tokens == hf_tokens
-    ours, theirs = [], []
+    if peer is not None:
+        _time_llama_cpp(peer, prompt, 8)
+    ours, theirs, llama, first_outputs = [], [], [], {}
     for _ in range(args.repeats):
-        ours.append(_time_specserve(plain, prompt, args.new_tokens)[0])
+        tps, toks, _ = _time_specserve(plain, prompt, args.new_tokens)
+        ours.append(tps)
+        first_outputs.setdefault("specserve", toks)
         if hf is not None:
             theirs.append(_time_transformers(hf, prompt, args.new_tokens)[0])
+        if peer is not None:
+            tps, toks = _time_llama_cpp(peer, prompt, args.new_tokens)
+            llama.append(tps)
+            first_outputs.setdefault("llama.cpp", toks)
     bw = memory_read_bandwidth()
     floor_tps = bw / plain.model.bytes_read_per_token()
     results["plain_decode"] = {
@@ -132,12 +181,20 @@ def _measure(args: argparse.Namespace, model_dir: Path) -> dict:
         "bandwidth_floor_tokens_per_s": floor_tps,
         "fraction_of_floor": statistics.median(ours) / floor_tps,
     }
-    del hf
+    if peer is not None:
+        results["llama_cpp"] = {
+            "llama_cpp_python": llamacpp_peer.require_llama_cpp(), "gguf": str(peer.gguf), "gguf_type": peer.gguf_type,
+            "specserve_dtype": str(plain.dtype).removeprefix("torch."), "threads": peer.threads,
+            "tokens_per_s": _median_spread(llama),
+            "specserve_tokens_per_s": _median_spread(ours),
+            "specserve_over_llama_cpp": statistics.median(ours) / statistics.median(llama),
+        } | _agreement(first_outputs["specserve"], first_outputs["llama.cpp"])
+    del hf, peer
 
     # N-gram speculation vs plain on a prompt made of one segment repeated.
     segment = torch.randint(0, vocab, (16,), generator=gen).tolist()
     repeated = (segment * (args.prompt_tokens // 16 + 1))[: args.prompt_tokens]
-    ngram = LLM(model_dir, drafter="ngram", device=args.device, max_num_seqs=1)
+    ngram = LLM(model_dir, drafter="ngram", device=args.device, max_num_seqs=1, dtype=args.dtype)
     _time_specserve(ngram, repeated, 8)
     plain_r, ngram_r, taus, identical = [], [], [], True
     for _ in range(args.repeats):

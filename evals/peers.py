@@ -1,9 +1,14 @@
-"""Peer systems for `specserve eval`: Hugging Face transformers' `generate` on the same checkpoint.
+"""Peer systems for `specserve eval`: Hugging Face transformers' `generate` and llama.cpp on the same
+checkpoint.
 
 - ``transformers``: plain `generate` (greedy, or sampled at the same temperature with top-k/top-p
   off), prompt groups batched with left padding.
 - ``transformers-assisted``: assisted generation with ``assistant_model=`` the draft model.
 - ``transformers-prompt-lookup``: prompt-lookup decoding (``prompt_lookup_num_tokens=``).
+- ``llama.cpp``: plain decoding in llama-cpp-python, one prompt at a time, on the checkpoint converted
+  by llama.cpp's own converter (f32 against float32, f16 against half-size weights; see
+  llamacpp_peer.py), with the kernels' thread count. When llama-cpp-python or the converter is not
+  available it is skipped with one line and the other systems still run.
 
 Assisted and prompt-lookup generation take one sequence at a time in transformers, so those two
 run each prompt of a group in turn. ``min_new_tokens = max_new_tokens`` makes every system generate
@@ -17,9 +22,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specserve.evals import llamacpp_peer
 from specserve.evals.common import sync
 
-PEERS = ("transformers", "transformers-assisted", "transformers-prompt-lookup")
+PEERS = ("transformers", "transformers-assisted", "transformers-prompt-lookup", "llama.cpp")
+TRANSFORMERS_PEERS = PEERS[:3]
 
 
 def parse_peers(text: str | None) -> list[str]:
@@ -83,9 +90,25 @@ class Peer:
         return time.perf_counter() - t0, outputs
 
 
+@dataclass
+class LlamaCppPeer:
+    """llama.cpp through llama-cpp-python: each prompt in turn (its `generate` takes one sequence)."""
+
+    name: str
+    runner: llamacpp_peer.LlamaCpp
+
+    def run(self, prompts: list[list[int]], max_tokens: int, temperature: float, seed: int) -> tuple[float, list[list[int]]]:
+        """Generate exactly `max_tokens` tokens for each prompt; (seconds, output token ids per prompt)."""
+        t0 = time.perf_counter()
+        outputs = [self.runner.generate(p, max_tokens, temperature, seed + i) for i, p in enumerate(prompts)]
+        return time.perf_counter() - t0, outputs
+
+
 def load_peers(names: list[str], model_dir: str, *, draft_dir: str | None, device, dtype,
                prompt_lookup_tokens: int = 10) -> dict[str, Peer]:
-    """Load transformers' model once (and the assistant when asked); one Peer per name."""
+    """Load transformers' model once (and the assistant when asked); one Peer per transformers name
+    (llama.cpp: `LlamaCppPeer` over `llamacpp_peer.load`)."""
+    names = [n for n in names if n in TRANSFORMERS_PEERS]
     if not names:
         return {}
     import transformers

@@ -1,11 +1,14 @@
-"""`specserve eval`: acceptance and speed of drafters against plain decoding and transformers peers.
+"""`specserve eval`: acceptance and speed of drafters against plain decoding and peers (transformers,
+llama.cpp).
 
 One run loads the target once per system (plain, each drafter) and the peers, warms every system
 up, then, for each repeat, for each prompt group (batch-size prompts of one category), times plain
 decoding, every drafter and every peer on that group, one after another — interleaved, so drift on a
 shared machine hits them alike. Every system generates exactly --max-tokens tokens per prompt (EOS
-ignored). results.json is rewritten as groups finish, so an interrupted run keeps what it finished;
-report.md and the plots are written at the end (and on Ctrl-C).
+ignored). A peer that cannot run here (llama.cpp without llama-cpp-python or its converter) is
+skipped with one line and listed under skipped_peers. results.json is rewritten as groups finish,
+so an interrupted run keeps what it finished; report.md and the plots are written at the end (and
+on Ctrl-C).
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from specserve.evals.datasets import (
     build_prompts,
     load_dataset,
 )
-from specserve.evals.common import sync
+from specserve.evals import llamacpp_peer
+from specserve.evals.common import set_threads, sync
 from specserve.evals.peers import parse_peers, resolve_peer_draft
 from specserve.evals.report import write_json, write_report
 from specserve.evals.summary import PLAIN, RunData, summarize
@@ -46,11 +50,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--batch-size", type=int, default=1, help="prompts per generate call (groups never mix categories)")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--peers", default="", help="comma-separated: transformers, transformers-assisted, transformers-prompt-lookup")
+    p.add_argument("--peers", default="",
+                   help="comma-separated: transformers, transformers-assisted, transformers-prompt-lookup, llama.cpp")
     p.add_argument("--peer-draft", default=None, metavar="DIR", help="assistant model for transformers-assisted "
                    "(default: the bundle's draft model when the target is the embedded model)")
     p.add_argument("--prompt-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens of that peer")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    llamacpp_peer.add_arguments(p)
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU kernel threads, and llama.cpp's n_threads and n_threads_batch (default: every core)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--seed", type=int, default=0, help="base sampling seed (temperature > 0)")
     p.add_argument("--drafter-option", action="append", default=[], metavar="[SPEC:]KEY=VALUE",
@@ -94,6 +101,8 @@ class EvalConfig:
     peers: list[str] = field(default_factory=list)
     peer_draft: str | None = None
     prompt_lookup_tokens: int = 10
+    llama_cpp_source: str | None = None
+    llama_cpp_cache: str | None = None
     threads: int | None = None
     device: str = "auto"
     seed: int = 0
@@ -131,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
         drafters=args.drafter, dataset=args.dataset, out=args.out, model=args.model, max_prompts=args.max_prompts,
         max_tokens=args.max_tokens, temperature=args.temperature, batch_size=args.batch_size, repeats=args.repeats,
         peers=parse_peers(args.peers), peer_draft=args.peer_draft, prompt_lookup_tokens=args.prompt_lookup_tokens,
-        threads=args.threads, device=args.device, seed=args.seed,
+        llama_cpp_source=args.llama_cpp_source, llama_cpp_cache=args.llama_cpp_cache, threads=args.threads,
+        device=args.device, seed=args.seed,
         drafter_options=parse_drafter_options(args.drafter_option, args.drafter), on_bad_line=args.on_bad_line,
     )
     try:
@@ -159,8 +169,12 @@ def run_eval(cfg: EvalConfig) -> dict:
         raise ValueError(f"--out {cfg.out!r} exists and is not a directory")
     if "transformers-assisted" in cfg.peers:  # fail before any long loading
         cfg.peer_draft = resolve_peer_draft(_model_dir(cfg.model), cfg.peer_draft)
-    if cfg.threads is not None:
-        torch.set_num_threads(cfg.threads)
+    skipped_peers: dict[str, str] = {}
+    llama_tree = llamacpp_peer.locate(cfg.llama_cpp_source) if "llama.cpp" in cfg.peers else None
+    if isinstance(llama_tree, llamacpp_peer.PeerUnavailable):
+        _log(llamacpp_peer.skip_line(llama_tree))
+        skipped_peers["llama.cpp"] = str(llama_tree)
+    set_threads(cfg.threads)  # the kernels' and torch's; llama.cpp gets the same count
     records = load_dataset(cfg.dataset, cfg.on_bad_line, limit=cfg.max_prompts, warn=_log)
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -173,10 +187,11 @@ def run_eval(cfg: EvalConfig) -> dict:
             "settings": _settings(cfg, data, torch.get_num_threads()),
             "prompts": [{"id": p.id, "category": p.category, "turn": p.turn, "prompt_tokens": len(p.token_ids)}
                         for p in (data.prompts if data else [])],
-            "skipped_prompts": state["skipped"],
+            "skipped_prompts": state["skipped"], "skipped_peers": skipped_peers,
             "progress": {"measurements": len(data.measurements) if data else 0,
-                         "planned": len(data.groups) * cfg.repeats * (1 + len(cfg.drafters) + len(cfg.peers)) if data else None},
-            "versions": _versions(), "machine": _machine(state["device"], torch.get_num_threads()),
+                         "planned": len(data.groups) * cfg.repeats * (1 + len(cfg.drafters) + len(data.peers)) if data else None},
+            "versions": _versions("llama.cpp" in (data.peers if data else [])),
+            "machine": _machine(state["device"], torch.get_num_threads()),
         }
 
     try:
@@ -188,11 +203,9 @@ def run_eval(cfg: EvalConfig) -> dict:
         max_len = plain.engine.config.max_model_len
         prompts = _prompts(cfg, records, plain, max_len, state["skipped"])
         groups = batch_groups(prompts, cfg.batch_size)
-        data = RunData(prompts, groups, list(cfg.drafters), list(cfg.peers), greedy=cfg.temperature == 0)
-        from specserve.evals.peers import load_peers
-
-        peers = load_peers(cfg.peers, plain.model_dir, draft_dir=cfg.peer_draft, device=plain.device, dtype=plain.dtype,
-                           prompt_lookup_tokens=cfg.prompt_lookup_tokens)
+        peers = _load_peers(cfg, plain, llama_tree, max(len(p.token_ids) for p in prompts) + cfg.max_tokens)
+        peers = {name: peers[name] for name in cfg.peers if name in peers}  # --peers order
+        data = RunData(prompts, groups, list(cfg.drafters), list(peers), greedy=cfg.temperature == 0)
         state["data"] = data
         state["status"] = "running"
         write_json(results(), out_dir)
@@ -241,6 +254,20 @@ def run_eval(cfg: EvalConfig) -> dict:
     write_json(final, out_dir)
     write_report(final, out_dir)
     return final
+
+
+def _load_peers(cfg: EvalConfig, plain, llama_tree, n_ctx: int) -> dict:
+    """The peers that can run: transformers' (one model load) and llama.cpp when `llama_tree` was found."""
+    from specserve.evals.peers import LlamaCppPeer, load_peers
+    from specserve.kernels import get_threads
+
+    peers: dict = load_peers(cfg.peers, plain.model_dir, draft_dir=cfg.peer_draft, device=plain.device,
+                             dtype=plain.dtype, prompt_lookup_tokens=cfg.prompt_lookup_tokens)
+    if isinstance(llama_tree, Path):
+        runner = llamacpp_peer.load(plain.model_dir, llama_tree, dtype=plain.dtype, threads=get_threads(), n_ctx=n_ctx,
+                                    gpu=plain.device.type == "cuda", cache_dir=cfg.llama_cpp_cache, log=_log)
+        peers["llama.cpp"] = LlamaCppPeer("llama.cpp", runner)
+    return peers
 
 
 def _model_dir(model: str | None) -> str:
@@ -308,20 +335,24 @@ def _settings(cfg: EvalConfig, data: RunData | None, threads: int) -> dict:
         "model": cfg.model or "embedded default model", "drafters": list(cfg.drafters), "dataset": cfg.dataset,
         "num_prompts": len(data.prompts) if data else None, "max_prompts": cfg.max_prompts, "max_tokens": cfg.max_tokens,
         "temperature": cfg.temperature, "batch_size": cfg.batch_size, "repeats": cfg.repeats, "peers": list(cfg.peers),
-        "peer_draft": cfg.peer_draft, "prompt_lookup_tokens": cfg.prompt_lookup_tokens, "threads": threads,
+        "peer_draft": cfg.peer_draft, "prompt_lookup_tokens": cfg.prompt_lookup_tokens,
+        "llama_cpp_source": cfg.llama_cpp_source or os.environ.get(llamacpp_peer.ENV_SOURCE), "threads": threads,
         "seed": cfg.seed, "on_bad_line": cfg.on_bad_line,
         "drafter_options": {s: {k: short(v) for k, v in o.items()} for s, o in cfg.drafter_options.items() if o},
     }
 
 
-def _versions() -> dict:
+def _versions(llama_cpp: bool = False) -> dict:
     import torch
     import transformers
 
     import specserve
 
-    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "specserve": specserve.__version__}
+    versions = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+                "specserve": specserve.__version__}
+    if llama_cpp:
+        versions["llama_cpp_python"] = llamacpp_peer.require_llama_cpp()
+    return versions
 
 
 def _machine(device, threads: int) -> dict:
