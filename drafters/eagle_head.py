@@ -31,6 +31,7 @@ from torch import nn
 
 from specserve.attention import BACKENDS
 from specserve.config import ModelConfig, config_from_hf
+from specserve.kernels.linear import as_numpy
 from specserve.kv_cache import BlockAllocator, PagedKVCache
 from specserve.model import DecoderLayer
 from specserve.rope import RotaryTable
@@ -301,7 +302,7 @@ class _HeadKernels:
         apply_threads()
         head = self.head
         ids = tokens.numpy()
-        f = np.ascontiguousarray(feats.float().numpy())
+        f = np.ascontiguousarray(as_numpy(feats))
         e = self.embed[ids]  # [T, H] float32
         eps = np.float32(head.eps)
         if head.mode == "eagle3":  # attention reads [input_norm(e); hidden_norm(f)], the residual is f
@@ -323,7 +324,7 @@ class _HeadKernels:
         if self.norm is not None:
             from specserve.kernels.layer import rms_norm
 
-            rows = np.ascontiguousarray(out.float().numpy())
+            rows = np.ascontiguousarray(as_numpy(out))
             normed = np.empty_like(rows)
             rms_norm(rows, self.norm, np.float32(self.head.eps), normed)
             out = torch.from_numpy(normed)

@@ -126,6 +126,9 @@ class LevelDrafter(Drafter):
 
 
 def _numpy(logits: torch.Tensor | np.ndarray) -> np.ndarray:
+    """The logits for the tree builder, on the host (one copy per level from an accelerator)."""
     if isinstance(logits, np.ndarray):
         return logits
+    if logits.device.type == "cpu" and logits.dtype is torch.float32:
+        return logits.numpy()
     return logits.detach().float().cpu().numpy()

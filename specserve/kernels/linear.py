@@ -66,10 +66,17 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x float32[..., in] (CPU) -> float32[..., out]: a convenience for heads outside a fused layer."""
-        rows = np.ascontiguousarray(x.detach().to(torch.float32).reshape(-1, self.in_features).numpy())
+        rows = np.ascontiguousarray(as_numpy(x).reshape(-1, self.in_features))
         out = np.empty((rows.shape[0], self.out_features), dtype=np.float32)
         linear_rows(rows, self.weight, self.bias, out, False)
         return torch.from_numpy(out).view(*x.shape[:-1], self.out_features)
+
+
+def as_numpy(x: torch.Tensor) -> np.ndarray:
+    """A float32 CPU tensor's numpy view (no copy, no torch op), converting only what must be converted."""
+    if x.dtype is not torch.float32 or x.requires_grad:
+        x = x.detach().to(torch.float32)
+    return x.numpy()
 
 
 @numba.njit(inline="always")
