@@ -46,6 +46,8 @@ BENCH_COMMANDS: dict[str, tuple[str, str, str, str]] = {
               "specserve.evals.bench_serve", "add_arguments", "run"),
     "verify": ("verify forward cost vs draft tree size", "specserve.evals.bench_verify", "add_arguments", "run"),
     "batch": ("decode throughput vs batch size", "specserve.evals.bench_batch", "add_arguments", "run"),
+    "prefill-stall": ("how long one long prompt stalls running decodes, with and without chunked prefill",
+                      "specserve.evals.bench_prefill_stall", "add_arguments", "run"),
 }
 
 

@@ -31,6 +31,8 @@ class LLM:
     dtype: on the CPU, how weights are stored — float32 (default), or bfloat16/float16 to halve the bytes
     read per token; the CPU kernels always compute in float32. On CUDA, the compute dtype (bf16 default).
     threads: CPU threads for the kernels (and torch's remaining ops); None = every core.
+    max_prefill_tokens: prompt tokens prefilled per step; longer prompts are prefilled in chunks between
+    the running requests' decode steps, so one long prompt never stalls everyone's next token.
     """
 
     def __init__(
@@ -47,6 +49,7 @@ class LLM:
         block_size: int = 16,
         attention: str = "sdpa",
         threads: int | None = None,
+        max_prefill_tokens: int = 256,
     ) -> None:
         if model is None:
             from specserve.training.bundle_paths import default_model_dir
@@ -102,7 +105,8 @@ class LLM:
             self.model,
             self.tokenizer,
             drafter_obj,
-            EngineConfig(max_model_len=max_model_len, kv_cache_slots=kv_cache_tokens, block_size=block_size, max_num_seqs=max_num_seqs),
+            EngineConfig(max_model_len=max_model_len, kv_cache_slots=kv_cache_tokens, block_size=block_size,
+                         max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens),
             eos_token_ids=_eos_token_ids(model_dir, cfg.hf_config, self.tokenizer),
         )
 
