@@ -65,7 +65,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, api_key=args.api_key, allowed_origins=tuple(args.allow_origin),
         max_connections=args.max_connections, max_queued=args.max_queued,
         max_responses_per_connection=args.max_responses_per_connection, max_message_bytes=args.max_message_bytes,
-        threads=args.threads,
     )
     from specserve.server.request_log import configure_logging
 

@@ -230,14 +230,14 @@ class Engine:
         if not self.logits_processors and all(not t.num_nodes and r.params.greedy for r, t in zip(reqs, trees)):
             # Plain greedy decoding: each request's token is its row's argmax (the common case, kept lean:
             # right after a forward has streamed the weights through the caches, every Python step is slow).
-            return [VerifyResult((), (), token, 0) for token in logits.argmax(dim=-1).tolist()]
+            return [VerifyResult((), (), token, 0) for token in _argmax(logits).tolist()]
         packed = pack_trees(trees, logits.device)
         if self.logits_processors:
             rows = VerifyRows(reqs, trees, packed.cu_rows)
             for processor in self.logits_processors:
                 processor(logits, rows)
         greedy = np.fromiter((r.params.greedy for r in reqs), dtype=np.bool_, count=len(reqs))
-        argmax = logits.argmax(dim=-1)  # [R]
+        argmax = _argmax(logits)  # [R]
         probs, prob_index, uniforms = None, np.full(packed.num_rows, -1, dtype=np.int64), np.zeros(0)
         if not greedy.all():
             sampled = np.flatnonzero(~greedy)
@@ -319,3 +319,10 @@ class Engine:
 
 
 _EMPTY = DraftTree.empty()
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """int64[R] argmax per row (on the CPU through numpy: 10x cheaper than torch's op on small rows)."""
+    if logits.device.type == "cpu":
+        return torch.from_numpy(logits.numpy().argmax(axis=-1))
+    return logits.argmax(dim=-1)

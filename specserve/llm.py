@@ -30,7 +30,8 @@ class LLM:
     at 2 GiB of cache on CPU).
     dtype: on the CPU, how weights are stored — float32 (default), or bfloat16/float16 to halve the bytes
     read per token; the CPU kernels always compute in float32. On CUDA, the compute dtype (bf16 default).
-    threads: CPU threads for the kernels (and torch's remaining ops); None = every core.
+    threads: CPU threads for the kernels (torch's pool keeps one thread beside them; it gets `threads`
+    only when a model runs on the torch path); None = every core.
     max_prefill_tokens: prompt tokens prefilled per step; longer prompts are prefilled in chunks between
     the running requests' decode steps, so one long prompt never stalls everyone's next token.
     """
@@ -68,6 +69,8 @@ class LLM:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model = LlamaModel.from_pretrained(model_dir, self.device, self.dtype, attention)
+        if threads is not None and self.model.kernels is None and self.device.type == "cpu":
+            torch.set_num_threads(threads)  # the torch path does the heavy work itself here
         cfg = self.model.config
         self.model_dir = str(model_dir)
         self.tokenizer = _load_tokenizer(model_dir)

@@ -2,9 +2,10 @@
 
 numba's default order tries TBB first and falls back to a work queue whose parallel regions cost ~100 us
 to start (measured here: 100 us vs 1.3 us for OpenMP) — ruinous for a 1 ms decode step — so OpenMP
-goes first. torch's own pool is left with the same thread count for the few torch ops that remain
-(sampling, acceptance); the products and attention of a forward never run in it, so the two pools
-take turns instead of spinning against each other.
+goes first. torch's own pool is kept to ONE thread while the kernels run a model: the few torch ops
+left in a step are too small to gain from threads, and a second pool waking up for them contends with
+numba's (measured: an argmax over 9 x 8192 logits took 3.7 ms with two torch threads on a busy machine,
+70 us with one).
 
 Work is split over output tiles and (row, head) pairs, never over a reduction, so results do not
 depend on the thread count (`linear_rows`, `paged_attention`).
@@ -33,7 +34,7 @@ def max_threads() -> int:
 
 
 def set_threads(threads: int | None) -> None:
-    """Use `threads` threads for the CPU kernels (and torch's remaining ops); None = every core."""
+    """Use `threads` threads for the CPU kernels; None = every core. torch keeps one (see above)."""
     global _threads
     if threads is not None:
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
@@ -42,7 +43,7 @@ def set_threads(threads: int | None) -> None:
             raise ValueError(f"threads={threads} but this process can run at most {max_threads()} kernel threads "
                              f"(cores, or NUMBA_NUM_THREADS)")
     _threads = threads
-    torch.set_num_threads(threads or max_threads())
+    torch.set_num_threads(1)
 
 
 def get_threads() -> int:
