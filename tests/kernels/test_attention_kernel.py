@@ -1,0 +1,184 @@
+"""The paged tree-attention kernel against the sdpa backend and a float64 reference, on random StepBatches.
+
+Batches mix several sequences of every kind the engine builds — prompt chunks (causal), single decode
+tokens, verify trees (ancestor masks, positions committed_len + depth) and drafter levels with "tail"
+masks over cached entries — with GQA or not, head_dim 16..48, block sizes 2..8 (smaller than the
+contexts, block tables scattered over the pool), with and without a sliding window.
+
+The reference computes each row in float64 from the StepBatch semantics (step_batch.py): a key before
+the mask's columns is visible; the last `width` keys follow the mask (causal among the new tokens when
+there is none); the sliding window hides keys `window` or more positions back (a cached key j sits at
+position j, a new token at its own position).
+
+Tolerance: atol 2e-5, rtol 1e-5 for the kernel and for sdpa against the float64 reference and against
+each other. Values are O(1) (scores ~ N(0, 1)); a row sums at most ~40 keys, so float32 rounding of the
+dot products, exponentials and the weighted sum stays below ~40 * 2^-24 * max|v| ~ 1e-5.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from specserve.attention import SdpaBackend
+from specserve.kernels.attention import paged_attention
+from specserve.kv_cache import BlockAllocator, PagedKVCache
+from specserve.step_batch import StepBatchBuilder
+
+ATOL, RTOL = 2e-5, 1e-5
+CONFIGS = {  # heads, kv_heads, head_dim, sliding window, block size
+    "gqa2-hd16-bs4": (4, 2, 16, None, 4),
+    "gqa3-hd32-bs2": (6, 2, 32, None, 2),
+    "mha-hd16-window3": (4, 4, 16, 3, 4),
+    "gqa4-hd16-window6-bs8": (8, 2, 16, 6, 8),
+    "gqa2-hd48-window1": (2, 1, 48, 1, 4),
+}
+
+
+def _tree_mask(rng, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """A random tree over n new tokens (token 0 the root): ancestor mask [n, n] and depths [n]."""
+    parents = [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
+    mask = np.eye(n, dtype=bool)
+    depth = np.zeros(n, dtype=np.int64)
+    for i in range(1, n):
+        mask[i] |= mask[parents[i]]
+        depth[i] = depth[parents[i]] + 1
+    return mask, depth
+
+
+def random_batch(rng, allocator: BlockAllocator, num_seqs: int):
+    """Sequences of random kinds on `allocator` (blocks scattered); returns the StepBatch."""
+    # Scatter the free list: take every block, give them back in random order.
+    for i in range(allocator.num_free_blocks):
+        allocator.allocate(f"pad{i}", 1)
+    for i in rng.permutation(len(allocator.tables)):
+        allocator.free(f"pad{i}")
+    builder = StepBatchBuilder(allocator)
+    for b in range(num_seqs):
+        kind = ["chunk", "decode", "tree", "tail"][b % 4] if b < 4 else str(rng.choice(["chunk", "decode", "tree", "tail"]))
+        cached = int(rng.integers(1 if kind == "tail" else 0, 24))
+        n = 1 if kind == "decode" else int(rng.integers(1, 8))
+        positions = mask = None
+        if kind == "tree":
+            mask, depth = _tree_mask(rng, n)
+            positions = cached + depth
+        elif kind == "tail":
+            tail = int(rng.integers(1, min(cached, 5) + 1))
+            own, depth = _tree_mask(rng, n)
+            mask = np.concatenate([rng.random((n, tail)) < 0.5, own], axis=1)
+            positions = cached - tail + 1 + depth + int(rng.integers(0, 2))
+        allocator.allocate(f"s{b}", cached + n)
+        builder.add(f"s{b}", cached, rng.integers(0, 50, n), positions, mask)
+    return builder.build()
+
+
+def reference(batch, q, k_cache, v_cache, window) -> np.ndarray:
+    """float64 attention of every row from the StepBatch semantics; k_cache/v_cache hold this step's K/V."""
+    T, H, D = q.shape
+    group = H // k_cache.shape[1]
+    out = np.zeros((T, H, D))
+    for t in range(T):
+        b = int(batch.token_seq[t])
+        row0, n = int(batch.cu_query_lens[b]), int(batch.cu_query_lens[b + 1] - batch.cu_query_lens[b])
+        context = int(batch.context_lens[b])
+        cached, i, width = context - n, t - row0, int(batch.mask_widths[b])
+        offset = int(batch.mask_offsets[b])
+        visible = []
+        for j in range(context):
+            col = j - (context - width)
+            if col >= 0:
+                if offset >= 0:
+                    if not batch.tree_mask[offset + i * width + col]:
+                        continue
+                elif col > i:  # causal among the new tokens (width == n without a mask)
+                    continue
+            key_pos = j if j < cached else int(batch.positions[row0 + j - cached])
+            if window is not None and int(batch.positions[t]) - key_pos >= window:
+                continue
+            visible.append(j)
+        table = batch.block_tables[b]
+        slots = [int(table[j // batch.block_size]) * batch.block_size + j % batch.block_size for j in visible]
+        for h in range(H):
+            keys = k_cache[slots, h // group].astype(np.float64)
+            values = v_cache[slots, h // group].astype(np.float64)
+            scores = keys @ q[t, h].astype(np.float64) / math.sqrt(D)
+            p = np.exp(scores - scores.max())
+            out[t, h] = p @ values / p.sum()
+    return out
+
+
+def run_kernel(batch, q, k_cache, v_cache, window) -> np.ndarray:
+    out = np.full(q.shape, np.nan, dtype=np.float32)
+    paged_attention(q, k_cache, v_cache, batch.token_seq, batch.cu_query_lens, batch.context_lens, batch.block_tables,
+                    batch.block_size, batch.mask_offsets, batch.mask_widths, batch.tree_mask, batch.positions,
+                    window or 0, np.float32(1.0 / math.sqrt(q.shape[2])), out)
+    return out
+
+
+def _setup(config: str, seed: int, num_seqs: int = 6):
+    heads, kv_heads, head_dim, window, block_size = CONFIGS[config]
+    rng = np.random.default_rng(seed)
+    allocator = BlockAllocator(96 // block_size * num_seqs, block_size)
+    batch = random_batch(rng, allocator, num_seqs)
+    cache = PagedKVCache(allocator, 1, kv_heads, head_dim, torch.device("cpu"), torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=gen))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=gen))
+    q = torch.randn(batch.num_tokens, heads, head_dim, generator=gen)
+    k = torch.randn(batch.num_tokens, kv_heads, head_dim, generator=gen)
+    v = torch.randn(batch.num_tokens, kv_heads, head_dim, generator=gen)
+    return batch, cache, q, k, v, window
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_kernel_matches_sdpa_and_float64_reference_on_random_step_batches(config):
+    for seed in range(6):
+        batch, cache, q, k, v, window = _setup(config, seed)
+        # The kernel reads the cache with this step's K/V already written (decoder_layer writes them first).
+        k_cache, v_cache = cache.k[0].numpy().copy(), cache.v[0].numpy().copy()
+        k_cache[batch.slot_mapping], v_cache[batch.slot_mapping] = k.numpy(), v.numpy()
+        kernel = run_kernel(batch, q.numpy(), k_cache, v_cache, window)
+        sdpa_backend = SdpaBackend(sliding_window=window)
+        sdpa = sdpa_backend.attend(0, q, k, v, sdpa_backend.prepare(batch, cache), cache).view(q.shape)
+        ref = torch.from_numpy(reference(batch, q.numpy(), k_cache, v_cache, window))
+        where = f"{config} seed={seed}"
+        torch.testing.assert_close(torch.from_numpy(kernel).double(), ref, atol=ATOL, rtol=RTOL, msg=lambda m: f"{where}: kernel vs float64: {m}")
+        torch.testing.assert_close(sdpa.double(), ref, atol=ATOL, rtol=RTOL, msg=lambda m: f"{where}: sdpa vs float64: {m}")
+        torch.testing.assert_close(torch.from_numpy(kernel), sdpa, atol=ATOL, rtol=RTOL, msg=lambda m: f"{where}: kernel vs sdpa: {m}")
+
+
+@pytest.mark.parametrize("config", ["gqa3-hd32-bs2", "gqa4-hd16-window6-bs8"])
+def test_kernel_rows_do_not_depend_on_the_batch_or_thread_count(config, use_threads):
+    batch, cache, q, k, v, window = _setup(config, seed=11, num_seqs=8)
+    k_cache, v_cache = cache.k[0].numpy().copy(), cache.v[0].numpy().copy()
+    k_cache[batch.slot_mapping], v_cache[batch.slot_mapping] = k.numpy(), v.numpy()
+    results = []
+    for threads in (1, 2):
+        use_threads(threads)
+        together = run_kernel(batch, q.numpy(), k_cache, v_cache, window)
+        for b in range(batch.num_seqs):
+            rows = slice(int(batch.cu_query_lens[b]), int(batch.cu_query_lens[b + 1]))
+            alone = _only(batch, b)
+            out = run_kernel(alone, np.ascontiguousarray(q.numpy()[rows]), k_cache, v_cache, window)
+            np.testing.assert_array_equal(out.view(np.uint32), together[rows].view(np.uint32))
+        results.append(together)
+    np.testing.assert_array_equal(results[0].view(np.uint32), results[1].view(np.uint32))
+
+
+def _only(batch, b: int):
+    """The StepBatch of sequence b alone (same cache slots, same mask)."""
+    from specserve.step_batch import StepBatch
+
+    lo, hi = int(batch.cu_query_lens[b]), int(batch.cu_query_lens[b + 1])
+    offset, width = int(batch.mask_offsets[b]), int(batch.mask_widths[b])
+    mask = batch.tree_mask[offset:offset + (hi - lo) * width] if offset >= 0 else np.zeros(0, dtype=np.bool_)
+    return StepBatch(
+        input_ids=batch.input_ids[lo:hi], positions=batch.positions[lo:hi], slot_mapping=batch.slot_mapping[lo:hi],
+        token_seq=np.zeros(hi - lo, dtype=np.int32), cu_query_lens=np.array([0, hi - lo], dtype=np.int32),
+        context_lens=batch.context_lens[b:b + 1], block_tables=batch.block_tables[b:b + 1],
+        mask_offsets=np.array([0 if offset >= 0 else -1], dtype=np.int64), mask_widths=batch.mask_widths[b:b + 1],
+        tree_mask=mask, logit_rows=np.zeros(0, dtype=np.int64), hidden_rows=np.zeros(0, dtype=np.int64),
+        block_size=batch.block_size)
