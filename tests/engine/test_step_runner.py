@@ -278,6 +278,31 @@ def test_each_step_moves_one_batch_to_the_device_and_brings_back_one_result(smal
         assert engine.requests[f"p{i}"].output_ids == _expected(reference, i)
 
 
+# The engine's chi-square cases (test_lossless_sampling.py, unchanged), with acceptance through the
+# accelerator implementation: same trees, same uniforms, tensor ops instead of the compiled kernel.
+from engine.test_lossless_sampling import CASES as SAMPLING_CASES  # noqa: E402
+from engine.test_lossless_sampling import N as SAMPLING_N  # noqa: E402
+from engine.test_lossless_sampling import PROMPT as SAMPLING_PROMPT  # noqa: E402
+from target_stats import SAMPLED_MAX_TOKENS, assert_follows_target  # noqa: E402
+
+
+@pytest.mark.parametrize("case", sorted(SAMPLING_CASES))
+def test_sampled_tokens_follow_target_distribution_with_on_device_acceptance(small_vocab_dir, case, monkeypatch):
+    count: Counter = Counter()
+    monkeypatch.setattr(engine_module, "accept_trees", accept_on_device_path(count))
+    spec = SAMPLING_CASES[case]
+    params = [SamplingParams(max_tokens=SAMPLED_MAX_TOKENS, seed=seed, ignore_eos=True, **spec["params"])
+              for seed in range(SAMPLING_N)]
+    reference = LLM(small_vocab_dir, device="cpu").generate([SAMPLING_PROMPT], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    llm = LLM(small_vocab_dir, drafter="scripted", device="cpu", max_num_seqs=SAMPLING_N, drafter_options={
+        "mode": spec["mode"], "seed": 7, "references": [SAMPLING_PROMPT + reference[0].token_ids], "max_budget": 6,
+        "with_probs": spec["with_probs"]})
+    outs = llm.generate([SAMPLING_PROMPT] * SAMPLING_N, params)
+    assert count["accept_on_device"] >= SAMPLED_MAX_TOKENS - 1
+    assert_follows_target(outs, small_vocab_dir, SAMPLING_PROMPT, params[0])
+    assert sum(sum(o.spec.accepted_per_position) for o in outs) > SAMPLING_N // 10
+
+
 # Sync points counted per step on CUDA (torch.cuda.set_sync_debug_mode): each is a host<->device round
 # trip. By reading the code a greedy step now has about 4-6 (the sdpa mask check, the draft q upload, the
 # acceptance pass and its one result, KV moves); the bound leaves a little room, and fails when a
