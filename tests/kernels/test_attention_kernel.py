@@ -13,6 +13,9 @@ position j, a new token at its own position).
 Tolerance: atol 2e-5, rtol 1e-5 for the kernel and for sdpa against the float64 reference and against
 each other. Values are O(1) (scores ~ N(0, 1)); a row sums at most ~40 keys, so float32 rounding of the
 dot products, exponentials and the weighted sum stays below ~40 * 2^-24 * max|v| ~ 1e-5.
+
+The same random batches then run through whole models — kernels vs the torch layers — with rotary
+(default, linear, llama3), GQA, biases and sliding windows (atol/rtol 1e-4 on logits and written K/V).
 """
 
 from __future__ import annotations
@@ -182,3 +185,61 @@ def _only(batch, b: int):
         mask_offsets=np.array([0 if offset >= 0 else -1], dtype=np.int64), mask_widths=batch.mask_widths[b:b + 1],
         tree_mask=mask, logit_rows=np.zeros(0, dtype=np.int64), hidden_rows=np.zeros(0, dtype=np.int64),
         block_size=batch.block_size)
+
+
+# ---- the whole decoder layer: kernels vs the torch layer ----------------------------------------------
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+MODELS = {  # arch, build_model keyword arguments: GQA ratios, head_dim 16/32, biases, RoPE variants, windows
+    "llama-gqa2-hd16-llama3-rope": ("llama", dict(hidden_size=64, heads=4, kv_heads=2, rope_scaling=LLAMA3_ROPE)),
+    "llama-gqa3-hd32-bias": ("llama", dict(hidden_size=96, heads=3, kv_heads=1, attention_bias=True, mlp_bias=True)),
+    "mistral-window5-hd16": ("mistral", dict(hidden_size=64, heads=4, kv_heads=2, sliding_window=5)),
+    "qwen2-hd32-linear-rope": ("qwen2", dict(hidden_size=64, heads=2, kv_heads=1,
+                                             rope_scaling={"rope_type": "linear", "factor": 2.0})),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_model_kernels_match_the_torch_layers_on_random_step_batches(name, tmp_path):
+    """Whole forwards (norms, QKV, rotary at each token's position, KV writes, paged tree attention, MLP,
+    LM head) on the kernels vs the torch layers with the sdpa backend, over the same random StepBatches
+    and the same cache contents. Tolerance: atol 1e-4, rtol 1e-4 on logits and written K/V (the model
+    parity tests' fp32 tolerance against transformers)."""
+    from specserve.model import LlamaModel
+    from tiny_models import build_model
+
+    arch, extra = MODELS[name]
+    path = build_model(tmp_path, arch, vocab_size=61, tokenizer=False, init_std=0.2, layers=2, **extra)
+    kernels = LlamaModel.from_pretrained(path, torch.device("cpu"), torch.float32, cpu_kernels=True)
+    layers = LlamaModel.from_pretrained(path, torch.device("cpu"), torch.float32, cpu_kernels=False)
+    assert kernels.kernels is not None and layers.kernels is None
+    cfg = kernels.config
+    for seed in range(4):
+        rng = np.random.default_rng(100 + seed)
+        block_size = int(rng.choice([2, 4, 8]))
+        allocator = BlockAllocator(96 // block_size * 6, block_size)
+        batch = random_batch(rng, allocator, 6)
+        batch = _with_logits_everywhere(batch)
+        caches = [kernels.new_cache(allocator), layers.new_cache(allocator)]
+        gen = torch.Generator().manual_seed(seed)
+        for part in ("k", "v"):
+            values = torch.randn(getattr(caches[0], part).shape, generator=gen)
+            for cache in caches:
+                getattr(cache, part).copy_(values)
+        out_k = kernels.forward(batch, caches[0]).logits
+        out_t = layers.forward(batch, caches[1]).logits
+        assert out_k.shape == (batch.num_tokens, cfg.vocab_size)
+        where = f"{name} seed={seed} block={block_size}"
+        torch.testing.assert_close(out_k, out_t, atol=1e-4, rtol=1e-4, msg=lambda m: f"{where}: logits: {m}")
+        slots = torch.from_numpy(batch.slot_mapping)
+        for part in ("k", "v"):
+            torch.testing.assert_close(getattr(caches[0], part)[:, slots], getattr(caches[1], part)[:, slots],
+                                       atol=1e-4, rtol=1e-4, msg=lambda m: f"{where}: written {part}: {m}")
+
+
+def _with_logits_everywhere(batch):
+    """The same StepBatch, returning logits at every row."""
+    import dataclasses
+
+    return dataclasses.replace(batch, logit_rows=np.arange(batch.num_tokens, dtype=np.int64))
