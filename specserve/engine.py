@@ -170,9 +170,11 @@ class Engine:
 
     # ---- the step -------------------------------------------------------------------------------
 
+    @torch.inference_mode()
     def step(self) -> list[RequestDelta]:
         """Run one engine step over every running request; return what each produced (requests that
-        only prefilled a prompt chunk produce nothing yet)."""
+        only prefilled a prompt chunk produce nothing yet). Inference mode for the whole step: logits
+        processors may edit the forward's logits in place."""
         step = self.scheduler.schedule(self.drafter.max_budget if self.drafter else 0)
         if step.empty:
             return []

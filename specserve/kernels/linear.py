@@ -35,7 +35,8 @@ class PackedLinear:
     """A weight [out, in] (and optional bias [out]) packed for `linear_rows`.
 
     storage: "float32", "bfloat16" (kept as int16 bits; rounded to nearest even from the source) or
-    "float16". The bias stays float32 (zeros when there is none: adding 0.0 changes nothing).
+    "float16" (kept as uint16 bits). The bias stays float32 (zeros when there is none: adding 0.0 changes
+    nothing).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, storage: str = "float32") -> None:
@@ -50,8 +51,8 @@ class PackedLinear:
             self.weight = packed.contiguous().numpy()
         elif storage == "bfloat16":
             self.weight = packed.to(torch.bfloat16).contiguous().view(torch.int16).numpy()
-        elif storage == "float16":
-            self.weight = packed.to(torch.float16).contiguous().numpy()
+        elif storage == "float16":  # kept as uint16 bits: see simd.vload
+            self.weight = packed.to(torch.float16).contiguous().view(torch.int16).numpy().view(np.uint16)
         else:
             raise ValueError(f"weight storage must be float32, bfloat16 or float16, got {storage!r}")
         self.bias = np.zeros(blocks * LANES, dtype=np.float32)
@@ -99,7 +100,7 @@ def linear_rows(x, w, bias, out, accumulate):
     """out[:, :out_features] (+)= x @ W^T + bias, batch-invariant (see the module docstring).
 
     x:    float32[M, in], rows C-contiguous.
-    w:    [blocks, in * 16] a `PackedLinear.weight` (float32, int16 bfloat16 bits or float16).
+    w:    [blocks, in * 16] a `PackedLinear.weight` (float32, int16 bfloat16 bits or uint16 float16 bits).
     bias: float32[blocks * 16].
     out:  float32[M, out_features], C-contiguous; accumulate: add to it instead of overwriting.
     """

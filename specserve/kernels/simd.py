@@ -8,7 +8,7 @@ a result depends only on its own inputs: batch invariance by construction, not b
 
 `F32x16` values live in registers (LLVM ``<16 x float>``). Loads widen half-size weights on the fly:
 bfloat16 is the top half of a float32 (widening is a shift), float16 converts with F16C; arithmetic
-is always float32. Unaligned loads are used throughout (numpy gives 16-byte alignment at best).
+is always float32. Half-size weights travel as 16-bit integer arrays (int16: bfloat16, uint16: float16). Unaligned loads are used throughout (numpy gives 16-byte alignment at best).
 """
 
 from __future__ import annotations
@@ -66,10 +66,11 @@ def vbroadcast(typingctx, value):
 
 @intrinsic
 def vload(typingctx, array, index):
-    """array[index : index + 16] as float32 lanes; array is 1-D contiguous float32, bfloat16 (stored
-    as int16/uint16 bits) or float16."""
+    """array[index : index + 16] as float32 lanes. array is 1-D contiguous: float32, or half-size weights
+    kept as 16-bit integers — int16 holds bfloat16 bits (widened by a shift), uint16 holds float16 bits
+    (converted with F16C). numba has no float16 arithmetic, so the dtype itself says how to widen."""
     if not isinstance(array, types.Array) or array.ndim != 1 or array.dtype not in (
-            types.float32, types.int16, types.uint16, types.float16):
+            types.float32, types.int16, types.uint16):
         return None
 
     def codegen(context, builder, signature, args):
@@ -77,13 +78,11 @@ def vload(typingctx, array, index):
         ptr = _item_pointer(context, builder, arrty, args[0], args[1])
         if arrty.dtype == types.float32:
             return builder.load(builder.bitcast(ptr, _VEC.as_pointer()), align=4)
-        if arrty.dtype == types.float16:
-            half = ir.VectorType(ir.HalfType(), LANES)
-            raw = builder.load(builder.bitcast(ptr, half.as_pointer()), align=2)
-            return builder.fpext(raw, _VEC)
         bits = ir.VectorType(ir.IntType(16), LANES)
         raw = builder.load(builder.bitcast(ptr, bits.as_pointer()), align=2)
-        wide = builder.zext(raw, ir.VectorType(_I32, LANES))
+        if arrty.dtype == types.uint16:  # float16
+            return builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), LANES)), _VEC)
+        wide = builder.zext(raw, ir.VectorType(_I32, LANES))  # bfloat16: the top half of a float32
         shifted = builder.shl(wide, ir.Constant(ir.VectorType(_I32, LANES), [16] * LANES))
         return builder.bitcast(shifted, _VEC)
 

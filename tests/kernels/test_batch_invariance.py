@@ -29,13 +29,7 @@ from specserve.model import LlamaModel
 from specserve.step_batch import StepBatchBuilder
 from tiny_models import build_model
 
-FP16_BUG = pytest.mark.xfail(
-    strict=True, raises=NotImplementedError,
-    reason="BUG: float16 weight storage cannot run: numba 0.68 has no float16 data model, so linear_rows on a "
-           "float16-stored weight (PackedLinear(storage='float16'), LlamaModel/LLM with dtype=float16 on the "
-           "CPU) raises NotImplementedError: float16 while compiling")
-# float16 storage is exercised once here (the product); each failed compile of the bug costs ~8 s.
-STORAGES = ["float32", "bfloat16", pytest.param("float16", marks=FP16_BUG)]
+STORAGES = ["float32", "bfloat16", "float16"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -25,13 +25,7 @@ from specserve.kernels import PackedLinear, linear_rows
 
 STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 U = 2.0 ** -24
-FP16_BUG = pytest.mark.xfail(
-    strict=True, raises=NotImplementedError,
-    reason="BUG: float16 weight storage cannot run: numba 0.68 has no float16 data model, so linear_rows on a "
-           "PackedLinear(storage='float16') weight raises NotImplementedError: float16 while compiling (and so "
-           "does LLM(dtype='float16') on the CPU at its first forward); each failed compile costs ~8 s")
-# Storage kinds as test parameters; float16 is marked with the bug above (one compile attempt per test).
-STORAGES = ["float32", "bfloat16", pytest.param("float16", marks=FP16_BUG)]
+STORAGES = ["float32", "bfloat16", "float16"]
 
 
 def round_f32(v: Fraction) -> Fraction:
