@@ -6,17 +6,18 @@ tokens, or the sliding window) hides it. Masked keys are skipped, not added as z
 arithmetic depends only on the keys it sees and their order: a tree node attends exactly as the same
 token does in plain decoding once its ancestors are committed (they are then the same keys, in the
 same order). Work is split over (row, KV head) pairs; one thread computes a row's heads of a group.
+
+Per (row, head): scores of the visible keys, then the softmax 16 keys at a time (`vexp`; the sum
+kept in 16 lanes and added up in one fixed order), then the weighted sum of values key by key.
 """
 
 from __future__ import annotations
-
-import math
 
 import numba
 import numpy as np
 from numba import prange
 
-from specserve.kernels.simd import LANES, vbroadcast, vfma, vload, vmul, vstore, vsum, vzero
+from specserve.kernels.simd import LANES, vadd, vbroadcast, vexp, vfma, vload, vmul, vstore, vsub, vsum, vzero
 
 
 @numba.njit(inline="always")
@@ -62,40 +63,41 @@ def paged_attention(q, k_cache, v_cache, token_seq, cu_query_lens, context_lens,
         width = mask_widths[b]
         mask_offset = mask_offsets[b]
         query_pos = positions[t]
-        scores = np.empty((group, context), dtype=np.float32)
-        seen = np.zeros(context, dtype=np.bool_)
-        best = np.full(group, -np.inf, dtype=np.float32)
+        # The visible keys' physical slots, in key order.
+        slots = np.empty(context, dtype=np.int64)
+        seen = 0
         for j in range(context):
-            if not _visible(j, i, n, context, cached, width, mask_offset, tree_mask, query_pos, positions, row0, window):
-                continue
-            seen[j] = True
-            slot = block_tables[b, j // block_size] * block_size + j % block_size
-            key = k_cache[slot, g]
-            for r in range(group):
-                query = q[t, g * group + r]
+            if _visible(j, i, n, context, cached, width, mask_offset, tree_mask, query_pos, positions, row0, window):
+                slots[seen] = block_tables[b, j // block_size] * block_size + j % block_size
+                seen += 1
+        padded = -(-seen // LANES) * LANES
+        scores = np.full(padded, -np.inf, dtype=np.float32)  # padding lanes: exp(-inf) = 0 exactly
+        acc_out = np.empty(head_dim, dtype=np.float32)
+        for r in range(group):
+            h = g * group + r
+            query = q[t, h]
+            for j in range(seen):
+                key = k_cache[slots[j], g]
                 acc = vzero()
                 for d in range(0, head_dim, LANES):
                     acc = vfma(vload(query, d), vload(key, d), acc)
-                s = np.float32(vsum(acc) * scale)
-                scores[r, j] = s
-                if s > best[r]:
-                    best[r] = s
-        acc_out = np.zeros(head_dim, dtype=np.float32)
-        for r in range(group):
-            h = g * group + r
-            acc_out[:] = 0.0
-            total = np.float32(0.0)
-            for j in range(context):
-                if not seen[j]:
-                    continue
-                p = np.float32(math.exp(scores[r, j] - best[r]))
-                total += p
-                slot = block_tables[b, j // block_size] * block_size + j % block_size
-                value = v_cache[slot, g]
-                pv = vbroadcast(p)
+                scores[j] = vsum(acc) * scale
+            for j in range(seen, padded):
+                scores[j] = -np.inf  # padding lanes (the previous head left exps there)
+            top = vbroadcast(np.float32(np.max(scores[:seen])))
+            lanes = vzero()
+            for j in range(0, padded, LANES):
+                e = vexp(vsub(vload(scores, j), top))
+                vstore(scores, j, e)
+                lanes = vadd(lanes, e)
+            inv = vbroadcast(np.float32(1.0) / vsum(lanes))
+            for d in range(0, head_dim, LANES):
+                vstore(acc_out, d, vzero())
+            for j in range(seen):
+                value = v_cache[slots[j], g]
+                pv = vbroadcast(scores[j])
                 for d in range(0, head_dim, LANES):
                     vstore(acc_out, d, vfma(pv, vload(value, d), vload(acc_out, d)))
-            inv = vbroadcast(np.float32(1.0) / total)
             dst = out[t, h]
             for d in range(0, head_dim, LANES):
                 vstore(dst, d, vmul(vload(acc_out, d), inv))

@@ -164,3 +164,44 @@ def vlane(typingctx, a, lane):
         return builder.extract_element(args[0], index)
 
     return types.float32(a, lane), codegen
+
+
+vdiv = _binary("fdiv")
+
+
+def _vconst(value: float):
+    return ir.Constant(_VEC, [value] * LANES)
+
+
+def _call(builder, name: str, args, arity: int):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VEC, [_VEC] * arity), name)
+    return builder.call(fn, args)
+
+
+@intrinsic
+def vexp(typingctx, a):
+    """exp of each lane (Cephes' expf: range reduction by ln 2, a degree-5 polynomial, then 2^n through the
+    exponent bits) — about 1 ulp, in registers, 16 lanes at once; exactly 0 below exp's float32 range
+    (so -inf lanes, e.g. padding, contribute nothing)."""
+
+    def codegen(context, builder, signature, args):
+        x0 = args[0]
+        x = _call(builder, "llvm.maxnum.v16f32", [x0, _vconst(-87.33654)], 2)
+        x = _call(builder, "llvm.minnum.v16f32", [x, _vconst(88.72283)], 2)
+        fma = lambda a, b, c: _call(builder, "llvm.fma.v16f32", [a, b, c], 3)  # noqa: E731
+        fx = _call(builder, "llvm.floor.v16f32", [fma(x, _vconst(1.44269504088896341), _vconst(0.5))], 1)
+        x = fma(fx, _vconst(-0.693359375), x)
+        x = fma(fx, _vconst(2.12194440e-4), x)
+        z = builder.fmul(x, x)
+        y = _vconst(1.9875691500e-4)
+        for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+            y = fma(y, x, _vconst(c))
+        y = builder.fadd(fma(y, z, x), _vconst(1.0))
+        ivec = ir.VectorType(_I32, LANES)
+        n = builder.fptosi(fx, ivec)
+        bits = builder.shl(builder.add(n, ir.Constant(ivec, [127] * LANES)), ir.Constant(ivec, [23] * LANES))
+        y = builder.fmul(y, builder.bitcast(bits, _VEC))
+        below = builder.fcmp_ordered("<", x0, _vconst(-87.33654))
+        return builder.select(below, _vconst(0.0), y)
+
+    return F32x16(a), codegen
