@@ -28,7 +28,7 @@ from specserve.kernels.simd import LANES, vadd, vbroadcast, vfma, vlane, vload, 
 
 # Output blocks per unit of parallel work: 4 blocks = 64 outputs. Small enough that two threads share
 # a 320-wide product evenly, large enough that a single row keeps 4 independent FMA chains busy.
-TILE_BLOCKS = 4
+TILE_BLOCKS = 2
 
 
 class PackedLinear:

@@ -61,3 +61,26 @@ def test_engine_stop_strings_and_stream_equals_generate(llama_dir):
     assert streamed == out.text
     streamed_free = "".join(llm.stream("def f(x):", SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)))
     assert streamed_free == free.text
+
+
+class _DecodeOnly:
+    """A tokenizer with `decode` but no fast backend: the two-decode path."""
+
+    def __init__(self, tokenizer):
+        self.decode = tokenizer.decode
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_streaming_decoder_and_two_decode_path_agree(tokenizer, text):
+    ids = tokenizer.encode(text)
+    out = []
+    for tok in (tokenizer, _DecodeOnly(tokenizer)):
+        detok = IncrementalDetokenizer(tok, prompt_ids=[3, 4, 5])
+        deltas = []
+        for t in ids:
+            detok.add(t)
+            deltas.append(detok.take_delta(final=False))
+        detok.flush()
+        deltas.append(detok.take_delta(final=True))
+        out.append(deltas)
+    assert "".join(out[0]) == "".join(out[1]) == text
