@@ -255,11 +255,17 @@ def locate(source: str | None) -> Path | PeerUnavailable:
     """llama.cpp's source tree, or the reason the peer is skipped (llama-cpp-python or the converter
     missing); a source given that is not a converter tree raises ValueError. Cheap: callers run it
     before loading anything, so bad input fails at once."""
+    problems = []
+    tree = None
+    try:
+        tree = find_converter(source)  # a source given that is not a converter tree: ValueError, even here
+    except PeerUnavailable as reason:
+        problems.append(str(reason))
     try:
         require_llama_cpp()
-        return find_converter(source)
     except PeerUnavailable as reason:
-        return reason
+        problems.append(str(reason))
+    return PeerUnavailable("; ".join(problems)) if problems else tree
 
 
 def load(model_dir: str | Path, tree: Path, *, dtype, threads: int, n_ctx: int, gpu: bool = False,

@@ -107,7 +107,11 @@ def test_missing_llama_cpp_python_is_a_skip_reason(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "llama_cpp", None)  # import llama_cpp raises ImportError
     with pytest.raises(lp.PeerUnavailable, match=r'pip install -e "\.\[llamacpp\]"'):
         lp.require_llama_cpp()
-    assert isinstance(lp.locate("/nonexistent"), lp.PeerUnavailable)  # checked first: nothing else to report
+    monkeypatch.delenv(lp.ENV_SOURCE, raising=False)
+    reason = lp.locate(None)  # both missing: one reason naming both, so the user fixes them in one go
+    assert isinstance(reason, lp.PeerUnavailable) and "llamacpp" in str(reason) and "--llama-cpp-source" in str(reason)
+    with pytest.raises(ValueError, match="not a directory"):  # a bad path given is bad input, whatever else is missing
+        lp.locate("/nonexistent")
 
 
 # -- conversion through a stand-in converter ----------------------------------------------------------

@@ -9,7 +9,7 @@ from specserve.cli import main
 
 def test_bench_serve_smoke(llama_dir, tmp_path, capsys):
     out = tmp_path / "bench.json"
-    rc = main(["bench", "serve", "--model", str(llama_dir), "--concurrency", "1,2", "--requests", "2", "--warmup", "0",
+    rc = main(["bench", "serve", "--model", str(llama_dir), "--concurrency", "1,2", "--requests", "2", "--warmup", "1",
                "--prompt-tokens", "4", "--max-output-tokens", "16", "--drafter", "ngram", "--pacing", "--json", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
