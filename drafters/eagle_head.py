@@ -284,8 +284,8 @@ class _HeadKernels:
         else:
             self.lm_head = target_kernels.lm_head  # the target's own packed LM head, shared
             self.norm = None
-        self.cos = head.rope.cos.float().numpy()
-        self.sin = head.rope.sin.float().numpy()
+        rope = RotaryTable(head.mc, torch.device("cpu"), torch.float32)  # fp32 tables whatever the weights' dtype
+        self.cos, self.sin = rope.cos.numpy(), rope.sin.numpy()
         self.embed = head.embed.float().numpy()
         self.input_norm = head.input_norm.detach().float().numpy() if head.input_norm is not None else None
         self.hidden_norm = head.hidden_norm.detach().float().numpy() if head.hidden_norm is not None else None

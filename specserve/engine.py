@@ -43,7 +43,7 @@ class EngineConfig:
     kv_cache_slots: int
     block_size: int = 16
     max_num_seqs: int = 64
-    max_prefill_tokens: int = 256
+    max_prefill_tokens: int = 128
     max_forced_tokens: int = 0
 
     def __post_init__(self) -> None:

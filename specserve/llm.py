@@ -9,7 +9,9 @@ from typing import Any
 
 import torch
 
-from specserve.device import resolve_device, resolve_dtype
+from specserve.config import load_config
+from specserve.device import checkpoint_dtype, resolve_device, resolve_dtype
+from specserve.kernels import kernels_unsupported
 from specserve.drafters import TargetInfo, create_drafter
 from specserve.engine import Engine, EngineConfig
 from specserve.model import LlamaModel
@@ -28,8 +30,9 @@ class LLM:
     embedded default model, else plain decoding.
     kv_cache_tokens: total tokens the paged cache holds (default: max_num_seqs full contexts, capped
     at 2 GiB of cache on CPU).
-    dtype: on the CPU, how weights are stored — float32 (default), or bfloat16/float16 to halve the bytes
-    read per token; the CPU kernels always compute in float32. On CUDA, the compute dtype (bf16 default).
+    dtype: on the CPU, how weights are stored — float32, or bfloat16/float16 to halve the bytes read per
+    token; the CPU kernels always compute in float32. Default: the checkpoint's own storage when it is
+    float16/bfloat16 (exactly its values, half the bytes), else float32. On CUDA, the compute dtype (bf16).
     threads: CPU threads for the kernels (torch's pool keeps one thread beside them; it gets `threads`
     only when a model runs on the torch path); None = every core.
     max_prefill_tokens: prompt tokens prefilled per step; longer prompts are prefilled in chunks between
@@ -50,7 +53,7 @@ class LLM:
         block_size: int = 16,
         attention: str = "sdpa",
         threads: int | None = None,
-        max_prefill_tokens: int = 256,
+        max_prefill_tokens: int = 128,
     ) -> None:
         if model is None:
             from specserve.training.bundle_paths import default_model_dir
@@ -67,7 +70,9 @@ class LLM:
 
             set_threads(threads)
         self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
+        cfg = load_config(model_dir)
+        self.dtype = resolve_dtype(dtype, self.device, checkpoint_dtype(cfg.hf_config),
+                                   kernels_unsupported(self.device, torch.float32, cfg.head_dim) is None)
         self.model = LlamaModel.from_pretrained(model_dir, self.device, self.dtype, attention)
         if threads is not None and self.model.kernels is None and self.device.type == "cpu":
             torch.set_num_threads(threads)  # the torch path does the heavy work itself here

@@ -20,6 +20,7 @@ from specserve.kernels.linear import PackedLinear, linear_rows
 from specserve.kernels.simd import LANES
 from specserve.kernels.threads import apply_threads
 from specserve.kv_cache import PagedKVCache
+from specserve.rope import RotaryTable
 from specserve.step_batch import StepBatch
 
 log = logging.getLogger("specserve")
@@ -113,8 +114,8 @@ class ModelKernels:
         self.norm = _np(model.norm)
         self.lm_head = PackedLinear(model.lm_head, None, self.storage)
         self.layers = [LayerKernels(layer, self.storage) for layer in model.layers]
-        self.cos = _np(model.rope.cos)
-        self.sin = _np(model.rope.sin)
+        rope = RotaryTable(cfg, torch.device("cpu"), torch.float32)  # fp32 tables whatever the weights' dtype
+        self.cos, self.sin = rope.cos.numpy(), rope.sin.numpy()
         self.window = int(cfg.sliding_window or 0)
         self.eps = np.float32(cfg.rms_norm_eps)
         self._arena = move_to_arena([self.lm_head, *(p for layer in self.layers for p in layer.products())])
