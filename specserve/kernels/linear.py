@@ -26,9 +26,9 @@ from numba import prange
 
 from specserve.kernels.simd import LANES, vadd, vbroadcast, vfma, vlane, vload, vstore, vzero
 
-# Output blocks per unit of parallel work: 4 blocks = 64 outputs. Small enough that two threads share
-# a 320-wide product evenly, large enough that a single row keeps 4 independent FMA chains busy.
-TILE_BLOCKS = 2
+# Products at least this many 16-wide blocks (1024 outputs) use 4-block tiles: 16+ tiles, even for 4 threads.
+WIDE_PRODUCT_BLOCKS = 64
+
 
 
 class PackedLinear:
@@ -106,10 +106,14 @@ def linear_rows(x, w, bias, out, accumulate):
     """
     num_rows, num_in = x.shape
     num_blocks = w.shape[0]
-    num_tiles = (num_blocks + TILE_BLOCKS - 1) // TILE_BLOCKS
+    # Tiles of 4 blocks keep 4 FMA chains busy for a single row; narrow products use tiles of 2 so
+    # threads get even shares (either way each element is computed the same: see above). The cut is
+    # a fixed width, not the thread count: asking numba for that makes the function uncacheable.
+    tile_blocks = 4 if num_blocks >= WIDE_PRODUCT_BLOCKS else 2
+    num_tiles = (num_blocks + tile_blocks - 1) // tile_blocks
     for tile in prange(num_tiles):
-        first = tile * TILE_BLOCKS
-        last = min(num_blocks, first + TILE_BLOCKS)
+        first = tile * tile_blocks
+        last = min(num_blocks, first + tile_blocks)
         m = 0
         while m + 4 <= num_rows:  # 4 rows x 2 blocks: each broadcast feeds 2 FMAs, each load 4
             x0, x1, x2, x3 = x[m], x[m + 1], x[m + 2], x[m + 3]
@@ -144,7 +148,32 @@ def linear_rows(x, w, bias, out, accumulate):
                 _finish(out, m, base, a0, bias, accumulate); _finish(out, m + 1, base, a1, bias, accumulate)
                 _finish(out, m + 2, base, a2, bias, accumulate); _finish(out, m + 3, base, a3, bias, accumulate)
             m += 4
-        while m < num_rows:  # one row x 4 blocks: 4 independent chains, each weight read once
+        if m + 2 <= num_rows:  # 2 rows x 2 blocks: 4 chains (2-3 rows left)
+            x0, x1 = x[m], x[m + 1]
+            b = first
+            while b + 2 <= last:
+                w0, w1 = w[b], w[b + 1]
+                a0 = vzero(); a1 = vzero(); c0 = vzero(); c1 = vzero()
+                for k in range(num_in):
+                    u = vload(w0, k * LANES)
+                    v = vload(w1, k * LANES)
+                    s = vbroadcast(x0[k]); a0 = vfma(s, u, a0); c0 = vfma(s, v, c0)
+                    s = vbroadcast(x1[k]); a1 = vfma(s, u, a1); c1 = vfma(s, v, c1)
+                base = b * LANES
+                _finish(out, m, base, a0, bias, accumulate); _finish(out, m, base + LANES, c0, bias, accumulate)
+                _finish(out, m + 1, base, a1, bias, accumulate); _finish(out, m + 1, base + LANES, c1, bias, accumulate)
+                b += 2
+            if b < last:
+                w0 = w[b]
+                a0 = vzero(); a1 = vzero()
+                for k in range(num_in):
+                    u = vload(w0, k * LANES)
+                    a0 = vfma(vbroadcast(x0[k]), u, a0)
+                    a1 = vfma(vbroadcast(x1[k]), u, a1)
+                base = b * LANES
+                _finish(out, m, base, a0, bias, accumulate); _finish(out, m + 1, base, a1, bias, accumulate)
+            m += 2
+        while m < num_rows:  # one row x 4 (or 2) blocks: independent chains, each weight read once
             xr = x[m]
             b = first
             while b + 4 <= last:
@@ -163,11 +192,20 @@ def linear_rows(x, w, bias, out, accumulate):
                 _finish(out, m, base + 2 * LANES, a2, bias, accumulate)
                 _finish(out, m, base + 3 * LANES, a3, bias, accumulate)
                 b += 4
-            while b < last:
+            if b + 2 <= last:
+                w0, w1 = w[b], w[b + 1]
+                a0 = vzero(); a1 = vzero()
+                for k in range(num_in):
+                    s = vbroadcast(xr[k])
+                    a0 = vfma(s, vload(w0, k * LANES), a0)
+                    a1 = vfma(s, vload(w1, k * LANES), a1)
+                _finish(out, m, b * LANES, a0, bias, accumulate)
+                _finish(out, m, (b + 1) * LANES, a1, bias, accumulate)
+                b += 2
+            if b < last:
                 w0 = w[b]
                 a0 = vzero()
                 for k in range(num_in):
                     a0 = vfma(vbroadcast(xr[k]), vload(w0, k * LANES), a0)
                 _finish(out, m, b * LANES, a0, bias, accumulate)
-                b += 1
             m += 1
