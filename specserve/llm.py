@@ -17,6 +17,7 @@ from specserve.engine import Engine, EngineConfig
 from specserve.model import LlamaModel
 from specserve.request import RequestOutput
 from specserve.sampling import SamplingParams
+from specserve.speculation import SPECULATION_MODES, make_budget_policy
 
 Prompt = str | Sequence[int]
 
@@ -54,7 +55,10 @@ class LLM:
         attention: str = "sdpa",
         threads: int | None = None,
         max_prefill_tokens: int = 128,
+        speculation: str = "adaptive",
     ) -> None:
+        if speculation not in SPECULATION_MODES:
+            raise ValueError(f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {speculation!r}")
         if model is None:
             from specserve.training.bundle_paths import default_model_dir
 
@@ -116,7 +120,9 @@ class LLM:
             EngineConfig(max_model_len=max_model_len, kv_cache_slots=kv_cache_tokens, block_size=block_size,
                          max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens),
             eos_token_ids=_eos_token_ids(model_dir, cfg.hf_config, self.tokenizer),
+            budget_policy=make_budget_policy(speculation, drafter_obj, self.model, max_num_seqs),
         )
+        self.speculation = speculation
 
     # ---- prompts --------------------------------------------------------------------------------
 
