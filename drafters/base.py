@@ -95,8 +95,12 @@ class Drafter(ABC):
         addresses its drafter entries too, so admission counts them and nothing grows later."""
 
     @abstractmethod
-    def propose(self, requests: list[DraftRequest], budgets: list[int]) -> list[DraftTree]:
-        """One tree per request with at most ``budgets[i]`` nodes (an empty tree is always valid)."""
+    def propose(self, requests: list[DraftRequest], budgets: list[int], depth: int | None = None) -> list[DraftTree]:
+        """One tree per request with at most ``budgets[i]`` nodes (an empty tree is always valid).
+
+        depth: the budget policy's cap on tree depth this step (None: the drafter's own). Drafters whose
+        cost grows with depth (one forward per level) must honour it; others may draft deeper, the
+        policy's cut drops what is past it."""
 
     def on_commit(self, commits: list[CommitInfo]) -> None:
         """Update per-request drafter state with what was accepted. Default: stateless."""

@@ -50,7 +50,9 @@ def _check(name: str, value: object, low: int, high: int | None = None) -> int:
 @dataclass
 class _State:
     num_cached: int = 0  # head pairs cached: pairs 0..num_cached-1 (slots 0..num_cached-1)
-    feats: list[torch.Tensor] = field(default_factory=list)  # queued input features of positions num_cached..
+    # Queued target features of positions num_cached.., per handover one list over feature_layers; fused
+    # into head inputs only when the request drafts (a request at budget 0 pays nothing per step).
+    feats: list[list[torch.Tensor]] = field(default_factory=list)
     num_feats: int = 0
     last_feat: torch.Tensor | None = None  # input feature of the last cached pair [1, H]
     generator: torch.Generator | None = None
@@ -119,12 +121,16 @@ class EagleDrafter(LevelDrafter):
             missing = [layer for layer in self.hidden_layers if layer not in req.hidden_states]
             if missing:
                 raise RuntimeError(f"eagle drafter: the engine handed no features of layer(s) {missing}")
-            dtype = torch.float32 if self.head.kernels is not None else self.head.fc.dtype
-            layers = [req.hidden_states[layer].to(self.device, dtype) for layer in self.feature_layers]
-            feats = self.head.fuse(layers)  # [n, H]
-            state.feats.append(feats)
-            state.num_feats += feats.shape[0]
+            layers = [req.hidden_states[layer] for layer in self.feature_layers]
+            state.feats.append(layers)
+            state.num_feats += layers[0].shape[0]
         return state
+
+    def _fused(self, queued: list[list[torch.Tensor]]) -> torch.Tensor:
+        """Queued target features (handovers × feature layers, [n_i, H] each) → head inputs [Σn_i, H]."""
+        dtype = torch.float32 if self.head.kernels is not None else self.head.fc.dtype
+        layers = [torch.cat([q[i] for q in queued]).to(self.device, dtype) for i in range(len(self.feature_layers))]
+        return self.head.fuse(layers)
 
     def _max_levels(self, req: DraftRequest) -> int:
         return self.max_positions - len(req.token_ids) + 2  # level d feeds position len + d - 3
@@ -146,7 +152,8 @@ class EagleDrafter(LevelDrafter):
             ids.append(new)
             if start < state.num_cached:
                 feats.append(state.last_feat)
-            feats.extend(state.feats)
+            if state.feats:
+                feats.append(self._fused(state.feats))
             first = builder.add(req.request_id, start, new)
             rows.append(first + len(new) - 1)
             state.last_feat = feats[-1][-1:]
@@ -180,11 +187,11 @@ class EagleDrafter(LevelDrafter):
         self._prev = prev
         return self.head.logits(out.flatten(0, 1)).view(len(active), k, -1)
 
-    def _tree(self, tokens, parents, q_ids, q_probs) -> DraftTree:
+    def _tree(self, tokens, parents, q_ids, q_probs, scores) -> DraftTree:
         """Draft-vocabulary ids → target ids (EAGLE-3's reduced vocabulary; the identity for EAGLE-1)."""
         if q_ids is not None:
             q_ids = np.where(q_ids >= 0, self._id_map[np.maximum(q_ids, 0)], -1)
-        return super()._tree(self._id_map[tokens], parents, q_ids, q_probs)
+        return super()._tree(self._id_map[tokens], parents, q_ids, q_probs, scores)
 
     def __repr__(self) -> str:
         return (f"EagleDrafter(path={str(self.path)!r}, mode={self.mode}, depth={self.depth}, topk={self.topk}, "

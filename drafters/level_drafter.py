@@ -49,7 +49,7 @@ class LevelDrafter(Drafter):
     seed: int
     vocab: int  # of the drafter's logits (EAGLE-3: its draft vocabulary)
 
-    def propose(self, requests: list[DraftRequest], budgets: list[int]) -> list[DraftTree]:
+    def propose(self, requests: list[DraftRequest], budgets: list[int], depth: int | None = None) -> list[DraftTree]:
         if len(budgets) != len(requests):
             raise ValueError(f"propose got {len(requests)} requests but {len(budgets)} budgets")
         trees = [DraftTree.empty() for _ in requests]
@@ -60,7 +60,7 @@ class LevelDrafter(Drafter):
                 raise ValueError(f"budget for request {req.request_id!r} must be >= 0, got {budget}")
             state = self._prepare(req)
             cap = min(budget, self.max_budget)
-            levels = min(self.depth, cap, self._max_levels(req))
+            levels = min(self.depth if depth is None else depth, cap, self._max_levels(req))
             if cap > 0 and levels >= 1:
                 work.append(LevelWork(i, req, cap, levels, state))
         if not work:
@@ -76,9 +76,9 @@ class LevelDrafter(Drafter):
                 break
             logits = self._feed_level(work, builder, front, active, level)  # [A', W, V]
             front = builder.add_level(_numpy(logits), active)
-        for w, (tokens, parents, q_ids, q_probs) in zip(work, builder.finish([w.cap for w in work])):
+        for w, (tokens, parents, q_ids, q_probs, scores) in zip(work, builder.finish([w.cap for w in work])):
             if len(tokens):
-                trees[w.index] = self._tree(tokens, parents, q_ids, q_probs)
+                trees[w.index] = self._tree(tokens, parents, q_ids, q_probs, scores)
         return trees
 
     def _uniforms(self, work: list[LevelWork], temps: np.ndarray) -> np.ndarray | None:
@@ -99,10 +99,11 @@ class LevelDrafter(Drafter):
         return state.generator
 
     def _tree(self, tokens: np.ndarray, parents: np.ndarray, q_ids: np.ndarray | None,
-              q_probs: np.ndarray | None) -> DraftTree:
+              q_probs: np.ndarray | None, scores: np.ndarray) -> DraftTree:
         """A finished request's tree from the builder's draft-vocabulary ids (EAGLE-3 maps them)."""
         q = (torch.from_numpy(q_ids), torch.from_numpy(q_probs)) if q_ids is not None else (None, None)
-        return DraftTree(torch.from_numpy(tokens), torch.from_numpy(parents), q_ids=q[0], q_probs=q[1])
+        return DraftTree(torch.from_numpy(tokens), torch.from_numpy(parents), q_ids=q[0], q_probs=q[1],
+                         scores=torch.from_numpy(scores))
 
     # ---- per drafter ------------------------------------------------------------------------------
 

@@ -137,7 +137,8 @@ class MedusaDrafter(Drafter):
         self._features.pop(request_id, None)
         self._generators.pop(request_id, None)
 
-    def propose(self, requests: list[DraftRequest], budgets: list[int]) -> list[DraftTree]:
+    def propose(self, requests: list[DraftRequest], budgets: list[int], depth: int | None = None) -> list[DraftTree]:
+        """All heads run in one pass whatever the depth: `depth` is left to the policy's cut."""
         if len(budgets) != len(requests):
             raise ValueError(f"propose got {len(requests)} requests but {len(budgets)} budgets")
         trees = [DraftTree.empty() for _ in requests]
@@ -200,7 +201,7 @@ class MedusaDrafter(Drafter):
         builder.add_level(logits[:, 0])
         for d in range(1, self.depth):
             builder.add_level(np.repeat(logits[:, d][:, None], width, axis=1))
-        return [_tree(t, p, qi, qp) for t, p, qi, qp in builder.finish(caps)]
+        return [_tree(t, p, qi, qp, sc) for t, p, qi, qp, sc in builder.finish(caps)]
 
     def _static_trees(self, logits: np.ndarray, reqs: list[DraftRequest], temps: np.ndarray,
                       caps: list[int]) -> list[DraftTree]:
@@ -234,13 +235,16 @@ class MedusaDrafter(Drafter):
                 f"tree={shape}, max_budget={self.max_budget})")
 
 
-def _tree(tokens: np.ndarray, parents: np.ndarray, q_ids: np.ndarray | None, q_probs: np.ndarray | None) -> DraftTree:
+def _tree(tokens: np.ndarray, parents: np.ndarray, q_ids: np.ndarray | None, q_probs: np.ndarray | None,
+          scores: np.ndarray | None = None) -> DraftTree:
+    """scores: the dynamic builder's (static trees have none: the adaptive policy ranks them by depth)."""
     if not len(tokens):
         return DraftTree.empty()
     q = ((torch.from_numpy(np.ascontiguousarray(q_ids)), torch.from_numpy(np.ascontiguousarray(q_probs)))
          if q_ids is not None else (None, None))
     return DraftTree(torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64)),
-                     torch.from_numpy(np.ascontiguousarray(parents, dtype=np.int64)), q_ids=q[0], q_probs=q[1])
+                     torch.from_numpy(np.ascontiguousarray(parents, dtype=np.int64)), q_ids=q[0], q_probs=q[1],
+                     scores=None if scores is None else torch.from_numpy(np.ascontiguousarray(scores, dtype=np.float32)))
 
 
 class _HeadKernels:

@@ -66,7 +66,7 @@ class NgramDrafter(Drafter):
         self.depth = _check("depth", depth, 1)
         self.max_budget = _check("max_budget", max_budget, 1)
 
-    def propose(self, requests: list[DraftRequest], budgets: list[int]) -> list[DraftTree]:
+    def propose(self, requests: list[DraftRequest], budgets: list[int], depth: int | None = None) -> list[DraftTree]:
         if len(budgets) != len(requests):
             raise ValueError(f"propose got {len(requests)} requests but {len(budgets)} budgets")
         trees = []
@@ -74,16 +74,17 @@ class NgramDrafter(Drafter):
             budget = int(budget)
             if budget < 0:
                 raise ValueError(f"budget for request {request.request_id!r} must be >= 0, got {budget}")
-            trees.append(self.propose_one(request.token_ids, budget))
+            trees.append(self.propose_one(request.token_ids, budget, depth))
         return trees
 
-    def propose_one(self, token_ids: np.ndarray, budget: int) -> DraftTree:
-        """The tree for one context (int64[L], last entry = root) and node budget."""
+    def propose_one(self, token_ids: np.ndarray, budget: int, depth: int | None = None) -> DraftTree:
+        """The tree for one context (int64[L], last entry = root), node budget and depth cap."""
         cap = min(int(budget), self.max_budget)
         ctx = np.ascontiguousarray(token_ids, dtype=np.int64).reshape(-1)
         if cap <= 0 or ctx.shape[0] < 2:
             return DraftTree.empty()
-        tokens, parents = build_ngram_tree(ctx, self.min_ngram, self.max_ngram, self.branching, self.depth, cap)
+        depth = self.depth if depth is None else max(1, min(depth, self.depth))
+        tokens, parents = build_ngram_tree(ctx, self.min_ngram, self.max_ngram, self.branching, depth, cap)
         if tokens.shape[0] == 0:
             return DraftTree.empty()
         return DraftTree(torch.from_numpy(tokens), torch.from_numpy(parents))

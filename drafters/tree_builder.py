@@ -137,10 +137,10 @@ class TreeBuilder:
         w = self.width
         return self.anc[request, (level - 1) * w:level * w, :level * w]
 
-    def finish(self, budgets) -> list[tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]]:
+    def finish(self, budgets) -> list[tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None, np.ndarray]]:
         """Keep each request's ``budgets[a]`` best nodes; per request (tokens int64[N] draft ids, parents
         int64[N] in output numbering, q_ids int64[N, K] and q_probs float32[N, K] or None for greedy
-        requests), parents first."""
+        requests, scores float32[N] — the nodes' cumulative scores, `DraftTree.scores`), parents first."""
         budgets = np.asarray(budgets, dtype=np.int64)
         kept = np.zeros((self.num, self.size), dtype=np.int64)
         counts = np.zeros(self.num, dtype=np.int64)
@@ -152,7 +152,8 @@ class TreeBuilder:
             q_ids = q_probs = None
             if self.sampled[a]:
                 q_ids, q_probs = self.q_ids[a, sel], self.q_probs[a, sel]
-            out.append((self.tokens[a, sel], new_parent[a, :counts[a]], q_ids, q_probs))
+            out.append((self.tokens[a, sel], new_parent[a, :counts[a]], q_ids, q_probs,
+                        self.scores[a, sel].astype(np.float32)))
         return out
 
 

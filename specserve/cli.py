@@ -48,6 +48,8 @@ BENCH_COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "batch": ("decode throughput vs batch size", "specserve.evals.bench_batch", "add_arguments", "run"),
     "prefill-stall": ("how long one long prompt stalls running decodes, with and without chunked prefill",
                       "specserve.evals.bench_prefill_stall", "add_arguments", "run"),
+    "adaptive": ("adaptive speculation vs plain decoding and static budgets, by batch size and temperature",
+                 "specserve.evals.bench_adaptive", "add_arguments", "run"),
 }
 
 

@@ -26,6 +26,7 @@ from specserve.request import Request, RequestDelta, Status
 from specserve.runner import ModelRunner, StepForward
 from specserve.sampling import SamplingParams, logits_to_probs
 from specserve.scheduler import ScheduledStep, Scheduler
+from specserve.step_batch import StepBatchBuilder
 from specserve.step_hooks import ForcedTokens, LogitsProcessor, VerifyRows
 from specserve.verify import DraftTree, VerifyResult, accept_trees, draw_uniforms, pack_trees
 
@@ -88,6 +89,37 @@ class Engine:
         self.forced_tokens: ForcedTokens | None = None
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        if hasattr(self.budget_policy, "calibrate"):
+            t0 = time.perf_counter()
+            self.budget_policy.calibrate(self._time_forward, self._calibration_rows())
+            self.calibration_s = time.perf_counter() - t0
+
+    # ---- cost calibration -----------------------------------------------------------------------
+
+    def _calibration_rows(self) -> int:
+        """Rows up to which the budget policy measures the forward: the most a step can have, capped."""
+        from specserve.speculation import CALIBRATION_MAX_ROWS
+
+        budget = self.drafter.max_budget if self.drafter is not None else 0
+        most = self.config.max_num_seqs * (1 + budget) + self.config.max_prefill_tokens
+        free = self.allocator.num_free_blocks * self.allocator.block_size - 1
+        return max(1, min(most, CALIBRATION_MAX_ROWS, free, self.config.max_model_len - 1))
+
+    @torch.inference_mode()
+    def _time_forward(self, rows: int) -> float:
+        """Seconds of one target forward over `rows` new tokens with logits at every row (the shape of a
+        verify step), on a scratch sequence whose KV blocks are freed again."""
+        seq = "__calibration__"
+        self.allocator.allocate(seq, rows)
+        try:
+            builder = StepBatchBuilder(self.allocator)
+            builder.add(seq, 0, np.arange(rows, dtype=np.int64) % self.model.config.vocab_size, logits="all")
+            batch = builder.build()
+            t0 = time.perf_counter()
+            self.model.forward(batch, self.cache, self._hidden_layers)
+            return time.perf_counter() - t0
+        finally:
+            self.allocator.free(seq)
 
     @property
     def waiting(self):
@@ -165,6 +197,7 @@ class Engine:
         req.detok.flush()
         self.scheduler.remove(req)
         self.allocator.free(req.request_id)
+        self.budget_policy.release(req.request_id)
         if self.drafter is not None:
             self.drafter.release(req.request_id)
 
@@ -175,29 +208,55 @@ class Engine:
         """Run one engine step over every running request; return what each produced (requests that
         only prefilled a prompt chunk produce nothing yet). Inference mode for the whole step: logits
         processors may edit the forward's logits in place."""
+        t_start = time.perf_counter()
         step = self.scheduler.schedule(self.drafter.max_budget if self.drafter else 0)
         if step.empty:
             return []
         t0 = time.perf_counter()
         trees, budgets = self._draft(step)
         t1 = time.perf_counter()
+        trees, predicted = self._cut(step, trees, budgets, t1 - t0)
         out = self.runner.run(step, trees)
         results = self._accept(out)
         t2 = time.perf_counter()
-        self._commit(step, out, results)
+        self._commit(step, out, results, budgets, predicted)
+        deltas = [self._emit(r, res.emitted_tokens) for r, res in zip(out.verifying, results)]
         self.budget_policy.observe(StepRecord(
-            requests=tuple(RequestStepRecord(r.request_id, b, t.num_nodes, t.max_depth, res.num_accepted)
+            requests=tuple(RequestStepRecord(r.request_id, b, t.num_nodes, t.max_depth, res.num_accepted,
+                                             tuple(res.accepted_nodes))
                            for r, b, t, res in zip(out.verifying, budgets, out.trees, results)),
             num_tokens=out.num_tokens,
             num_prefill_tokens=sum(c.end - c.start for c in step.prefills),
             draft_s=t1 - t0,
             verify_s=t2 - t1,
+            step_s=time.perf_counter() - t_start,
+            draft_depth=self._draft_depth(step) if any(budgets) else 0,
+            num_drafting=sum(b > 0 for b in budgets),
         ))
-        return [self._emit(r, res.emitted_tokens) for r, res in zip(out.verifying, results)]
+        return deltas
+
+    def _draft_depth(self, step: ScheduledStep) -> int:
+        depth = self.drafter.depth if self.drafter is not None and hasattr(self.drafter, "depth") else 1
+        return min(depth, step.depth) if step.depth is not None else depth
+
+    def _cut(self, step: ScheduledStep, trees: list[DraftTree], budgets: list[int],
+             draft_s: float) -> tuple[list[DraftTree], list[float | None]]:
+        """The policy cuts the decodes' drafted trees to what is worth verifying (completed prompts
+        verify the empty tree and are not its business)."""
+        n = len(step.decodes)
+        if not n:
+            return trees, [None] * len(trees)
+        fixed_rows = n + sum(c.end - c.start for c in step.prefills)
+        cut, predicted = self.budget_policy.cut(step.decodes, trees[:n], budgets[:n], fixed_rows, draft_s)
+        for tree, before in zip(cut, trees[:n]):
+            if tree.num_nodes > before.num_nodes:
+                raise RuntimeError("the budget policy's cut added nodes to a tree")
+        return list(cut) + trees[n:], list(predicted) + [None] * (len(trees) - n)
 
     def _draft(self, step: ScheduledStep) -> tuple[list[DraftTree], list[int]]:
         """Each decode's tree: forced tokens when a constraint forces some, else the drafter's, within
-        its budget. Returns the trees and the budgets given (one per verifying request)."""
+        its budget and the plan's depth. Returns the trees and the budgets given (one per verifying
+        request; 0 for forced trees, which the policy's cut leaves alone)."""
         decodes, budgets = step.decodes, list(step.budgets)
         trees = [_EMPTY] * len(decodes)
         if self.forced_tokens is not None:
@@ -211,7 +270,7 @@ class Engine:
             views = [DraftRequest(r.request_id, r.token_ids, r.params.temperature, r.take_hidden(), r.params.seed)
                      for r in decodes]
             if any(budgets):
-                proposed = self.drafter.propose(views, budgets)
+                proposed = self.drafter.propose(views, budgets, depth=step.depth)
                 vocab = self.model.config.vocab_size
                 for i, (tree, budget) in enumerate(zip(proposed, budgets)):
                     if tree.num_nodes > budget:
@@ -222,7 +281,7 @@ class Engine:
                     if budget:
                         trees[i] = tree
             else:
-                self.drafter.propose(views, budgets)  # budget 0 for all: features are still absorbed
+                self.drafter.propose(views, budgets, depth=step.depth)  # budget 0 for all: features are still absorbed
         done = sum(c.completes_prompt for c in step.prefills)
         return trees, budgets + [0] * done
 
@@ -261,7 +320,8 @@ class Engine:
             uniforms = draw_uniforms(packed, greedy, [r.generator for r in reqs])
         return accept_trees(trees, packed, greedy, argmax, probs, prob_index, uniforms)
 
-    def _commit(self, step: ScheduledStep, out: StepForward, results: list[VerifyResult]) -> None:
+    def _commit(self, step: ScheduledStep, out: StepForward, results: list[VerifyResult], budgets: list[int],
+                predicted: list[float | None]) -> None:
         """Keep the accepted path's KV next to the root (one batched move), advance committed lengths,
         queue target features for the drafter, record statistics and tell the drafter what was kept.
 
@@ -283,12 +343,13 @@ class Engine:
                             torch.from_numpy(np.concatenate(dst)).to(device))
         hidden = out.hidden
         commits = []
-        for r, tree, result, first in zip(step.decodes, out.trees, results, out.first_rows):
+        for r, tree, result, first, budget, guess in zip(step.decodes, out.trees, results, out.first_rows, budgets,
+                                                         predicted):
             if hidden and r.speculate:
                 keep = first + np.concatenate([[0], np.asarray(result.accepted_nodes, dtype=np.int64) + 1])
                 r.pending_hidden.append({layer: h[torch.from_numpy(keep).to(h.device)] for layer, h in hidden.items()})
             r.num_cached += 1 + result.num_accepted
-            r.stats.record(tree, result)
+            r.stats.record(tree, result, budget, guess)
             commits.append(CommitInfo(r.request_id, result, r.num_cached + 1))
         for chunk, first in zip(step.prefills, out.first_rows[len(step.decodes):]):
             r = chunk.request

@@ -120,7 +120,7 @@ class LLM:
             EngineConfig(max_model_len=max_model_len, kv_cache_slots=kv_cache_tokens, block_size=block_size,
                          max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens),
             eos_token_ids=_eos_token_ids(model_dir, cfg.hf_config, self.tokenizer),
-            budget_policy=make_budget_policy(speculation, drafter_obj, self.model, max_num_seqs),
+            budget_policy=make_budget_policy(speculation, drafter_obj),
         )
         self.speculation = speculation
 

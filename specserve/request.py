@@ -29,6 +29,10 @@ class SpecStats:
     accepted_per_position:  [d-1] = steps in which the draft token at depth d was accepted.
     drafted_per_position:   [d-1] = steps whose tree reached depth d.
     accepted_length_counts: [a] = steps that accepted exactly a draft tokens (emitting a + 1).
+    num_budget:             nodes the budget policy allowed, summed over steps (mean_budget per step).
+    predicted_accepted / accepted_when_predicted / num_predicted: over the steps where the adaptive
+                            policy predicted its tree's accepted length — what it predicted and what
+                            was accepted (predicted_tau vs realised_tau).
     """
 
     num_steps: int = 0
@@ -37,6 +41,10 @@ class SpecStats:
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_length_counts: list[int] = field(default_factory=list)
+    num_budget: int = 0
+    predicted_accepted: float = 0.0
+    accepted_when_predicted: int = 0
+    num_predicted: int = 0
 
     @property
     def mean_accepted_length(self) -> float:
@@ -46,8 +54,26 @@ class SpecStats:
     def acceptance_rate_per_position(self) -> list[float]:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
 
-    def record(self, tree: DraftTree, result: VerifyResult) -> None:
+    @property
+    def mean_budget(self) -> float:
+        return self.num_budget / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def predicted_tau(self) -> float | None:
+        return 1 + self.predicted_accepted / self.num_predicted if self.num_predicted else None
+
+    @property
+    def realised_tau(self) -> float | None:
+        """τ over the same steps as predicted_tau."""
+        return 1 + self.accepted_when_predicted / self.num_predicted if self.num_predicted else None
+
+    def record(self, tree: DraftTree, result: VerifyResult, budget: int = 0, predicted: float | None = None) -> None:
         self.num_steps += 1
+        self.num_budget += budget
+        if predicted is not None:
+            self.num_predicted += 1
+            self.predicted_accepted += predicted
+            self.accepted_when_predicted += result.num_accepted
         self.num_emitted += result.num_accepted + 1
         self.num_drafted += tree.num_nodes
         depth = tree.max_depth
@@ -68,6 +94,9 @@ class SpecStats:
             "accepted_per_position": list(self.accepted_per_position),
             "drafted_per_position": list(self.drafted_per_position),
             "accepted_length_counts": list(self.accepted_length_counts),
+            "mean_budget": self.mean_budget,
+            "predicted_tau": self.predicted_tau,
+            "realised_tau": self.realised_tau,
         }
 
 

@@ -37,11 +37,13 @@ class PrefillChunk:
 @dataclass(frozen=True)
 class ScheduledStep:
     """prefills: this step's prompt chunks; decodes: requests verifying a tree (possibly empty);
-    budgets: per decode, the nodes it may draft (policy and hard limits applied)."""
+    budgets: per decode, the nodes it may draft (policy and hard limits applied); depth: the most tree
+    levels this step (None: the drafter's own)."""
 
     prefills: list[PrefillChunk]
     decodes: list[Request]
     budgets: list[int]
+    depth: int | None = None
 
     @property
     def empty(self) -> bool:
@@ -85,13 +87,6 @@ class Scheduler:
     def schedule(self, max_budget: int) -> ScheduledStep:
         """This step's prefill chunks, decodes and budgets. max_budget: the drafter's own cap (0: none)."""
         decodes = [r for r in self.running if r.prefilled]
-        budgets = []
-        if decodes:
-            wanted = self.budget_policy.budgets(decodes) if max_budget else [0] * len(decodes)
-            for r, b in zip(decodes, wanted):
-                # The bonus token always comes: a tree may use at most the tokens left after it.
-                remaining = r.max_tokens - r.num_output - 1
-                budgets.append(max(0, min(b, max_budget, remaining)) if r.speculate else 0)
         tokens_left = self.max_prefill_tokens
         prefills = []
         for r in self.running:  # continue prompts already under way, oldest first
@@ -112,7 +107,19 @@ class Scheduler:
             chunk = self._chunk(req, tokens_left)
             prefills.append(chunk)
             tokens_left -= chunk.end - chunk.start
-        return ScheduledStep(prefills, decodes, budgets)
+        budgets, depth = [], None
+        if decodes:
+            if max_budget:
+                fixed_rows = len(decodes) + self.max_prefill_tokens - tokens_left
+                plan = self.budget_policy.plan(decodes, fixed_rows)
+                wanted, depth = plan.budgets, plan.depth
+            else:
+                wanted = [0] * len(decodes)
+            for r, b in zip(decodes, wanted):
+                # The bonus token always comes: a tree may use at most the tokens left after it.
+                remaining = r.max_tokens - r.num_output - 1
+                budgets.append(max(0, min(b, max_budget, remaining)) if r.speculate else 0)
+        return ScheduledStep(prefills, decodes, budgets, depth)
 
     @staticmethod
     def _chunk(req: Request, tokens_left: int) -> PrefillChunk:

@@ -44,7 +44,7 @@ class ScriptedDrafter(Drafter):
             tok = (tok + 1) % self.vocab
         return tok
 
-    def propose(self, requests, budgets):
+    def propose(self, requests, budgets, depth=None):
         trees = []
         for req, budget in zip(requests, budgets):
             context = req.token_ids.tolist()

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
 import torch
 
 from specserve.verify import tree_kernels as kernels
@@ -42,6 +43,11 @@ class DraftTree:
     or dense, as tests and hand-built trees find convenient: ``probs`` float32[N, V]. None of them
     means every node is a deterministic proposal (one-hot q), as for n-gram drafts. q tensors may live
     on the device that verifies the tree; tokens and parents live on the CPU (trees are small).
+
+    scores:  float32[N] or None — the drafter's own guess at log P(node is accepted), never above its
+             parent's (EAGLE-2's cumulative draft log-probabilities; for sampled requests a guess from
+             sibling ranks only, never from drawn values). The adaptive policy calibrates them against
+             what is accepted and cuts trees by them; None: the policy ranks nodes by depth.
     """
 
     tokens: torch.Tensor
@@ -49,6 +55,7 @@ class DraftTree:
     probs: torch.Tensor | None = None
     q_ids: torch.Tensor | None = None
     q_probs: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         tokens, parents = self.tokens, self.parents
@@ -77,6 +84,8 @@ class DraftTree:
             if self.q_ids.dim() != 2 or self.q_ids.shape[0] != n or self.q_probs.shape != self.q_ids.shape:
                 raise ValueError(f"DraftTree.q_ids and .q_probs must both be [N={n}, K], got "
                                  f"{tuple(self.q_ids.shape)} and {tuple(self.q_probs.shape)}")
+        if self.scores is not None and tuple(self.scores.shape) != (n,):
+            raise ValueError(f"DraftTree.scores must be [N={n}], got {tuple(self.scores.shape)}")
 
     @property
     def has_q(self) -> bool:
@@ -141,6 +150,27 @@ class DraftTree:
                     parents.append(parent)
                 parent = index[key]
         return DraftTree(torch.tensor(tokens, dtype=torch.int64), torch.tensor(parents, dtype=torch.int64))
+
+    def subtree(self, keep: np.ndarray) -> "DraftTree":
+        """The tree of the nodes `keep` (int64, ascending, closed under ancestors), renumbered in the same
+        order, with their q and scores. Keeping every earlier sibling of a kept sampled node is the
+        caller's duty: a sampled sibling's q assumes the earlier ones were tried first."""
+        keep = np.asarray(keep, dtype=np.int64)
+        if len(keep) == self.num_nodes:
+            return self
+        parents = self.parents.numpy()[keep]
+        index = np.full(self.num_nodes, -1, dtype=np.int64)
+        index[keep] = np.arange(len(keep))
+        new_parents = np.where(parents >= 0, index[np.maximum(parents, 0)], -1)
+        if (new_parents[parents >= 0] < 0).any():
+            raise ValueError("subtree: the kept nodes are not closed under ancestors")
+        rows = torch.from_numpy(keep)
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[rows.to(t.device)]
+
+        return DraftTree(self.tokens[rows], torch.from_numpy(new_parents), pick(self.probs), pick(self.q_ids),
+                         pick(self.q_probs), pick(self.scores))
 
     # ---- derived structure ----------------------------------------------------------------------
 

@@ -73,7 +73,7 @@ def target_info(model_dir, vocab=16) -> TargetInfo:
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_greedy_equals_plain(small_vocab_dir, draft_dir, reference, shape, batch):
-    llm = LLM(small_vocab_dir, drafter=f"draft:{draft_dir}", drafter_options=SHAPES[shape], device="cpu")
+    llm = LLM(small_vocab_dir, drafter=f"draft:{draft_dir}", drafter_options=SHAPES[shape], device="cpu", speculation="static")
     outs = llm.generate(PROMPTS[:batch], GREEDY)
     for ref, out in zip(reference, outs):
         assert out.token_ids == ref
@@ -90,7 +90,7 @@ def test_greedy_equals_plain(small_vocab_dir, draft_dir, reference, shape, batch
 def test_any_tree_shape_is_lossless_greedy_and_well_formed(small_vocab_dir, draft_dir, reference, depth, topk, width,
                                                           max_budget, batch, temperature):
     options = dict(depth=depth, topk=topk, width=width, max_budget=max_budget)
-    llm = LLM(small_vocab_dir, drafter=f"draft:{draft_dir}", drafter_options=options, device="cpu")
+    llm = LLM(small_vocab_dir, drafter=f"draft:{draft_dir}", drafter_options=options, device="cpu", speculation="static")
     if temperature == 0.0:
         outs = llm.generate(PROMPTS[:batch], GREEDY)
         assert [o.token_ids for o in outs] == reference[:batch]
@@ -110,7 +110,7 @@ def test_greedy_equals_plain_with_text_prompts(llama_dir, tmp_path):
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     prompts = ["def f(x):\n    return x + 1\n" * 2, "class Point:", "for i in range(10):"]
     plain = LLM(llama_dir, device="cpu").generate(prompts, params)
-    spec = LLM(llama_dir, drafter=f"draft:{draft}", drafter_options={"depth": 3, "topk": 2}, device="cpu")
+    spec = LLM(llama_dir, drafter=f"draft:{draft}", drafter_options={"depth": 3, "topk": 2}, device="cpu", speculation="static")
     spec = spec.generate(prompts, params)
     assert [o.token_ids for o in plain] == [o.token_ids for o in spec]
 
@@ -118,7 +118,7 @@ def test_greedy_equals_plain_with_text_prompts(llama_dir, tmp_path):
 def test_self_draft_is_always_accepted(small_vocab_dir):
     """The target as its own draft: q == p, so greedy and T=1 chains are accepted in full."""
     for params in (GREEDY, SamplingParams(max_tokens=30, temperature=1.0, ignore_eos=True, seed=4)):
-        llm = LLM(small_vocab_dir, drafter=f"draft:{small_vocab_dir}", drafter_options={"depth": 4}, device="cpu")
+        llm = LLM(small_vocab_dir, drafter=f"draft:{small_vocab_dir}", drafter_options={"depth": 4}, device="cpu", speculation="static")
         out = llm.generate([PROMPTS[0]], params)[0]
         assert out.spec.accepted_per_position == [6, 6, 6, 5]  # 29 tokens after prefill: 5 full steps, then 4
         assert out.spec.num_steps == 6
@@ -141,7 +141,7 @@ def test_sampled_tokens_follow_target_distribution(small_vocab_dir, draft_dir, c
     options, sampling = SAMPLING_CASES[case]
     draft = request.getfixturevalue("near_draft_dir") if case.startswith("near-draft") else draft_dir
     params = [SamplingParams(max_tokens=SAMPLED_MAX_TOKENS, seed=seed, ignore_eos=True, **sampling) for seed in range(N)]
-    llm = LLM(small_vocab_dir, drafter=f"draft:{draft}", drafter_options=options, device="cpu", max_num_seqs=N)
+    llm = LLM(small_vocab_dir, drafter=f"draft:{draft}", drafter_options=options, device="cpu", max_num_seqs=N, speculation="static")
     outs = llm.generate([PROMPT] * N, params)
     assert_follows_target(outs, small_vocab_dir, PROMPT, params[0])
     assert sum(sum(o.spec.accepted_per_position) for o in outs) > N // 20  # drafts were accepted
@@ -276,12 +276,12 @@ def test_bad_paths_and_mismatched_models(small_vocab_dir, draft_dir, llama_dir, 
     with pytest.raises(FileNotFoundError, match="does not exist"):
         create_drafter(f"draft:{tmp_path / 'nope'}", target_info(small_vocab_dir))
     with pytest.raises(ValueError, match="vocab_size 16 but the target has"):
-        LLM(llama_dir, drafter=f"draft:{draft_dir}", device="cpu")
+        LLM(llama_dir, drafter=f"draft:{draft_dir}", device="cpu", speculation="static")
     other = build_model(tmp_path / "other", "llama", hidden_size=32, layers=1, heads=2, kv_heads=1)
     tok = (other / "tokenizer.json").read_text().replace('"def"', '"dEf"')
     (other / "tokenizer.json").write_text(tok)
     with pytest.raises(ValueError, match="different tokenizer"):
-        LLM(llama_dir, drafter=f"draft:{other}", device="cpu")
+        LLM(llama_dir, drafter=f"draft:{other}", device="cpu", speculation="static")
 
 
 def test_max_budget_is_capped_at_the_full_tree(small_vocab_dir, draft_dir):
@@ -291,7 +291,7 @@ def test_max_budget_is_capped_at_the_full_tree(small_vocab_dir, draft_dir):
 
 def test_seeded_sampling_reproduces_across_calls(small_vocab_dir, draft_dir):
     """The engine hands the request's seed to the drafter, so one LLM instance reproduces seeded runs."""
-    llm = LLM(small_vocab_dir, drafter=f"draft:{draft_dir}", drafter_options={"depth": 3, "topk": 2})
+    llm = LLM(small_vocab_dir, drafter=f"draft:{draft_dir}", drafter_options={"depth": 3, "topk": 2}, speculation="static")
     params = SamplingParams(max_tokens=20, temperature=0.9, seed=77, ignore_eos=True)
     first = llm.generate([[3, 1, 4, 1, 5]], params)[0]
     again = llm.generate([[3, 1, 4, 1, 5]], params)[0]

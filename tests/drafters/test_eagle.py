@@ -129,7 +129,7 @@ def _request(rid, tokens, model_dir, drafter, temperature=0.0, start=0):
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("mode", ["eagle1", "eagle3"])
 def test_greedy_equals_plain(small_vocab_dir, heads, reference, mode, shape, batch):
-    llm = LLM(small_vocab_dir, drafter=f"eagle:{heads[mode]}", drafter_options=SHAPES[shape], device="cpu")
+    llm = LLM(small_vocab_dir, drafter=f"eagle:{heads[mode]}", drafter_options=SHAPES[shape], device="cpu", speculation="static")
     outs = llm.generate(PROMPTS[:batch], GREEDY)
     assert [o.token_ids for o in outs] == reference[:batch]
     assert sum(sum(o.spec.accepted_per_position) for o in outs) > 0  # the drafts were used
@@ -142,7 +142,7 @@ def test_greedy_equals_plain(small_vocab_dir, heads, reference, mode, shape, bat
        max_budget=st.integers(1, 20), batch=st.sampled_from([1, 3]))
 def test_any_tree_shape_is_lossless_greedy(small_vocab_dir, heads, reference, mode, depth, topk, max_budget, batch):
     options = dict(depth=depth, topk=topk, max_budget=max_budget)
-    llm = LLM(small_vocab_dir, drafter=f"eagle:{heads[mode]}", drafter_options=options, device="cpu")
+    llm = LLM(small_vocab_dir, drafter=f"eagle:{heads[mode]}", drafter_options=options, device="cpu", speculation="static")
     outs = llm.generate(PROMPTS[:batch], GREEDY)
     assert [o.token_ids for o in outs] == reference[:batch]
     for o in outs:
@@ -154,7 +154,7 @@ def test_greedy_equals_plain_with_text_prompts(llama_dir, tmp_path):
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     prompts = ["def f(x):\n    return x + 1\n" * 2, "class Point:", "for i in range(10):"]
     plain = LLM(llama_dir, device="cpu").generate(prompts, params)
-    spec = LLM(llama_dir, drafter=f"eagle:{head}", drafter_options={"depth": 3, "topk": 2}, device="cpu").generate(prompts, params)
+    spec = LLM(llama_dir, drafter=f"eagle:{head}", drafter_options={"depth": 3, "topk": 2}, device="cpu", speculation="static").generate(prompts, params)
     assert [o.token_ids for o in plain] == [o.token_ids for o in spec]
 
 
@@ -172,7 +172,7 @@ SAMPLING_CASES = {
 def test_sampled_tokens_follow_target_distribution(small_vocab_dir, heads, case):
     mode, options, sampling = SAMPLING_CASES[case]
     params = [SamplingParams(max_tokens=SAMPLED_MAX_TOKENS, seed=seed, ignore_eos=True, **sampling) for seed in range(N)]
-    llm = LLM(small_vocab_dir, drafter=f"eagle:{heads[mode]}", drafter_options=options, device="cpu", max_num_seqs=N)
+    llm = LLM(small_vocab_dir, drafter=f"eagle:{heads[mode]}", drafter_options=options, device="cpu", max_num_seqs=N, speculation="static")
     outs = llm.generate([PROMPT] * N, params)
     assert_follows_target(outs, small_vocab_dir, PROMPT, params[0])
     assert sum(sum(o.spec.accepted_per_position) for o in outs) > N // 20  # drafts were accepted
@@ -247,7 +247,7 @@ def test_sampled_tree_shape_does_not_depend_on_drawn_values(small_vocab_dir, hea
 
 @pytest.mark.parametrize("mode", ["eagle1", "eagle3"])
 def test_head_cache_holds_the_accepted_path_after_partial_acceptance(small_vocab_dir, heads, mode):
-    llm = LLM(small_vocab_dir, drafter=f"eagle:{heads[mode]}", drafter_options=dict(depth=3, topk=2), device="cpu")
+    llm = LLM(small_vocab_dir, drafter=f"eagle:{heads[mode]}", drafter_options=dict(depth=3, topk=2), device="cpu", speculation="static")
     engine, drafter = llm.engine, llm.engine.drafter
     req = engine.add_request(PROMPTS[0], GREEDY)
     for _ in range(7):
@@ -407,7 +407,7 @@ def test_public_eagle3_layout_loads(small_vocab_dir, heads, tmp_path):
 
 def test_head_for_another_target_is_refused(small_vocab_dir, llama_dir, heads, tmp_path):
     with pytest.raises(ValueError, match="another target.*vocabulary 16"):
-        LLM(llama_dir, drafter=f"eagle:{heads['eagle1']}", device="cpu")
+        LLM(llama_dir, drafter=f"eagle:{heads['eagle1']}", device="cpu", speculation="static")
     other = tmp_path / "other"
     other.mkdir()
     for name in ("eagle_head.safetensors",):
@@ -473,6 +473,6 @@ def test_capabilities_and_defaults(small_vocab_dir, heads):
 
 
 def test_seeded_sampling_reproduces_across_calls(small_vocab_dir, heads):
-    llm = LLM(small_vocab_dir, drafter=f"eagle:{heads['eagle3']}", drafter_options={"depth": 3, "topk": 2})
+    llm = LLM(small_vocab_dir, drafter=f"eagle:{heads['eagle3']}", drafter_options={"depth": 3, "topk": 2}, speculation="static")
     params = SamplingParams(max_tokens=20, temperature=0.9, seed=77, ignore_eos=True)
     assert llm.generate([PROMPT], params)[0].token_ids == llm.generate([PROMPT], params)[0].token_ids

@@ -118,7 +118,7 @@ def _requests(contexts, temperature=0.0, seed=None, hidden=True, prefix="r"):
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_greedy_equals_plain(small_vocab_dir, reference, request, heads, shape, batch):
     path = request.getfixturevalue(f"{heads}_dir")
-    llm = LLM(small_vocab_dir, drafter=f"medusa:{path}", drafter_options=SHAPES[shape], device="cpu")
+    llm = LLM(small_vocab_dir, drafter=f"medusa:{path}", drafter_options=SHAPES[shape], device="cpu", speculation="static")
     outs = llm.generate(PROMPTS[:batch], GREEDY)
     assert [o.token_ids for o in outs] == reference[:batch]
     accepted = sum(sum(o.spec.accepted_per_position) for o in outs)
@@ -135,7 +135,7 @@ def test_greedy_equals_plain(small_vocab_dir, reference, request, heads, shape, 
 def test_any_tree_is_lossless_greedy_and_well_formed(small_vocab_dir, random_dir, reference, tree, topk, depth,
                                                     max_budget, batch, temperature):
     options = dict(tree=tree, depth=depth, max_budget=max_budget, **({"topk": topk} if tree == "dynamic" else {}))
-    llm = LLM(small_vocab_dir, drafter=f"medusa:{random_dir}", drafter_options=options, device="cpu")
+    llm = LLM(small_vocab_dir, drafter=f"medusa:{random_dir}", drafter_options=options, device="cpu", speculation="static")
     if temperature == 0.0:
         outs = llm.generate(PROMPTS[:batch], GREEDY)
         assert [o.token_ids for o in outs] == reference[:batch]
@@ -170,7 +170,7 @@ def test_sampled_tokens_follow_target_distribution(small_vocab_dir, case, reques
     # max_tokens=8: the first decode step drafts 6 nodes (siblings at depths 1 and 2), and its root
     # children and their children are the 2nd and 3rd tokens whose distributions are checked.
     params = [SamplingParams(max_tokens=SAMPLED_MAX_TOKENS, seed=seed, ignore_eos=True, **sampling) for seed in range(N)]
-    llm = LLM(small_vocab_dir, drafter=f"medusa:{path}", drafter_options=options, device="cpu", max_num_seqs=N)
+    llm = LLM(small_vocab_dir, drafter=f"medusa:{path}", drafter_options=options, device="cpu", max_num_seqs=N, speculation="static")
     outs = llm.generate([PROMPT] * N, params)
     assert_follows_target(outs, small_vocab_dir, PROMPT, params[0])
     accepted = sum(sum(o.spec.accepted_per_position) for o in outs)
@@ -352,7 +352,7 @@ def test_features_are_kept_across_zero_budgets_and_released(small_vocab_dir, ran
 
 
 def test_the_engine_hands_over_the_targets_final_normed_feature(small_vocab_dir, random_dir):
-    llm = LLM(small_vocab_dir, drafter=f"medusa:{random_dir}", device="cpu")
+    llm = LLM(small_vocab_dir, drafter=f"medusa:{random_dir}", device="cpu", speculation="static")
     drafter = llm.engine.drafter
     seen = []
     original = drafter.propose
@@ -428,7 +428,7 @@ def test_shared_lm_head_reads_the_targets(small_vocab_dir, tmp_path):
     with safe_open(str(tmp_path / "shared" / "medusa_heads.safetensors"), "pt") as f:
         assert sorted(f.keys()) == ["bias", "weight"]  # no LM head stored
     assert json.loads((tmp_path / "shared" / "medusa_config.json").read_text())["lm_head"] == "shared"
-    llm = LLM(small_vocab_dir, drafter=f"medusa:{tmp_path / 'shared'}", device="cpu")
+    llm = LLM(small_vocab_dir, drafter=f"medusa:{tmp_path / 'shared'}", device="cpu", speculation="static")
     own = MedusaHeads(64, 16, 3, 1, "own")
     own.load_state_dict({**shared.state_dict(), "lm_heads": llm.model.lm_head.detach()[None].expand(3, -1, -1).clone()})
     save_heads(own, tmp_path / "own", small_vocab_dir, dtype=torch.float32)
@@ -441,13 +441,13 @@ def test_shared_lm_head_reads_the_targets(small_vocab_dir, tmp_path):
 
 def test_wrong_targets_and_broken_files_are_clear_errors(small_vocab_dir, llama_dir, random_dir, tmp_path):
     with pytest.raises(ValueError, match="vocab_size 16 but the target has"):
-        LLM(llama_dir, drafter=f"medusa:{random_dir}", device="cpu")
+        LLM(llama_dir, drafter=f"medusa:{random_dir}", device="cpu", speculation="static")
     other = build_model(tmp_path / "other", "llama", vocab_size=16, tokenizer=False, init_std=0.3, seed=1)
     with pytest.raises(ValueError, match="trained for another target"):
-        LLM(other, drafter=f"medusa:{random_dir}", device="cpu")
+        LLM(other, drafter=f"medusa:{random_dir}", device="cpu", speculation="static")
     wide = build_model(tmp_path / "wide", "llama", vocab_size=16, tokenizer=False, hidden_size=32, heads=2, kv_heads=1)
     with pytest.raises(ValueError, match="hidden size 64 but the target has 32"):
-        LLM(wide, drafter=f"medusa:{random_dir}", device="cpu")
+        LLM(wide, drafter=f"medusa:{random_dir}", device="cpu", speculation="static")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         create_drafter(f"medusa:{tmp_path / 'nope'}", target_info(small_vocab_dir))
     with pytest.raises(ValueError, match="holds no Medusa heads"):
@@ -500,7 +500,7 @@ def test_options_and_defaults(small_vocab_dir, random_dir, fitted_dir):
 
 
 def test_seeded_sampling_reproduces_across_calls(small_vocab_dir, fitted_dir):
-    llm = LLM(small_vocab_dir, drafter=f"medusa:{fitted_dir}", drafter_options={"tree": "dynamic"})
+    llm = LLM(small_vocab_dir, drafter=f"medusa:{fitted_dir}", drafter_options={"tree": "dynamic"}, speculation="static")
     params = SamplingParams(max_tokens=20, temperature=0.9, seed=77, ignore_eos=True)
     first = llm.generate([[3, 1, 4, 1, 5]], params)[0]
     again = llm.generate([[3, 1, 4, 1, 5]], params)[0]

@@ -65,7 +65,7 @@ def test_worked_example_scores_and_parents():
     (100, [0, 1, 2, 3, 0, 4, 5, 1, 3, 2], [-1, -1, 0, 0, 1, 1, 2, 2, 4, 4]),  # every generated node
 ])
 def test_cut_keeps_the_best_nodes_parents_first(budget, tokens, parents):
-    ((got_tokens, got_parents, q_ids, q_probs),) = build(budget).finish([budget])
+    ((got_tokens, got_parents, q_ids, q_probs, _),) = build(budget).finish([budget])
     assert got_tokens.tolist() == tokens and got_parents.tolist() == parents and q_ids is None and q_probs is None
 
 
@@ -75,9 +75,9 @@ def test_chain_mode_is_the_greedy_path():
     assert f.tokens.tolist() == [[1]]
     f = tree.add_level(logq([0.1, 0.1, 0.1, 0.5])[None])
     tree.add_level(logq([0.7])[None])
-    ((tokens, parents, _, _),) = tree.finish([3])
+    ((tokens, parents, _, _, _),) = tree.finish([3])
     assert tokens.tolist() == [1, 3, 0] and parents.tolist() == [-1, 0, 1]
-    ((tokens, parents, _, _),) = tree.finish([2])
+    ((tokens, parents, _, _, _),) = tree.finish([2])
     assert tokens.tolist() == [1, 3]
 
 
@@ -90,7 +90,7 @@ def test_ties_go_to_the_lower_index_and_keep_ancestors():
     assert np.isinf(tree.scores[0, [3, 5]]).all()
     for budget, tokens, parents in ((1, [0], [-1]), (2, [0, 1], [-1, -1]), (3, [0, 1, 0], [-1, -1, 0]),
                                     (9, [0, 1, 0, 0], [-1, -1, 0, 1])):
-        ((t, p, _, _),) = tree.finish([budget])
+        ((t, p, _, _, _),) = tree.finish([budget])
         assert t.tolist() == tokens and p.tolist() == parents, budget
 
 
@@ -102,8 +102,8 @@ def test_batched_requests_with_different_depths_match_single_builds():
     lvl2 = logq([0.05, 0.05, 0.58, 0.2], [0.9, 0.01, 0.01, 0.01, 0.05])
     tree.add_level(lvl2[None], np.array([0]))
     tree.add_level(logq([0.01, 0.2, 0.04, 0.03, 0.02, 0.7], [0.03, 0.03, 0.4, 0.5])[None], np.array([0]))
-    (a_tokens, a_parents, _, _), (b_tokens, b_parents, _, _) = tree.finish([5, 5])
-    ((ref_tokens, ref_parents, _, _),) = build(5).finish([5])
+    (a_tokens, a_parents, _, _, _), (b_tokens, b_parents, _, _, _) = tree.finish([5, 5])
+    ((ref_tokens, ref_parents, _, _, _),) = build(5).finish([5])
     assert a_tokens.tolist() == ref_tokens.tolist() and a_parents.tolist() == ref_parents.tolist()
     assert b_tokens.tolist() == [2, 1]  # its two level-1 nodes only, best first
     assert b_parents.tolist() == [-1, -1]
@@ -142,7 +142,7 @@ def test_sampled_trees_have_a_value_independent_shape_and_exact_probs():
             # the next distributions depend on the drawn tokens (as a head's would)
             rows = torch.stack([torch.roll(q1, int(t)) for t in f.tokens[0]])
             f = tree.add_level(rows.log()[None])
-        ((tokens, parents, q_ids, q_probs),) = tree.finish([6])
+        ((tokens, parents, q_ids, q_probs, _),) = tree.finish([6])
         shapes.add(tuple(parents.tolist()))
         draws.add(tuple(tokens.tolist()))
         probs = dense(q_ids, q_probs, 6)
@@ -165,7 +165,7 @@ def test_sampled_q_is_the_top_support_renormalised():
     logits = torch.linspace(0, 5, vocab)
     tree = TreeBuilder(1, 1, 1, np.full(1, 0.7, dtype=np.float32), np.full((1, 1), 0.5), vocab, q_support=8)
     tree.add_level(logits[None, None])
-    ((tokens, _, q_ids, q_probs),) = tree.finish([1])
+    ((tokens, _, q_ids, q_probs, _),) = tree.finish([1])
     top = torch.softmax(logits / 0.7, -1).topk(8)
     assert sorted(q_ids[0].tolist()) == sorted(top.indices.tolist())
     np.testing.assert_allclose(dense(q_ids, q_probs, vocab)[0][top.indices.numpy()],
@@ -176,7 +176,7 @@ def test_sampled_q_is_the_top_support_renormalised():
 def test_mixed_greedy_and_sampled_rows():
     tree = TreeBuilder(2, 1, 2, np.array([0.0, 1.0], dtype=np.float32), np.random.default_rng(0).random((2, 2)), 6)
     tree.add_level(logq([0.5, 0.3], [0.5, 0.3])[:, None])
-    (g_tokens, _, g_ids, _), (s_tokens, _, s_ids, s_probs) = tree.finish([2, 2])
+    (g_tokens, _, g_ids, _, _), (s_tokens, _, s_ids, s_probs, _) = tree.finish([2, 2])
     assert g_tokens.tolist() == [0, 1] and g_ids is None
     assert s_ids is not None and s_probs.shape[0] == 2 and len(set(s_tokens.tolist())) == 2
 
@@ -187,7 +187,7 @@ def test_width_expands_more_nodes_than_topk():
     tree.add_level(logq([0.6, 0.4])[None])  # one child only (topk 1): n0 = token 0
     f = tree.add_level(logq([0.1, 0.9], [0.5, 0.5])[None])
     assert f.nodes.tolist() == [[1, -1]]  # level 2 has one node: the frontier's second slot is empty
-    ((tokens, parents, _, _),) = tree.finish([5])
+    ((tokens, parents, _, _, _),) = tree.finish([5])
     assert tokens.tolist() == [0, 1] and parents.tolist() == [-1, 0]
 
 

@@ -126,7 +126,7 @@ def test_unsupported_rope_type(model_copy):
 
 
 def test_bad_prompts_raise_and_leave_the_engine_clean(small_vocab_dir, llama_dir):
-    llm = LLM(small_vocab_dir, drafter="ngram", max_model_len=64)
+    llm = LLM(small_vocab_dir, drafter="ngram", max_model_len=64, speculation="static")
     with pytest.raises(ValueError, match="empty"):
         llm.generate([[]])
     with pytest.raises(ValueError, match="outside the vocabulary"):
@@ -147,15 +147,15 @@ def test_bad_prompts_raise_and_leave_the_engine_clean(small_vocab_dir, llama_dir
 
 def test_unknown_drafter_and_options(small_vocab_dir):
     with pytest.raises(ValueError, match="unknown drafter 'nope'.*ngram"):
-        LLM(small_vocab_dir, drafter="nope")
+        LLM(small_vocab_dir, drafter="nope", speculation="static")
     with pytest.raises(ValueError, match="unknown option"):
-        LLM(small_vocab_dir, drafter="ngram", drafter_options={"depht": 3})
+        LLM(small_vocab_dir, drafter="ngram", drafter_options={"depht": 3}, speculation="static")
     with pytest.raises(ValueError, match="device"):
         LLM(small_vocab_dir, device="tpu")
 
 
 def test_max_tokens_past_the_context_is_an_error_and_unset_means_the_rest(small_vocab_dir):
-    llm = LLM(small_vocab_dir, drafter="ngram", max_model_len=20)
+    llm = LLM(small_vocab_dir, drafter="ngram", max_model_len=20, speculation="static")
     # As OpenAI does: a prompt plus max_tokens past the window is refused, naming both numbers.
     with pytest.raises(ValueError, match=r"prompt has 6 tokens and max_tokens is 100.*context window is 20"):
         llm.generate([[1, 2, 3, 1, 2, 3]], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
@@ -167,7 +167,7 @@ def test_max_tokens_past_the_context_is_an_error_and_unset_means_the_rest(small_
 
 def test_extreme_but_valid_sampling_values_do_not_break_the_batch(small_vocab_dir):
     """Tiny temperature / top_p and huge top_k are valid: they must sample, not poison the batch."""
-    llm = LLM(small_vocab_dir, drafter="ngram")
+    llm = LLM(small_vocab_dir, drafter="ngram", speculation="static")
     greedy = llm.generate([[1, 2, 3, 1, 2]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
     extreme = [
         SamplingParams(max_tokens=8, temperature=2e-308, ignore_eos=True, seed=1),

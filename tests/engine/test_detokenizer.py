@@ -50,7 +50,7 @@ def test_stop_string_is_cut_and_never_streamed(tokenizer):
 
 
 def test_engine_stop_strings_and_stream_equals_generate(llama_dir):
-    llm = LLM(llama_dir, drafter="ngram")
+    llm = LLM(llama_dir, drafter="ngram", speculation="static")
     free = llm.generate(["def f(x):"], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
     assert len(free.text) > 4
     stop = free.text[3:5]

@@ -20,7 +20,7 @@ def test_eos_stops_generation_mid_accepted_run(small_vocab_dir, tmp_path):
     shutil.copytree(small_vocab_dir, model)
     (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos]}))
     # An all-right drafter accepts tokens past the EOS within one step: they must be cut.
-    llm = LLM(model, drafter="scripted", drafter_options={"mode": "all_right", "references": [PROMPT + free.token_ids], "max_budget": 8})
+    llm = LLM(model, drafter="scripted", drafter_options={"mode": "all_right", "references": [PROMPT + free.token_ids], "max_budget": 8}, speculation="static")
     out = llm.generate([PROMPT], SamplingParams(max_tokens=30, temperature=0))[0]
     assert out.finish_reason == "stop"
     assert out.token_ids == free.token_ids[: first + 1]
@@ -32,7 +32,7 @@ def test_eos_stops_generation_mid_accepted_run(small_vocab_dir, tmp_path):
 
 def test_max_tokens_is_exact_with_speculation(small_vocab_dir):
     free = LLM(small_vocab_dir).generate([PROMPT], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]
-    llm = LLM(small_vocab_dir, drafter="scripted", drafter_options={"mode": "all_right", "references": [PROMPT + free.token_ids], "max_budget": 8})
+    llm = LLM(small_vocab_dir, drafter="scripted", drafter_options={"mode": "all_right", "references": [PROMPT + free.token_ids], "max_budget": 8}, speculation="static")
     for n in (1, 2, 7, 9, 10):
         out = llm.generate([PROMPT], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0]
         assert out.token_ids == free.token_ids[:n] and out.finish_reason == "length"

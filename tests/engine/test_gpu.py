@@ -19,13 +19,13 @@ def test_cuda_bf16_speculative_greedy_equals_plain(small_vocab_dir):
     assert plain.dtype == torch.bfloat16
     ref = plain.generate(PROMPTS, params)
     spec = LLM(small_vocab_dir, device="cuda", drafter="scripted", drafter_options={
-        "mode": "mixed", "references": [p + o.token_ids for p, o in zip(PROMPTS, ref)], "max_budget": 8})
+        "mode": "mixed", "references": [p + o.token_ids for p, o in zip(PROMPTS, ref)], "max_budget": 8}, speculation="static")
     for a, b in zip(ref, spec.generate(PROMPTS, params)):
         assert a.token_ids == b.token_ids
 
 
 def test_cuda_sampling_runs_and_frees_blocks(llama_dir):
-    llm = LLM(llama_dir, device="cuda", drafter="ngram")
+    llm = LLM(llama_dir, device="cuda", drafter="ngram", speculation="static")
     outs = llm.generate(["def f(x):"] * 4, SamplingParams(max_tokens=16, temperature=0.8, seed=0))
     assert all(1 <= len(o.token_ids) <= 16 for o in outs)
     alloc = llm.engine.cache.allocator

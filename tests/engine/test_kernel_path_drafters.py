@@ -113,7 +113,7 @@ def test_every_drafter_is_lossless_greedy_on_the_kernel_path(small_vocab_dir, ar
     threads = min(threads, kernel_threads.max_threads())
     spec, options = _spec(drafter, artifacts, references, storage, depth, topk, max_budget)
     llm = LLM(small_vocab_dir, drafter=spec, drafter_options=options, device="cpu", dtype=storage, threads=threads,
-              max_prefill_tokens=max_prefill_tokens)
+              max_prefill_tokens=max_prefill_tokens, speculation="static")
     assert _runs_on_kernels(llm, drafter)
     outs = llm.generate(PROMPTS[:batch], GREEDY)
     assert [o.token_ids for o in outs] == references[storage][:batch], (drafter, storage, threads, options)
@@ -125,7 +125,7 @@ def test_every_drafter_is_lossless_greedy_on_the_kernel_path(small_vocab_dir, ar
 def test_every_drafter_gets_drafts_accepted(small_vocab_dir, artifacts, references, drafter):
     # The equality above means something only if drafts are accepted: each drafter, default-ish shape.
     spec, options = _spec(drafter, artifacts, references, "float32", 3, 2, 8)
-    llm = LLM(small_vocab_dir, drafter=spec, drafter_options=options, device="cpu")
+    llm = LLM(small_vocab_dir, drafter=spec, drafter_options=options, device="cpu", speculation="static")
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == references["float32"]
     assert sum(sum(o.spec.accepted_per_position) for o in outs) > 0

@@ -33,7 +33,7 @@ def test_cache_after_speculative_steps_equals_plain(small_vocab_dir, reference, 
     blocks are back in the free list but not yet reused, so its entries are read through the block table
     it held."""
     spec = LLM(small_vocab_dir, drafter="scripted", device="cpu", drafter_options={
-        "mode": mode, "seed": seed, "references": [reference], "max_budget": budget})
+        "mode": mode, "seed": seed, "references": [reference], "max_budget": budget}, speculation="static")
     engine = spec.engine
     req = engine.add_request(PROMPT, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), "r")
     table = None
@@ -64,7 +64,7 @@ def test_cache_after_speculative_steps_equals_plain(small_vocab_dir, reference, 
 
 
 def test_finished_and_cancelled_requests_free_every_block(small_vocab_dir):
-    llm = LLM(small_vocab_dir, drafter="ngram", device="cpu", kv_cache_tokens=4096, block_size=8)
+    llm = LLM(small_vocab_dir, drafter="ngram", device="cpu", kv_cache_tokens=4096, block_size=8, speculation="static")
     engine, alloc = llm.engine, llm.engine.cache.allocator
     params = SamplingParams(max_tokens=20, temperature=0.7, seed=1)
     ids = [engine.add_request([1, 2, 3, 1, 2, 3], params).request_id for _ in range(6)]

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import scripted_drafter  # noqa: F401
+from adaptive_policy import cutting_policy, install
 from specserve import LLM, SamplingParams
 from target_stats import SAMPLED_MAX_TOKENS, assert_follows_target
 
@@ -26,15 +27,21 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("policy", ["static", "adaptive"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_sampled_tokens_follow_target_distribution(small_vocab_dir, case):
+def test_sampled_tokens_follow_target_distribution(small_vocab_dir, case, policy):
+    """static: every tree verified whole; adaptive: the policy cuts trees (synthetic costs) and decides
+    who drafts from what earlier steps accepted — the distribution must not move either way."""
     spec = CASES[case]
     params = [SamplingParams(max_tokens=SAMPLED_MAX_TOKENS, seed=seed, ignore_eos=True, **spec["params"]) for seed in range(N)]
     # Trees are drawn near the target's own greedy path so drafts are accepted often and deep.
     reference = LLM(small_vocab_dir, device="cpu").generate([PROMPT], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     references = [PROMPT + reference[0].token_ids]
     llm = LLM(small_vocab_dir, drafter="scripted", device="cpu", max_num_seqs=N, drafter_options={
-        "mode": spec["mode"], "seed": 7, "references": references, "max_budget": 6, "with_probs": spec["with_probs"]})
+        "mode": spec["mode"], "seed": 7, "references": references, "max_budget": 6, "with_probs": spec["with_probs"]},
+        speculation="static")
+    if policy == "adaptive":
+        install(llm, cutting_policy(max_budget=6, max_depth=6, row_cost=0.02, batch=N))
     outs = llm.generate([PROMPT] * N, params)
     assert_follows_target(outs, small_vocab_dir, PROMPT, params[0])
     # The drafts were actually used: some steps accepted draft tokens.
@@ -42,7 +49,7 @@ def test_sampled_tokens_follow_target_distribution(small_vocab_dir, case):
 
 
 def test_same_seed_reproduces_output(llama_dir):
-    llm = LLM(llama_dir, drafter="ngram", device="cpu")
+    llm = LLM(llama_dir, drafter="ngram", device="cpu", speculation="static")
     params = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=1234)
     a = llm.generate(["def f(x):", "class A:"], params)
     b = llm.generate(["class A:", "def f(x):"], params)  # different batch position

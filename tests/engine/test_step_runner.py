@@ -21,7 +21,7 @@ import specserve.engine as engine_module
 from scripted_drafter import MODES
 from specserve import LLM, SamplingParams
 from specserve import step_batch as step_batch_module
-from specserve.budget import StaticBudget, StepRecord
+from specserve.budget import DraftPlan, StaticBudget, StepRecord
 from specserve.drafters import TargetInfo, create_drafter
 from specserve.engine import Engine, EngineConfig
 from specserve.model import LlamaModel
@@ -49,11 +49,11 @@ class RecordingBudget(StaticBudget):
         self.records: list[StepRecord] = []
         self.asked: list[list[str]] = []
 
-    def budgets(self, requests):
+    def plan(self, requests, fixed_rows):
         self.asked.append([r.request_id for r in requests])
         if self.per_request is None:
-            return super().budgets(requests)
-        return [self.per_request(r.request_id) for r in requests]
+            return super().plan(requests, fixed_rows)
+        return DraftPlan([self.per_request(r.request_id) for r in requests])
 
     def observe(self, record: StepRecord) -> None:
         self.records.append(record)
@@ -296,7 +296,7 @@ def test_sampled_tokens_follow_target_distribution_with_on_device_acceptance(sma
     reference = LLM(small_vocab_dir, device="cpu").generate([SAMPLING_PROMPT], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     llm = LLM(small_vocab_dir, drafter="scripted", device="cpu", max_num_seqs=SAMPLING_N, drafter_options={
         "mode": spec["mode"], "seed": 7, "references": [SAMPLING_PROMPT + reference[0].token_ids], "max_budget": 6,
-        "with_probs": spec["with_probs"]})
+        "with_probs": spec["with_probs"]}, speculation="static")
     outs = llm.generate([SAMPLING_PROMPT] * SAMPLING_N, params)
     assert count["accept_on_device"] >= SAMPLED_MAX_TOKENS - 1
     assert_follows_target(outs, small_vocab_dir, SAMPLING_PROMPT, params[0])
@@ -316,7 +316,7 @@ def test_cuda_steps_synchronise_a_bounded_number_of_times(small_vocab_dir):
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     plain = LLM(small_vocab_dir, device="cuda").generate(PROMPTS[:3], params)
     llm = LLM(small_vocab_dir, device="cuda", drafter="scripted", drafter_options={
-        "mode": "mixed", "seed": 1, "references": [p + o.token_ids for p, o in zip(PROMPTS, plain)], "max_budget": 6})
+        "mode": "mixed", "seed": 1, "references": [p + o.token_ids for p, o in zip(PROMPTS, plain)], "max_budget": 6}, speculation="static")
     engine = llm.engine
     for i in range(3):
         engine.add_request(PROMPTS[i], params, f"p{i}")
@@ -410,7 +410,7 @@ def test_banned_token_never_appears_in_sampled_output(small_vocab_dir, reference
     params = [SamplingParams(max_tokens=8, temperature=1.0, seed=s, ignore_eos=True) for s in range(150)]
     for options in (dict(mode="random", with_probs=False), dict(mode="wide_fan", with_probs=True)):
         llm = LLM(small_vocab_dir, drafter="scripted", device="cpu", max_num_seqs=150,
-                  drafter_options=dict(seed=4, references=reference, max_budget=6, **options))
+                  drafter_options=dict(seed=4, references=reference, max_budget=6, **options), speculation="static")
         free = llm.generate([PROMPTS[2]] * 150, params)
         assert sum(banned in o.token_ids for o in free) > 10  # without the ban it is common
         llm.engine.logits_processors.append(Ban(banned))
@@ -423,7 +423,7 @@ def test_banned_token_never_appears_in_sampled_output(small_vocab_dir, reference
 def test_in_place_processor_works_through_llm_generate(small_vocab_dir, reference):
     banned = _banned_token(reference)
     llm = LLM(small_vocab_dir, drafter="scripted", device="cpu",
-              drafter_options=dict(mode="mixed", seed=0, references=reference, max_budget=4))
+              drafter_options=dict(mode="mixed", seed=0, references=reference, max_budget=4), speculation="static")
     llm.engine.logits_processors.append(Ban(banned))
     outs = llm.generate(PROMPTS, GREEDY)
     assert all(banned not in o.token_ids for o in outs)

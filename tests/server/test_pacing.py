@@ -23,9 +23,9 @@ class SlowScriptedDrafter(ScriptedDrafter):
     """The scripted drafter with a step as long as a real model's on CPU (~15 ms): the tiny test model's
     sub-millisecond steps would have the event loop release a whole burst in one iteration."""
 
-    def propose(self, requests, budgets):
+    def propose(self, requests, budgets, depth=None):
         time.sleep(0.015)
-        return super().propose(requests, budgets)
+        return super().propose(requests, budgets, depth)
 
 
 def gaps(times: list[float]) -> list[float]:

@@ -85,7 +85,7 @@ def test_trained_draft_is_lossless_greedy(trained_lm, trained_draft, options):
     prompts = ["import json\n", "def parse(args):\n    ", "class Dialect:\n"]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     plain = LLM(trained_lm, device="cpu").generate(prompts, params)
-    spec = LLM(trained_lm, drafter=f"draft:{trained_draft}", drafter_options=options, device="cpu")
+    spec = LLM(trained_lm, drafter=f"draft:{trained_draft}", drafter_options=options, device="cpu", speculation="static")
     for batch in (prompts[:1], prompts):
         outs = spec.generate(batch, params)
         assert [o.token_ids for o in outs] == [o.token_ids for o in plain[: len(batch)]]
@@ -93,8 +93,8 @@ def test_trained_draft_is_lossless_greedy(trained_lm, trained_draft, options):
 
 def test_trained_draft_samples_reproducibly(trained_lm, trained_draft):
     params = SamplingParams(max_tokens=16, temperature=0.8, seed=11, ignore_eos=True)
-    a = LLM(trained_lm, drafter=f"draft:{trained_draft}", device="cpu").generate(["import os\n"], params)[0]
-    b = LLM(trained_lm, drafter=f"draft:{trained_draft}", device="cpu").generate(["import os\n"], params)[0]
+    a = LLM(trained_lm, drafter=f"draft:{trained_draft}", device="cpu", speculation="static").generate(["import os\n"], params)[0]
+    b = LLM(trained_lm, drafter=f"draft:{trained_draft}", device="cpu", speculation="static").generate(["import os\n"], params)[0]
     assert a.token_ids == b.token_ids and a.spec.num_steps >= 1
 
 

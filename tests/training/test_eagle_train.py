@@ -66,7 +66,7 @@ def test_train_eagle_end_to_end(setup, tmp_path, mode, extra):
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     prompts = ["def f(x):\n    return", "import os\n"]
     plain = LLM(target, device="cpu").generate(prompts, params)
-    spec = LLM(target, drafter=f"eagle:{out}", drafter_options={"depth": 3, "topk": 2}, device="cpu").generate(prompts, params)
+    spec = LLM(target, drafter=f"eagle:{out}", drafter_options={"depth": 3, "topk": 2}, device="cpu", speculation="static").generate(prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
 
 

@@ -79,7 +79,7 @@ def test_training_writes_heads_that_serve_losslessly(target, trained):
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     plain = LLM(target, device="cpu").generate(prompts, params)
     for options in ({}, {"tree": "dynamic", "topk": 3}):
-        spec = LLM(target, drafter=f"medusa:{trained}", drafter_options=options, device="cpu").generate(prompts, params)
+        spec = LLM(target, drafter=f"medusa:{trained}", drafter_options=options, device="cpu", speculation="static").generate(prompts, params)
         assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
 
 

@@ -1,0 +1,295 @@
+"""The adaptive budget policy: each step, draft and verify what maximises the batch's tokens per second.
+
+Model (all measured on this machine, see `cost_model` and `node_values`):
+
+    tokens(step)  = decodes + Σ over verified nodes of value(node)        (value = P(node accepted))
+    seconds(step) = overhead + draft_cost(depth, drafting requests) + verify_cost(rows)
+
+**Plan** (before drafting): for every depth L = 0 (plain decoding) .. the drafter's depth, predict
+each request's nodes from its previous tree (calibrated values × the request's own accuracy factor;
+a new request borrows the latest tree of any request), cut them as below, and keep the L with the most
+tokens per second. Requests that would verify nothing do not draft (budget 0); now and then such a
+request is probed with a small budget, so text that turns predictable gets speculation back.
+
+**Cut** (after drafting): all drafted nodes of the batch, best value first, are added while the step's
+tokens per second still grows — a node's marginal tokens against the marginal verify rows it costs, the
+drafting already paid. Values never grow from parent to child and ties go to the lower node index, so
+each request keeps an ancestor-closed tree whose sampled siblings are a prefix of the draws. Which nodes
+are kept depends on scores (for sampled requests, sibling ranks only) and on past steps, never on the
+values this step drew: the policy changes how much is verified, never what is emitted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from specserve.budget import DraftPlan, StepRecord
+from specserve.request import Request
+from specserve.speculation.cost_model import DraftCost, VerifyCost, calibrate_verify_cost
+from specserve.speculation.node_values import NodeValueModel, fallback_scores
+from specserve.verify import DraftTree
+
+# A request not drafting is probed after at least PROBE_FIRST steps, and only once the time it spent
+# decoding plainly since its last probe is PROBE_SHARE⁻¹ times what the probe is predicted to cost (a
+# probe pays the drafter's catch-up over everything committed since it last drafted — the whole prompt
+# the first time): probing costs at most ~3 % of a plain-decoding request's time. Each probe that does
+# not bring speculation back doubles the minimum wait, up to PROBE_MAX. A probe's drafting time is not
+# learned from (the catch-up dominates it).
+PROBE_FIRST = 16
+PROBE_MAX = 128
+PROBE_BUDGET = 2
+PROBE_SHARE = 0.03
+# The full plan (every depth priced) runs every REPLAN steps or when a request without a decision
+# arrives; in between the last decision stands (the cut still adapts every drafting step). Pricing
+# every depth each step cost ~0.3 ms — 15 % of a plain step on the embedded model.
+REPLAN = 8
+# Weight of the newest step in a request's accuracy factor (realised / predicted accepted tokens).
+FACTOR_RATE = 0.2
+# A request that resumes drafting first pays its drafter's catch-up over everything committed since it
+# last drafted (its backlog); the plan spreads that over this many steps of drafting, so short pauses
+# are cheap to end and a long-idle request resumes only for a clear gain (hysteresis, measured).
+AMORTIZE_STEPS = 4
+
+
+@dataclass
+class _RequestState:
+    values: np.ndarray | None = None  # calibrated values of its latest drafted tree (before its factor)
+    depths: np.ndarray | None = None
+    realised: float = 1.0  # EMAs of accepted tokens and of predicted ones: factor = realised / predicted
+    predicted: float = 1.0
+    idle: int = 0
+    backlog: int | None = None  # tokens committed since its drafter last drafted (None: never seen)
+    probe_every: int = PROBE_FIRST
+    probing: bool = False
+    decided: bool = False  # has a full plan included or excluded it yet
+    drafting: bool = False  # the last full plan's decision
+    pending: tuple | None = None  # (scores, sampled, predicted) of the nodes verified this step
+
+    @property
+    def factor(self) -> float:
+        return float(np.clip(self.realised / max(self.predicted, 1e-6), 0.1, 3.0))
+
+
+@dataclass
+class AdaptiveBudget:
+    """max_budget / max_depth: the drafter's own caps (upper bounds here). verify_cost: calibrated by
+    the engine at start (`specserve.speculation.cost_model.calibrate_verify_cost`)."""
+
+    max_budget: int
+    max_depth: int
+    verify_cost: VerifyCost | None = None
+    draft_cost: DraftCost = field(default_factory=DraftCost)
+    node_values: NodeValueModel = field(default_factory=NodeValueModel)
+    overhead_s: float = 0.0  # per-step time outside drafting and verify (scheduling, commit, streaming)
+
+    def __post_init__(self) -> None:
+        self._requests: dict[str, _RequestState] = {}
+        self._typical: tuple[np.ndarray, np.ndarray] | None = None  # latest tree of any request
+        self._depth = 0  # this step's plan depth
+        self._plan_depth = 0  # the last full plan's depth
+        self._since_plan = REPLAN
+        self._probes_only = False  # this step drafts only probes
+
+    def calibrate(self, time_forward, max_rows: int) -> None:
+        """Measure the target forward at a few row counts (the engine's `time_forward(rows) -> s`)."""
+        self.verify_cost = calibrate_verify_cost(time_forward, max_rows)
+
+    # ---- before drafting ------------------------------------------------------------------------
+
+    def plan(self, requests: list[Request], fixed_rows: int) -> DraftPlan:
+        if not requests or self.max_budget <= 0:
+            self._depth = 0
+            return DraftPlan([0] * len(requests), 0)
+        states = [self._state(r.request_id) for r in requests]
+        for s, r in zip(states, requests):
+            if s.backlog is None:
+                s.backlog = len(r.token_ids)
+        if self.verify_cost is None or self._typical is None:
+            self._depth = self.max_depth  # nothing known yet: draft fully and measure
+            return DraftPlan([self.max_budget] * len(requests), self.max_depth)
+        self._since_plan += 1
+        if self._since_plan < REPLAN and all(s.decided for s in states):
+            drafting = [s.drafting for s in states]
+            return self._budgets(states, drafting, self._plan_depth, fixed_rows)
+        self._since_plan = 0
+        predicted = [self._predicted(s) for s in states]
+        backlogs = np.array([s.backlog for s in states], dtype=np.float64) / AMORTIZE_STEPS
+        best_depth, best_rate, best_kept = 0, len(requests) / self._seconds(0.0, fixed_rows), None
+        for depth in range(1, self.max_depth + 1):
+            values = [v[d <= depth] for v, d in predicted]
+            has = np.array([len(v) > 0 for v in values])
+            cost = self.draft_cost(depth, int(has.sum()), backlogs[has].sum())
+            kept, rate = self._best_cut(values, fixed_rows, cost)
+            keeps = kept > 0
+            if 0 < keeps.sum() < has.sum():  # only those that keep nodes draft: re-price with fewer
+                cost = self.draft_cost(depth, int(keeps.sum()), backlogs[keeps].sum())
+                kept, rate = self._best_cut(values, fixed_rows, cost)
+            if rate > best_rate:
+                best_depth, best_rate, best_kept = depth, rate, kept
+        drafting = [best_kept is not None and best_kept[i] > 0 for i in range(len(states))]
+        for s, d in zip(states, drafting):
+            s.decided, s.drafting = True, d
+        self._plan_depth = best_depth
+        return self._budgets(states, drafting, best_depth, fixed_rows)
+
+    def _budgets(self, states: list[_RequestState], drafting: list[bool], depth: int, fixed_rows: int) -> DraftPlan:
+        """The plan's budgets: drafting requests get the drafter's whole candidate tree (the cut keeps
+        what pays); the others decode plainly, except a probe now and then."""
+        budgets = []
+        for s, d in zip(states, drafting):
+            s.probing = False
+            if d:
+                s.idle, s.probe_every = 0, PROBE_FIRST
+                budgets.append(self.max_budget)
+                continue
+            s.idle += 1
+            if s.idle >= s.probe_every and self._probe_pays(s, fixed_rows):
+                s.idle, s.probe_every, s.probing = 0, min(2 * s.probe_every, PROBE_MAX), True
+                budgets.append(min(PROBE_BUDGET, self.max_budget))
+            else:
+                budgets.append(0)
+        self._probes_only = depth == 0
+        if depth == 0 and any(budgets):
+            depth = min(2, self.max_depth)  # a probe alone: a shallow tree
+        self._depth = depth
+        return DraftPlan(budgets, depth)
+
+    def _probe_pays(self, state: _RequestState, fixed_rows: int) -> bool:
+        """Whether the plain steps since this request's last probe cover a probe's predicted cost."""
+        depth = min(2, self.max_depth)
+        cost = self.draft_cost(depth, 1, state.backlog or 0)
+        cost += self.verify_cost(fixed_rows + PROBE_BUDGET) - self.verify_cost(fixed_rows)
+        return state.idle * self._seconds(0.0, fixed_rows) * PROBE_SHARE >= cost
+
+    # ---- after drafting -------------------------------------------------------------------------
+
+    def cut(self, requests: list[Request], trees: list[DraftTree], budgets: list[int], fixed_rows: int,
+            draft_s: float) -> tuple[list[DraftTree], list[float | None]]:
+        if not any(budgets):  # a plain step (the common case when speculation does not pay): keep it lean
+            return trees, [None] * len(trees)
+        values, scores_of = [], []
+        for r, tree, budget in zip(requests, trees, budgets):
+            if not budget or not tree.num_nodes:
+                values.append(np.zeros(0))
+                scores_of.append(None)
+                continue
+            depths = tree.depths.numpy()
+            scores = tree.scores.numpy() if tree.scores is not None else fallback_scores(tree.parents.numpy())
+            calibrated = self.node_values.values(scores, r.params.temperature > 0)
+            state = self._state(r.request_id)
+            state.values, state.depths = calibrated, depths
+            self._typical = (calibrated, depths)
+            v = _monotone(np.minimum(calibrated * state.factor, 1.0), tree.parents.numpy(), depths)
+            if self._depth:
+                v = np.where(depths <= self._depth, v, -1.0)
+            values.append(v)
+            scores_of.append(scores)
+        if self.verify_cost is None:
+            kept = np.array([int((v >= 0).sum()) for v in values])
+        else:
+            kept, _ = self._best_cut([v[v >= 0] for v in values], fixed_rows, draft_s)
+        out, predictions = [], []
+        for i, (r, tree) in enumerate(zip(requests, trees)):
+            v = values[i]
+            state = self._requests.get(r.request_id)
+            if scores_of[i] is None:
+                out.append(tree)
+                predictions.append(None)
+                if state is not None:
+                    state.pending = None
+                continue
+            k = int(kept[i])
+            if k == 0 and state.probing:
+                k = 1  # a probe verifies at least its best node, or it learns nothing
+            keep = np.sort(_top(v, k))
+            out.append(tree.subtree(keep) if k else DraftTree.empty())
+            predicted = float(v[keep].sum()) if k else 0.0
+            state.pending = (scores_of[i][keep], r.params.temperature > 0, predicted) if k else None
+            predictions.append(predicted if k else None)
+        return out, predictions
+
+    def _best_cut(self, values: list[np.ndarray], fixed_rows: int, fixed_s: float) -> tuple[np.ndarray, float]:
+        """Nodes kept per request and the tokens per second of the best cut. values: per request, its
+        candidate nodes' values (any order). Nodes are taken best first across requests."""
+        n = len(values)
+        counts = np.array([len(v) for v in values])
+        kept = np.zeros(n, dtype=np.int64)
+        base = n / self._seconds(fixed_s, fixed_rows)
+        if not counts.sum():
+            return kept, base
+        flat = np.concatenate(values)
+        owner = np.repeat(np.arange(n), counts)
+        order = np.argsort(-flat, kind="stable")
+        gains = np.cumsum(flat[order])
+        rows = fixed_rows + np.arange(1, len(flat) + 1)
+        rates = (n + gains) / (self.overhead_s + fixed_s + self.verify_cost(rows))
+        k = int(np.argmax(rates))
+        if rates[k] <= base:
+            return kept, base
+        np.add.at(kept, owner[order[:k + 1]], 1)
+        return kept, float(rates[k])
+
+    def _seconds(self, fixed_s: float, rows: int) -> float:
+        return self.overhead_s + fixed_s + self.verify_cost(rows)
+
+    # ---- learning -------------------------------------------------------------------------------
+
+    def observe(self, record: StepRecord) -> None:
+        if self.verify_cost is not None and record.num_tokens:
+            self.verify_cost.observe(record.num_tokens, record.verify_s)
+        drafted = {rec.request_id for rec in record.requests if rec.budget > 0}
+        if record.num_drafting and not self._probes_only:
+            backlog = sum(self._requests[i].backlog or 0 for i in drafted if i in self._requests)
+            self.draft_cost.observe(record.draft_depth, record.num_drafting, backlog, record.draft_s)
+        for rec in record.requests:
+            state = self._requests.get(rec.request_id)
+            if state is not None and state.backlog is not None:
+                state.backlog = rec.accepted + 1 + (0 if rec.request_id in drafted else state.backlog)
+        if record.step_s:
+            other = max(record.step_s - record.draft_s - record.verify_s, 0.0)
+            self.overhead_s += 0.05 * (other - self.overhead_s)
+        for rec in record.requests:
+            state = self._requests.get(rec.request_id)
+            if state is None or state.pending is None:
+                continue
+            scores, sampled, predicted = state.pending
+            state.pending = None
+            accepted = np.zeros(len(scores), dtype=bool)
+            accepted[list(rec.accepted_nodes)] = True
+            self.node_values.observe(scores, accepted, sampled)
+            state.realised += FACTOR_RATE * (rec.accepted - state.realised)
+            state.predicted += FACTOR_RATE * (predicted - state.predicted)
+
+    def release(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    # ---- helpers --------------------------------------------------------------------------------
+
+    def _state(self, request_id: str) -> _RequestState:
+        state = self._requests.get(request_id)
+        if state is None:
+            state = self._requests[request_id] = _RequestState()
+        return state
+
+    def _predicted(self, state: _RequestState) -> tuple[np.ndarray, np.ndarray]:
+        """This request's expected node values for its next tree (and their depths)."""
+        values, depths = (state.values, state.depths) if state.values is not None else self._typical
+        return np.minimum(values * state.factor, 1.0), depths
+
+
+def _monotone(values: np.ndarray, parents: np.ndarray, depths: np.ndarray) -> np.ndarray:
+    """No node worth more than its parent: drafters promise non-increasing scores along paths, and this
+    keeps the cut ancestor-closed even where one rounds the other way. One pass per depth."""
+    out = values.copy()
+    for d in range(2, int(depths.max(initial=1)) + 1):
+        at = np.flatnonzero(depths == d)
+        out[at] = np.minimum(out[at], out[parents[at]])
+    return out
+
+
+def _top(values: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k best values (ties: the lower index), among those >= 0."""
+    order = np.argsort(-values, kind="stable")
+    return order[:k]

@@ -1,0 +1,130 @@
+"""What a step costs on this machine: the target forward by rows, drafting by levels and batch.
+
+Both are measured, never assumed: the verify cost is calibrated at engine start (a few forwards at
+row counts 1, 2, 4, ...) and both are corrected online from every `StepRecord`. Costs are seconds.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from typing import Callable
+
+import numpy as np
+
+# Online correction rate: a step moves the prediction this fraction of the way to what it measured.
+# Steps of a few milliseconds jitter by 10-30 % on a shared host; 0.05 averages ~20 steps.
+RATE = 0.05
+# A measurement more than this factor above the prediction is clipped (a GC pause, a page fault,
+# another process, a first call compiling) before it corrects anything. Measurements below the
+# prediction are not clipped: nothing makes a step spuriously fast.
+OUTLIER = 3.0
+
+
+class VerifyCost:
+    """Seconds of one step's target forward plus acceptance, as a function of its rows: piecewise
+    linear between knots (rows, ascending), extrapolated along the last segment."""
+
+    def __init__(self, knots: list[int], seconds: list[float]) -> None:
+        if len(knots) != len(seconds) or not knots:
+            raise ValueError("VerifyCost needs one time per knot")
+        self.knots = np.asarray(knots, dtype=np.float64)
+        self._knot_list = [float(k) for k in knots]
+        self.seconds = np.maximum.accumulate(np.maximum(np.asarray(seconds, dtype=np.float64), 1e-7))
+
+    def __call__(self, rows):
+        """Predicted seconds for `rows` (a number, or an array of them). Called several times a step:
+        kept to one interpolation."""
+        last = self.knots[-1]
+        slope = (self.seconds[-1] - self.seconds[-2]) / (last - self.knots[-2]) if len(self.knots) > 1 else 0.0
+        if np.ndim(rows) == 0:
+            if rows > last:
+                return float(self.seconds[-1] + slope * (rows - last))
+            return float(np.interp(rows, self.knots, self.seconds))
+        x = np.asarray(rows, dtype=np.float64)
+        y = np.interp(x, self.knots, self.seconds)
+        over = x > last
+        if over.any():
+            y[over] = self.seconds[-1] + slope * (x[over] - last)
+        return y
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """Move the two knots around `rows` towards a measured step, in proportion to their weight
+        (scalar Python: this runs every step)."""
+        predicted = self(rows)
+        error = min(seconds, predicted * OUTLIER) - predicted
+        knots, y = self.knots, self.seconds
+        i = bisect.bisect_left(self._knot_list, rows)
+        if i == 0 or len(knots) == 1:
+            y[0] = max(y[0] + RATE * error, 1e-7)
+            changed = 0
+        elif i >= len(knots):
+            y[-1] = max(y[-1] + RATE * error, y[-2])
+            return
+        else:
+            w = (rows - knots[i - 1]) / (knots[i] - knots[i - 1])
+            y[i - 1] = max(y[i - 1] + RATE * (1 - w) * error, 1e-7)
+            y[i] += RATE * w * error
+            changed = i - 1
+        for j in range(max(changed, 1), len(y)):  # keep the cost non-decreasing in rows
+            if y[j] < y[j - 1]:
+                y[j] = y[j - 1]
+
+
+def calibrate_verify_cost(time_forward: Callable[[int], float], max_rows: int) -> VerifyCost:
+    """Time the target forward at rows 1, 2, 4, ... up to max_rows (best of 5 up to 16 rows, where the
+    differences that decide small trees are a few hundred microseconds, best of 2 above; after two
+    warm-up forwards): the starting point the online corrections refine."""
+    max_rows = max(1, max_rows)
+    knots = sorted({min(1 << i, max_rows) for i in range(int(math.log2(max_rows)) + 2)})
+    time_forward(1)
+    time_forward(2)
+    return VerifyCost(knots, [min(time_forward(k) for _ in range(5 if k <= 16 else 2)) for k in knots])
+
+
+class DraftCost:
+    """Seconds of drafting one step, linear in what the drafter does:
+
+        draft_s ≈ a · levels + b · levels · requests + c · backlog
+
+    levels: tree levels drafted (one drafter forward each for level drafters); requests: requests
+    drafting; backlog: tokens the drafting requests committed since they last drafted, which a drafter
+    with its own model or features must feed before it can draft (its catch-up). Fitted online by
+    recursive least squares with forgetting; with nothing measured it predicts 0, so the first steps
+    draft and measure (exploration, not a guess).
+    """
+
+    FORGET = 0.98  # weight of older steps per new step (~50 steps of memory)
+
+    def __init__(self) -> None:
+        self.theta = np.zeros(3)
+        self.cov = np.eye(3) * 1e4
+        self.seen = 0
+        self.warmed = False  # the first drafting step (first calls, compiling) teaches nothing
+
+    @staticmethod
+    def _features(levels: int, requests: int, backlog: int) -> np.ndarray:
+        return np.array([levels, levels * requests, backlog], dtype=np.float64)
+
+    def __call__(self, levels: int, requests: int, backlog: int = 0) -> float:
+        if levels <= 0 or requests <= 0 or not self.seen:
+            return 0.0
+        return max(float(self._features(levels, requests, backlog) @ self.theta), 0.0)
+
+    def observe(self, levels: int, requests: int, backlog: int, seconds: float) -> None:
+        if levels <= 0 or requests <= 0:
+            return
+        if not self.warmed:
+            self.warmed = True
+            return
+        x = self._features(levels, requests, backlog)
+        if self.seen:
+            seconds = min(seconds, max(self(levels, requests, backlog), 1e-5) * OUTLIER)
+        px = self.cov @ x
+        gain = px / (self.FORGET + x @ px)
+        self.theta = np.maximum(self.theta + gain * (seconds - x @ self.theta), 0.0)
+        self.cov = (self.cov - np.outer(gain, px)) / self.FORGET
+        trace = np.trace(self.cov)
+        if trace > 1e8:  # directions no step excites grow without bound under forgetting: cap them
+            self.cov *= 1e8 / trace
+        self.seen += 1

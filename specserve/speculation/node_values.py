@@ -1,0 +1,88 @@
+"""What a draft node is worth: the probability that verification accepts it, learned from what was.
+
+A tree's expected accepted length is the sum over its nodes of P(node is on the accepted path), so a
+node's value is that probability. Drafters give a score per node (`DraftTree.scores`: their own guess
+at log P(accepted)); this model maps scores to observed acceptance — per score bin, counted over
+recent steps, separately for greedy and sampled requests (acceptance differs a lot), made monotone in
+the score (pool-adjacent-violators) so a child is never worth more than its parent. Trees without
+scores are ranked by depth and sibling order (`fallback_scores`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# Score bins over log-probabilities: [-12, 0] in 0.25 steps (EAGLE's cumulative log-probs at depth 5
+# rarely go below -12; everything lower shares the first bin).
+EDGES = np.arange(-12.0, 0.0001, 0.25)
+NUM_BINS = len(EDGES) + 1
+# Weight of the drafter's own score as a prior, in observations per bin: enough to be sane before
+# anything is seen, little enough that ~10 verified nodes in a bin override it.
+PRIOR_WEIGHT = 2.0
+# Per-step forgetting of old observations (a half-life of ~700 steps): acceptance drifts with the text.
+DECAY = 0.999
+
+
+def fallback_scores(parents: np.ndarray) -> np.ndarray:
+    """The stand-in score of nodes whose drafter gives none (n-gram, Medusa's static trees): each level
+    down costs 1, each earlier sibling 1 more — drafters list a node's likelier children first. Only the
+    tree's shape is read, so for sampled requests the cut never depends on drawn values."""
+    scores = np.zeros(len(parents), dtype=np.float32)
+    seen: dict[int, int] = {}
+    for i, p in enumerate(parents.tolist()):
+        rank = seen.get(p, 0)
+        seen[p] = rank + 1
+        scores[i] = (scores[p] if p >= 0 else 0.0) - 1.0 - rank
+    return scores
+
+
+class NodeValueModel:
+    """Calibrated P(accepted) by drafter score; `kind` 0 = greedy requests, 1 = sampled."""
+
+    def __init__(self) -> None:
+        centers = np.concatenate([[EDGES[0] - 0.125], (EDGES[:-1] + EDGES[1:]) / 2, [0.0]])
+        self.prior = np.clip(np.exp(centers), 0.02, 0.98)
+        self.hits = np.zeros((2, NUM_BINS))
+        self.trials = np.zeros((2, NUM_BINS))
+        self._table = [None, None]
+
+    def values(self, scores: np.ndarray, sampled: bool) -> np.ndarray:
+        """float64[N] P(accepted) of nodes with these scores."""
+        kind = int(sampled)
+        if self._table[kind] is None:
+            self._table[kind] = self._fit(kind)
+        return self._table[kind][np.searchsorted(EDGES, scores, side="right")]
+
+    def observe(self, scores: np.ndarray, accepted: np.ndarray, sampled: bool) -> None:
+        """Nodes verified this step (scores) and whether each was on the accepted path (bool)."""
+        kind = int(sampled)
+        bins = np.searchsorted(EDGES, scores, side="right")
+        self.trials[kind] *= DECAY
+        self.hits[kind] *= DECAY
+        np.add.at(self.trials[kind], bins, 1.0)
+        np.add.at(self.hits[kind], bins, accepted.astype(np.float64))
+        self._table[kind] = None
+
+    def _fit(self, kind: int) -> np.ndarray:
+        weight = self.trials[kind] + PRIOR_WEIGHT
+        rate = (self.hits[kind] + PRIOR_WEIGHT * self.prior) / weight
+        return _isotonic(rate, weight)
+
+
+def _isotonic(y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The non-decreasing sequence closest to y in weighted least squares (pool adjacent violators)."""
+    values, weights, counts = [], [], []
+    for v, wt in zip(y.tolist(), w.tolist()):
+        values.append(v)
+        weights.append(wt)
+        counts.append(1)
+        while len(values) > 1 and values[-2] > values[-1]:
+            wsum = weights[-2] + weights[-1]
+            merged = (values[-2] * weights[-2] + values[-1] * weights[-1]) / wsum
+            merged_count = counts.pop()
+            counts[-1] += merged_count
+            weights[-2] = wsum
+            weights.pop()
+            values.pop()
+            values[-1] = merged
+    return np.repeat(values, counts)
