@@ -60,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPU kernel threads, and llama.cpp's n_threads and n_threads_batch (default: every core)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--seed", type=int, default=0, help="base sampling seed (temperature > 0)")
+    p.add_argument("--speculation", default="adaptive", choices=("adaptive", "static"),
+                   help="adaptive (default): trees sized from measured cost and acceptance; static: each drafter's "
+                        "own budget every step (measures the drafter alone)")
     p.add_argument("--drafter-option", action="append", default=[], metavar="[SPEC:]KEY=VALUE",
                    help="option for one drafter (SPEC:key=value) or for all (key=value); repeatable")
     p.add_argument("--on-bad-line", choices=ON_BAD_LINE, default="fail", help="malformed JSONL lines: fail (default) or skip")
@@ -107,6 +110,7 @@ class EvalConfig:
     device: str = "auto"
     seed: int = 0
     drafter_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    speculation: str = "adaptive"  # or "static": every drafter at its own budget every step
     on_bad_line: str = "fail"
     progress: bool = True
 
@@ -143,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
         llama_cpp_source=args.llama_cpp_source, llama_cpp_cache=args.llama_cpp_cache, threads=args.threads,
         device=args.device, seed=args.seed,
         drafter_options=parse_drafter_options(args.drafter_option, args.drafter), on_bad_line=args.on_bad_line,
+        speculation=args.speculation,
     )
     try:
         run_eval(cfg)
@@ -284,7 +289,7 @@ def _load_drafter_llm(cfg: EvalConfig, spec: str):
 
     try:
         return LLM(cfg.model, drafter=spec.partition("#")[0], drafter_options=cfg.drafter_options.get(spec) or None,
-                   device=cfg.device, max_num_seqs=cfg.batch_size)
+                   device=cfg.device, max_num_seqs=cfg.batch_size, speculation=cfg.speculation)
     except Exception as exc:  # a drafter that cannot load is bad input: one line naming it and why
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ValueError(f"drafter {spec!r} failed to load: {first}") from exc

@@ -113,6 +113,7 @@ class SpecServer:
         self.model_name = "specserve-default" if default else (Path(llm.model_dir).name or str(llm.model_dir))
         self.drafter_spec: str | None = llm.drafter_spec if engine.drafter is not None else None
         self.drafter_name = engine.drafter.name if engine.drafter is not None else None
+        self.speculation = getattr(llm, "speculation", "static") if engine.drafter is not None else None
         self.default_sampling = {
             "max_output_tokens": min(self.config.default_max_output_tokens, self.context_length - 1),
             **defaults.sampling_defaults(),
@@ -136,6 +137,7 @@ class SpecServer:
         return {
             "context_length": self.context_length,
             "max_output_tokens": self.context_length - 1,
+            "speculation": self.speculation,
             "max_message_bytes": c.max_message_bytes,
             "max_responses_per_connection": c.max_responses_per_connection,
             "max_pending_bytes": c.max_pending_bytes,

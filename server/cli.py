@@ -20,6 +20,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default="auto",
                      help="drafter spec: 'ngram', 'NAME:PATH' or 'none' (default 'auto': the embedded model's default drafter, else none)")
     p.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE", help="drafter knob (repeatable)")
+    p.add_argument("--speculation", default="adaptive", choices=("adaptive", "static"),
+                   help="adaptive (default): draft trees sized each step from measured cost and acceptance; static: "
+                        "the drafter's budget every step")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8765, help="port (0: any free port)")
@@ -71,7 +74,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, args.log_format)
     llm = LLM(args.model, drafter=args.drafter, drafter_options=_drafter_options(args.drafter_option),
               device=args.device, dtype=args.dtype, threads=args.threads, max_num_seqs=args.max_num_seqs,
-              max_model_len=args.max_model_len)
+              max_model_len=args.max_model_len, speculation=args.speculation)
     server = SpecServer(llm, config)
     return asyncio.run(_serve(server))
 
@@ -80,7 +83,7 @@ async def _serve(server) -> int:
     await server.start()
     host = server.config.host
     shown = f"[{host}]" if ":" in host else host
-    print(f"specserve: serving {server.model_name} (drafter {server.drafter_spec or 'none'}) "
+    print(f"specserve: serving {server.model_name} (drafter {server.drafter_spec or 'none'}{', ' + server.speculation + ' speculation' if server.speculation else ''}) "
           f"on http://{shown}:{server.port}/ — OpenAI API http://{shown}:{server.port}/v1, "
           f"websocket ws://{shown}:{server.port}/v1/ws", flush=True)
     stop = asyncio.Event()

@@ -86,7 +86,7 @@ class OpenAIApi:
     def _model_card(self) -> dict:
         s = self.server
         return {"id": s.model_name, "object": "model", "created": self.started, "owned_by": "specserve",
-                "context_length": s.context_length, "drafter": s.drafter_spec}
+                "context_length": s.context_length, "drafter": s.drafter_spec, "speculation": s.speculation}
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [self._model_card()]})

@@ -111,7 +111,10 @@ def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--drafter", default="auto",
                      help="drafter spec: 'ngram', 'NAME:PATH' or 'none' (default 'auto': the embedded model's default drafter, else none)")
     gen.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
-                     help="drafter knob, e.g. depth=8 (repeatable)")
+                     help="drafter knob, e.g. depth=8 (repeatable; under adaptive speculation budget and depth are upper bounds)")
+    gen.add_argument("--speculation", default="adaptive", choices=("adaptive", "static"),
+                     help="adaptive (default): each step's draft trees sized from measured cost and acceptance, plain "
+                          "decoding when speculation does not pay; static: the drafter's budget every step")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-tokens", type=int, default=defaults.MAX_TOKENS, help="default: the rest of the context window")
     gen.add_argument("--temperature", type=float, default=defaults.TEMPERATURE, help="0 = greedy (default %(default)s)")
@@ -144,7 +147,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not args.prompt:
         raise ValueError("--prompt is empty")
     llm = LLM(args.model, drafter=args.drafter, drafter_options=_drafter_options(args.drafter_option), device=args.device,
-              dtype=args.dtype, threads=args.threads)
+              dtype=args.dtype, threads=args.threads, speculation=args.speculation)
     if args.json:
         out = llm.generate([args.prompt], params)[0]
         print(json.dumps({
@@ -185,6 +188,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         "default_model": str(default_model_dir()) if default_model_dir() else None,
         "default_drafters": default_drafters(),
         "default_drafter": default_drafter(default_model_dir()),  # what --drafter auto picks
+        "speculation_modes": ["adaptive", "static"],
+        "default_speculation": "adaptive",
     }
     if args.json:
         print(json.dumps(info))

@@ -14,7 +14,7 @@ SPECULATION_MODES = ("adaptive", "static")
 
 # Calibration forwards go up to this many rows; beyond it the cost is extrapolated (linear: the
 # forward is compute-bound long before) and corrected online.
-CALIBRATION_MAX_ROWS = 128
+CALIBRATION_MAX_ROWS = 64
 
 
 def make_budget_policy(mode: str, drafter):

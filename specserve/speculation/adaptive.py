@@ -28,7 +28,7 @@ import numpy as np
 from specserve.budget import DraftPlan, StepRecord
 from specserve.request import Request
 from specserve.speculation.cost_model import DraftCost, VerifyCost, calibrate_verify_cost
-from specserve.speculation.node_values import NodeValueModel, fallback_scores
+from specserve.speculation.node_values import NodeValueModel, fallback_scores, own_terms, path_products
 from specserve.verify import DraftTree
 
 # A request not drafting is probed after at least PROBE_FIRST steps, and only once the time it spent
@@ -175,13 +175,17 @@ class AdaptiveBudget:
                 values.append(np.zeros(0))
                 scores_of.append(None)
                 continue
-            depths = tree.depths.numpy()
-            scores = tree.scores.numpy() if tree.scores is not None else fallback_scores(tree.parents.numpy())
-            calibrated = self.node_values.values(scores, r.params.temperature > 0)
+            depths, parents = tree.depths.numpy(), tree.parents.numpy()
+            scores = tree.scores.numpy() if tree.scores is not None else fallback_scores(parents)
+            terms = own_terms(scores, parents)
+            conditional = self.node_values.conditional(terms, r.params.temperature > 0)
             state = self._state(r.request_id)
+            calibrated = path_products(conditional, parents, depths)
             state.values, state.depths = calibrated, depths
             self._typical = (calibrated, depths)
-            v = _monotone(np.minimum(calibrated * state.factor, 1.0), tree.parents.numpy(), depths)
+            # The request's own accuracy factor scales each conditional rate; values stay products, so a
+            # child is never worth more than its parent and the cut stays ancestor-closed.
+            v = path_products(np.minimum(conditional * state.factor, 1.0), parents, depths)
             if self._depth:
                 v = np.where(depths <= self._depth, v, -1.0)
             values.append(v)
@@ -203,11 +207,17 @@ class AdaptiveBudget:
             k = int(kept[i])
             if k == 0 and state.probing:
                 k = 1  # a probe verifies at least its best node, or it learns nothing
+            if not k:
+                out.append(DraftTree.empty())
+                predictions.append(None)
+                state.pending = None
+                continue
             keep = np.sort(_top(v, k))
-            out.append(tree.subtree(keep) if k else DraftTree.empty())
-            predicted = float(v[keep].sum()) if k else 0.0
-            state.pending = (scores_of[i][keep], r.params.temperature > 0, predicted) if k else None
-            predictions.append(predicted if k else None)
+            kept_tree = tree.subtree(keep)
+            predicted = float(v[keep].sum())
+            out.append(kept_tree)
+            predictions.append(predicted)
+            state.pending = (scores_of[i][keep], kept_tree.parents.numpy(), r.params.temperature > 0, predicted)
         return out, predictions
 
     def _best_cut(self, values: list[np.ndarray], fixed_rows: int, fixed_s: float) -> tuple[np.ndarray, float]:
@@ -254,11 +264,11 @@ class AdaptiveBudget:
             state = self._requests.get(rec.request_id)
             if state is None or state.pending is None:
                 continue
-            scores, sampled, predicted = state.pending
+            scores, parents, sampled, predicted = state.pending
             state.pending = None
             accepted = np.zeros(len(scores), dtype=bool)
             accepted[list(rec.accepted_nodes)] = True
-            self.node_values.observe(scores, accepted, sampled)
+            self.node_values.observe(own_terms(scores, parents), parents, accepted, sampled)
             state.realised += FACTOR_RATE * (rec.accepted - state.realised)
             state.predicted += FACTOR_RATE * (predicted - state.predicted)
 
@@ -277,16 +287,6 @@ class AdaptiveBudget:
         """This request's expected node values for its next tree (and their depths)."""
         values, depths = (state.values, state.depths) if state.values is not None else self._typical
         return np.minimum(values * state.factor, 1.0), depths
-
-
-def _monotone(values: np.ndarray, parents: np.ndarray, depths: np.ndarray) -> np.ndarray:
-    """No node worth more than its parent: drafters promise non-increasing scores along paths, and this
-    keeps the cut ancestor-closed even where one rounds the other way. One pass per depth."""
-    out = values.copy()
-    for d in range(2, int(depths.max(initial=1)) + 1):
-        at = np.flatnonzero(depths == d)
-        out[at] = np.minimum(out[at], out[parents[at]])
-    return out
 
 
 def _top(values: np.ndarray, k: int) -> np.ndarray:

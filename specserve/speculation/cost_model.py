@@ -72,14 +72,14 @@ class VerifyCost:
 
 
 def calibrate_verify_cost(time_forward: Callable[[int], float], max_rows: int) -> VerifyCost:
-    """Time the target forward at rows 1, 2, 4, ... up to max_rows (best of 5 up to 16 rows, where the
+    """Time the target forward at rows 1, 2, 4, ... up to max_rows (best of 3 up to 16 rows, where the
     differences that decide small trees are a few hundred microseconds, best of 2 above; after two
     warm-up forwards): the starting point the online corrections refine."""
     max_rows = max(1, max_rows)
     knots = sorted({min(1 << i, max_rows) for i in range(int(math.log2(max_rows)) + 2)})
     time_forward(1)
     time_forward(2)
-    return VerifyCost(knots, [min(time_forward(k) for _ in range(5 if k <= 16 else 2)) for k in knots])
+    return VerifyCost(knots, [min(time_forward(k) for _ in range(3 if k <= 16 else 2)) for k in knots])
 
 
 class DraftCost:

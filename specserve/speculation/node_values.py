@@ -1,11 +1,14 @@
 """What a draft node is worth: the probability that verification accepts it, learned from what was.
 
 A tree's expected accepted length is the sum over its nodes of P(node is on the accepted path), so a
-node's value is that probability. Drafters give a score per node (`DraftTree.scores`: their own guess
-at log P(accepted)); this model maps scores to observed acceptance — per score bin, counted over
-recent steps, separately for greedy and sampled requests (acceptance differs a lot), made monotone in
-the score (pool-adjacent-violators) so a child is never worth more than its parent. Trees without
-scores are ranked by depth and sibling order (`fallback_scores`).
+node's value is that probability: the product, down its path, of each node's *conditional* acceptance
+(accepted, given its parent was). Drafters give a score per node (`DraftTree.scores`: their own guess
+at log P(accepted)); a node's own term is its score minus its parent's. This model maps own terms to
+observed conditional acceptance — per bin, counted over recent steps, separately for greedy and sampled
+requests (acceptance differs a lot), made monotone (pool-adjacent-violators). Conditional rates are
+learned at every depth alike (a depth-5 node is a trial whenever depth 4 was accepted), so deep nodes
+are valued from evidence, not from a prior the cut never lets them disprove. Trees without scores are
+ranked by depth and sibling order (`fallback_scores`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,20 @@ PRIOR_WEIGHT = 2.0
 DECAY = 0.999
 
 
+def own_terms(scores: np.ndarray, parents: np.ndarray) -> np.ndarray:
+    """Each node's score minus its parent's (the root's score is 0)."""
+    return scores - np.where(parents >= 0, scores[np.maximum(parents, 0)], 0.0)
+
+
+def path_products(conditional: np.ndarray, parents: np.ndarray, depths: np.ndarray) -> np.ndarray:
+    """P(node on the accepted path): products of conditional acceptance down each path, one pass per depth."""
+    out = conditional.astype(np.float64).copy()
+    for d in range(2, int(depths.max(initial=1)) + 1):
+        at = np.flatnonzero(depths == d)
+        out[at] *= out[parents[at]]
+    return out
+
+
 def fallback_scores(parents: np.ndarray) -> np.ndarray:
     """The stand-in score of nodes whose drafter gives none (n-gram, Medusa's static trees): each level
     down costs 1, each earlier sibling 1 more — drafters list a node's likelier children first. Only the
@@ -37,7 +54,7 @@ def fallback_scores(parents: np.ndarray) -> np.ndarray:
 
 
 class NodeValueModel:
-    """Calibrated P(accepted) by drafter score; `kind` 0 = greedy requests, 1 = sampled."""
+    """Calibrated conditional acceptance by a node's own score term; `kind` 0 = greedy requests, 1 = sampled."""
 
     def __init__(self) -> None:
         centers = np.concatenate([[EDGES[0] - 0.125], (EDGES[:-1] + EDGES[1:]) / 2, [0.0]])
@@ -46,21 +63,23 @@ class NodeValueModel:
         self.trials = np.zeros((2, NUM_BINS))
         self._table = [None, None]
 
-    def values(self, scores: np.ndarray, sampled: bool) -> np.ndarray:
-        """float64[N] P(accepted) of nodes with these scores."""
+    def conditional(self, terms: np.ndarray, sampled: bool) -> np.ndarray:
+        """float64[N] P(accepted | parent accepted) of nodes with these own score terms."""
         kind = int(sampled)
         if self._table[kind] is None:
             self._table[kind] = self._fit(kind)
-        return self._table[kind][np.searchsorted(EDGES, scores, side="right")]
+        return self._table[kind][np.searchsorted(EDGES, terms, side="right")]
 
-    def observe(self, scores: np.ndarray, accepted: np.ndarray, sampled: bool) -> None:
-        """Nodes verified this step (scores) and whether each was on the accepted path (bool)."""
+    def observe(self, terms: np.ndarray, parents: np.ndarray, accepted: np.ndarray, sampled: bool) -> None:
+        """Nodes verified this step (own terms, parents) and whether each was on the accepted path: each
+        node whose parent was accepted (or is the root) is one trial of its bin."""
         kind = int(sampled)
-        bins = np.searchsorted(EDGES, scores, side="right")
+        reached = (parents < 0) | accepted[np.maximum(parents, 0)]
+        bins = np.searchsorted(EDGES, terms[reached], side="right")
         self.trials[kind] *= DECAY
         self.hits[kind] *= DECAY
         np.add.at(self.trials[kind], bins, 1.0)
-        np.add.at(self.hits[kind], bins, accepted.astype(np.float64))
+        np.add.at(self.hits[kind], bins, accepted[reached].astype(np.float64))
         self._table[kind] = None
 
     def _fit(self, kind: int) -> np.ndarray:

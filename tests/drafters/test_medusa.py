@@ -357,8 +357,8 @@ def test_the_engine_hands_over_the_targets_final_normed_feature(small_vocab_dir,
     seen = []
     original = drafter.propose
 
-    def spy(requests, budgets):
-        trees = original(requests, budgets)
+    def spy(requests, budgets, depth=None):
+        trees = original(requests, budgets, depth)
         seen.extend((r.token_ids.copy(), drafter._features[r.request_id][0].clone()) for r in requests)
         return trees
 

@@ -385,8 +385,8 @@ def test_banned_token_never_appears_and_greedy_equals_plain_with_the_same_proces
     proposed = Counter()
     propose = spec.drafter.propose
 
-    def counting_propose(requests, budgets):
-        trees = propose(requests, budgets)
+    def counting_propose(requests, budgets, depth=None):
+        trees = propose(requests, budgets, depth)
         proposed.update(int(t) for tree in trees for t in tree.tokens.tolist())
         return trees
 
@@ -462,9 +462,9 @@ def test_forced_right_tokens_are_accepted_outside_the_drafter_budget(small_vocab
     budgets_asked = []
     propose = engine.drafter.propose
 
-    def recording_propose(requests, budgets):
+    def recording_propose(requests, budgets, depth=None):
         budgets_asked.append({r.request_id: b for r, b in zip(requests, budgets)})
-        return propose(requests, budgets)
+        return propose(requests, budgets, depth)
 
     engine.drafter.propose = recording_propose
     # Requests p0..p2 get their next 6 right tokens forced (capped to 4 by max_forced_tokens); the others

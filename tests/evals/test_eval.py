@@ -44,7 +44,7 @@ def test_tau_of_always_right_is_depth_plus_one_and_always_wrong_is_one(llama_dir
     options = {mode: {"mode": mode, "references": references, "max_budget": DEPTH} for mode in ("all_right", "all_wrong")}
     cfg = EvalConfig(drafters=["scripted#all_right", "scripted#all_wrong"], dataset=str(dataset), out=str(tmp_path / "out"),
                      model=str(llama_dir), max_tokens=MAX_TOKENS, repeats=2, batch_size=2, device="cpu", progress=False,
-                     drafter_options={f"scripted#{m}": o for m, o in options.items()})
+                     drafter_options={f"scripted#{m}": o for m, o in options.items()}, speculation="static")
     res = run_eval(cfg)
     right, wrong = res["drafters"]["scripted#all_right"], res["drafters"]["scripted#all_wrong"]
     assert right["tau"] == DEPTH + 1 and right["acceptance_per_position"] == [1.0] * DEPTH

@@ -22,18 +22,20 @@ def reference_llm(llama_dir):
 @pytest.fixture(scope="session")
 def server(llama_dir):
     """The shared server: n-gram drafter, one engine thread, a 64 KiB frame limit."""
-    llm = LLM(llama_dir, drafter="ngram")
+    llm = LLM(llama_dir, drafter="ngram", speculation="static")  # tests count multi-token deltas
     with BackgroundServer(llm, ServerConfig(port=0, threads=1, max_message_bytes=64 * 1024)) as srv:
         yield srv
 
 
 @pytest.fixture
 def make_server(llama_dir):
-    """Start a server with its own LLM: make_server(config_kwargs..., llm_kwargs={...})."""
+    """Start a server with its own LLM: make_server(config_kwargs..., llm_kwargs={...}); a drafter runs
+    static speculation unless llm_kwargs say otherwise (tests count what its drafts deliver)."""
     started = []
 
     def make(llm_kwargs: dict | None = None, model_dir=None, **config) -> BackgroundServer:
-        llm = LLM(model_dir or llama_dir, **(llm_kwargs or {}))
+        kwargs = {"speculation": "static", **(llm_kwargs or {})}
+        llm = LLM(model_dir or llama_dir, **kwargs)
         srv = BackgroundServer(llm, ServerConfig(port=0, threads=1, **config)).start()
         started.append(srv)
         return srv

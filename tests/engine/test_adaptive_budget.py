@@ -1,0 +1,187 @@
+"""The adaptive budget policy on synthetic costs and acceptance: what it decides and why.
+
+High cost → plain decoding; rising acceptance → bigger trees; a bigger batch → fewer nodes per
+request; probes bring a plain request back; every request finishes; calibration stays short.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from adaptive_policy import FixedVerifyCost, FreeDrafting
+from specserve import LLM, SamplingParams
+from specserve.budget import RequestStepRecord, StepRecord
+from specserve.speculation import AdaptiveBudget
+from specserve.speculation.adaptive import PROBE_FIRST
+from specserve.speculation.cost_model import DraftCost, VerifyCost
+from specserve.speculation.node_values import NodeValueModel, fallback_scores, path_products
+from specserve.verify import DraftTree
+
+
+class _Req:
+    """What the policy reads of a request."""
+
+    def __init__(self, request_id: str, temperature: float = 0.0, length: int = 10) -> None:
+        self.request_id = request_id
+        self.params = SamplingParams(temperature=temperature)
+        self.token_ids = np.zeros(length, dtype=np.int64)
+
+
+def _cost(per_row: float, batch: int = 1) -> FixedVerifyCost:
+    """One unit per step up to `batch` rows, `per_row` units per row past them."""
+    far = batch + 4096
+    return FixedVerifyCost([1, batch, far], [1.0, 1.000001, 1.0 + per_row * (far - batch)])
+
+
+def _chain_tree(depth: int, scores: list[float] | None = None) -> DraftTree:
+    tree = DraftTree.chain(list(range(1, depth + 1)))
+    if scores is None:
+        return tree
+    return DraftTree(tree.tokens, tree.parents, scores=torch.tensor(scores, dtype=torch.float32))
+
+
+def _fan(width: int) -> DraftTree:
+    """`width` children of the root, each with a chain of 3 below it."""
+    paths = [[10 * w + d for d in range(1, 5)] for w in range(width)]
+    return DraftTree.from_paths(paths)
+
+
+def _observe(policy: AdaptiveBudget, requests, trees, accepted: int) -> None:
+    """A step in which every request's verified tree had its first `accepted` chain nodes accepted."""
+    policy.observe(StepRecord(
+        requests=tuple(RequestStepRecord(r.request_id, 1, t.num_nodes, t.max_depth, min(accepted, t.num_nodes),
+                                         tuple(range(min(accepted, t.num_nodes)))) for r, t in zip(requests, trees)),
+        num_tokens=len(requests) + sum(t.num_nodes for t in trees), num_prefill_tokens=0, draft_s=0.0, verify_s=0.0))
+
+
+def _run(policy: AdaptiveBudget, requests, accepted: int, steps: int, depth: int = 6):
+    """Plan, draft a chain per drafting request, cut, observe — `steps` times; returns the cut trees."""
+    cut = []
+    for _ in range(steps):
+        plan = policy.plan(requests, len(requests))
+        trees = [_chain_tree(depth) if b else DraftTree.empty() for b in plan.budgets]
+        cut, _ = policy.cut(requests, trees, plan.budgets, len(requests), 0.0)
+        _observe(policy, requests, cut, accepted)
+    return cut
+
+
+def test_verify_cost_interpolates_and_learns():
+    cost = VerifyCost([1, 2, 4], [1.0, 2.0, 3.0])
+    assert cost(3) == pytest.approx(2.5) and cost(6) == pytest.approx(4.0)  # extrapolated along the last segment
+    for _ in range(200):
+        cost.observe(3, 5.0)
+    assert cost(3) == pytest.approx(5.0, rel=0.05)
+    assert all(np.diff(cost.seconds) >= 0)  # never cheaper to verify more
+
+
+def test_draft_cost_learns_levels_and_backlog():
+    cost = DraftCost()
+    assert cost(3, 1, 0) == 0.0  # nothing measured: drafting looks free, so the first steps explore
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        levels, requests, backlog = int(rng.integers(1, 6)), int(rng.integers(1, 9)), int(rng.integers(0, 50))
+        cost.observe(levels, requests, backlog, 1e-3 * levels + 2e-4 * levels * requests + 5e-5 * backlog)
+    assert cost(4, 2, 10) == pytest.approx(4e-3 + 1.6e-3 + 5e-4, rel=0.05)
+
+
+def test_node_values_are_calibrated_conditionally_and_monotone():
+    model = NodeValueModel()
+    terms, parents = np.array([-0.1, -0.1, -3.0]), np.array([-1, 0, -1])  # a chain of two, and a sibling
+    for step in range(400):  # overconfident drafter: a -0.1 node is accepted half the time its parent was
+        first = step % 2 == 0
+        second = first and step % 4 == 0
+        model.observe(terms, parents, np.array([first, second, False]), sampled=False)
+    conditional = model.conditional(terms, sampled=False)
+    assert conditional[0] == pytest.approx(0.5, abs=0.06)  # depth 1 and depth 2 feed one bin
+    assert conditional[0] >= conditional[2]
+    values = path_products(conditional, parents, np.array([1, 2, 1]))
+    assert values[1] == pytest.approx(values[0] * conditional[1])
+    assert model.conditional(terms, sampled=True)[0] > 0.8  # sampled requests keep their own table (prior here)
+
+
+def test_fallback_scores_rank_depth_and_sibling_order():
+    scores = fallback_scores(np.array([-1, -1, 0, 1]))
+    assert scores.tolist() == [-1.0, -2.0, -2.0, -3.0]  # node 3: under node 1 (-2), its first child
+
+
+def test_high_cost_means_plain_decoding():
+    policy = AdaptiveBudget(max_budget=6, max_depth=6, verify_cost=_cost(per_row=5.0), draft_cost=FreeDrafting())
+    requests = [_Req("a")]
+    _run(policy, requests, accepted=2, steps=3)  # explore once, learn
+    plan = policy.plan(requests, 1)
+    assert plan.budgets == [0]
+
+
+def test_budget_grows_with_acceptance():
+    def kept_after(accepted: int) -> int:
+        policy = AdaptiveBudget(max_budget=6, max_depth=6, verify_cost=_cost(per_row=0.25), draft_cost=FreeDrafting())
+        requests = [_Req("a")]
+        cut = _run(policy, requests, accepted=accepted, steps=60)
+        return cut[0].num_nodes
+
+    low, high = kept_after(0), kept_after(6)
+    assert low < high and high >= 4
+
+
+def test_bigger_batch_means_fewer_nodes_per_request():
+    def nodes_per_request(batch: int) -> float:
+        # Rows are free up to 8 (a kernel's tile), then cost: one request keeps its whole tree, 16 do not.
+        cost = FixedVerifyCost([1, 8, 8 + 4096], [1.0, 1.000001, 1.0 + 0.5 * 4096])
+        policy = AdaptiveBudget(max_budget=6, max_depth=6, verify_cost=cost, draft_cost=FreeDrafting())
+        requests = [_Req(f"r{i}") for i in range(batch)]
+        cut = _run(policy, requests, accepted=3, steps=40)
+        return sum(t.num_nodes for t in cut) / batch
+
+    assert nodes_per_request(1) > nodes_per_request(16)
+
+
+def test_cut_keeps_an_ancestor_closed_prefix_of_siblings():
+    policy = AdaptiveBudget(max_budget=32, max_depth=4, verify_cost=_cost(per_row=0.2), draft_cost=FreeDrafting())
+    requests = [_Req("s", temperature=1.0)]
+    policy._typical = (np.ones(1), np.ones(1, dtype=np.int64))  # skip exploring
+    tree = _fan(4)
+    cut, predicted = policy.cut(requests, [tree], [32], 1, 0.0)
+    kept = cut[0]
+    assert 0 < kept.num_nodes < tree.num_nodes and predicted[0] > 0
+    parents = kept.parents.tolist()
+    assert all(p < i for i, p in enumerate(parents))  # closed under ancestors (valid tree)
+    roots = [tuple(kept.tokens[i:i + 1].tolist()) for i, p in enumerate(parents) if p == -1]
+    assert roots == [(10 * w + 1,) for w in range(len(roots))]  # the first siblings, in order
+
+
+def test_probing_revives_a_plain_request():
+    policy = AdaptiveBudget(max_budget=6, max_depth=6, verify_cost=_cost(per_row=0.3), draft_cost=FreeDrafting())
+    requests = [_Req("a")]
+    _run(policy, requests, accepted=0, steps=20)  # nothing accepted: plain decoding
+    assert policy.plan(requests, 1).budgets == [0]
+    revived_at = None
+    for step in range(4 * PROBE_FIRST):  # the text turns predictable: probes see everything accepted
+        plan = policy.plan(requests, 1)
+        trees = [_chain_tree(6) if b else DraftTree.empty() for b in plan.budgets]
+        cut, _ = policy.cut(requests, trees, plan.budgets, 1, 0.0)
+        _observe(policy, requests, cut, accepted=6)
+        if plan.budgets[0] == policy.max_budget:
+            revived_at = step
+            break
+    assert revived_at is not None
+
+
+def test_no_request_starves_and_output_is_plain_greedy(llama_dir):
+    """Adaptive speculation (the default) on 12 requests of different lengths: all finish, all equal plain."""
+    prompts = ["def f(x):", "class A:", "import os\n", "x = [1, 2, 3]\n" * 4] * 3
+    params = [SamplingParams(max_tokens=8 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(len(prompts))]
+    plain = LLM(llama_dir, drafter=None).generate(prompts, params)
+    llm = LLM(llama_dir, drafter="ngram")
+    assert llm.speculation == "adaptive"
+    spec = llm.generate(prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert all(o.finish_reason == "length" for o in spec)
+
+
+def test_calibration_is_short_on_the_embedded_model():
+    llm = LLM(drafter="draft")
+    assert isinstance(llm.engine.budget_policy, AdaptiveBudget)
+    assert llm.engine.calibration_s < 1.0
+    assert llm.engine.budget_policy.verify_cost(1) > 0
