@@ -45,9 +45,11 @@ class DraftRequest:
                features (transformers' `hidden_states` numbering) of every token committed since
                this request was last handed to `propose`, in order: the tokens at positions
                ``len(token_ids) - 1 - n .. len(token_ids) - 2`` (the whole prompt the first time; then
-               each step's root and accepted nodes). Never the root's: its feature comes with the
-               next verify. Handed over exactly once — a drafter keeps them even when this request's
-               budget is 0. None when there is nothing new (or the drafter needs no features).
+               what was committed since — one step's root and accepted nodes, or many steps' after
+               the request decoded plainly for a while: a request is handed to `propose` only in
+               steps where its budget is above 0). Never the root's: its feature comes with the next
+               verify. Handed over exactly once. None when there is nothing new (or the drafter
+               needs no features).
     seed:      the request's sampling seed (None when unseeded): a drafter that samples seeds its own
                generator from it, so a seeded request reproduces across calls.
     """

@@ -91,35 +91,43 @@ class Engine:
         self._ids = itertools.count()
         if hasattr(self.budget_policy, "calibrate"):
             t0 = time.perf_counter()
-            self.budget_policy.calibrate(self._time_forward, self._calibration_rows())
+            self._calibrate_budget_policy()
             self.calibration_s = time.perf_counter() - t0
 
     # ---- cost calibration -----------------------------------------------------------------------
 
-    def _calibration_rows(self) -> int:
-        """Rows up to which the budget policy measures the forward: the most a step can have, capped."""
-        from specserve.speculation import CALIBRATION_MAX_ROWS
+    def _calibrate_budget_policy(self) -> None:
+        """Let the budget policy time target forwards shaped like verify steps: `rows` new tokens with
+        logits at every row, after a cached context of typical length (attention over it is a real
+        part of a verify row's cost). A scratch sequence holds the context; its blocks are freed after."""
+        from specserve.speculation import CALIBRATION_CONTEXT, CALIBRATION_MAX_ROWS
 
         budget = self.drafter.max_budget if self.drafter is not None else 0
         most = self.config.max_num_seqs * (1 + budget) + self.config.max_prefill_tokens
         free = self.allocator.num_free_blocks * self.allocator.block_size - 1
-        return max(1, min(most, CALIBRATION_MAX_ROWS, free, self.config.max_model_len - 1))
-
-    @torch.inference_mode()
-    def _time_forward(self, rows: int) -> float:
-        """Seconds of one target forward over `rows` new tokens with logits at every row (the shape of a
-        verify step), on a scratch sequence whose KV blocks are freed again."""
-        seq = "__calibration__"
-        self.allocator.allocate(seq, rows)
+        context = max(0, min(CALIBRATION_CONTEXT, self.config.max_model_len // 2, free // 2))
+        max_rows = max(1, min(most, CALIBRATION_MAX_ROWS, free - context, self.config.max_model_len - context - 1))
+        seq, vocab = "__calibration__", self.model.config.vocab_size
+        self.allocator.allocate(seq, context + max_rows)
         try:
-            builder = StepBatchBuilder(self.allocator)
-            builder.add(seq, 0, np.arange(rows, dtype=np.int64) % self.model.config.vocab_size, logits="all")
-            batch = builder.build()
-            t0 = time.perf_counter()
-            self.model.forward(batch, self.cache, self._hidden_layers)
-            return time.perf_counter() - t0
+            with torch.inference_mode():
+                if context:
+                    self._forward_scratch(seq, 0, context)
+
+                def time_forward(rows: int) -> float:
+                    t0 = time.perf_counter()
+                    self._forward_scratch(seq, context, rows)
+                    return time.perf_counter() - t0
+
+                self.budget_policy.calibrate(time_forward, max_rows)
         finally:
             self.allocator.free(seq)
+
+    def _forward_scratch(self, seq: str, start: int, rows: int) -> None:
+        builder = StepBatchBuilder(self.allocator)
+        builder.add(seq, start, (np.arange(start, start + rows, dtype=np.int64) * 7919) % self.model.config.vocab_size,
+                    logits="all")
+        self.model.forward(builder.build(), self.cache, self._hidden_layers)
 
     @property
     def waiting(self):
@@ -265,23 +273,22 @@ class Engine:
                 if forced:
                     trees[i] = DraftTree.chain(forced)
                     budgets[i] = 0
-        if self.drafter is not None and decodes:
-            # Every decode is handed over, even at budget 0: drafters that read features must see them all.
-            views = [DraftRequest(r.request_id, r.token_ids, r.params.temperature, r.take_hidden(), r.params.seed)
-                     for r in decodes]
-            if any(budgets):
-                proposed = self.drafter.propose(views, budgets, depth=step.depth)
-                vocab = self.model.config.vocab_size
-                for i, (tree, budget) in enumerate(zip(proposed, budgets)):
-                    if tree.num_nodes > budget:
-                        raise RuntimeError(f"drafter {self.drafter.name!r} proposed {tree.num_nodes} nodes over a "
-                                           f"budget of {budget}")
-                    if tree.num_nodes and int(tree.tokens.max()) >= vocab:
-                        raise RuntimeError(f"drafter {self.drafter.name!r} proposed token ids outside the vocabulary")
-                    if budget:
-                        trees[i] = tree
-            else:
-                self.drafter.propose(views, budgets, depth=step.depth)  # budget 0 for all: features are still absorbed
+        drafting = [i for i, b in enumerate(budgets) if b > 0]
+        if self.drafter is not None and drafting:
+            # Only drafting requests are handed over: a request at budget 0 keeps its target features
+            # queued (`Request.pending_hidden`) and hands them all over when it next drafts, so plain
+            # decoding pays no drafter work per step.
+            views = [DraftRequest(decodes[i].request_id, decodes[i].token_ids, decodes[i].params.temperature,
+                                  decodes[i].take_hidden(), decodes[i].params.seed) for i in drafting]
+            proposed = self.drafter.propose(views, [budgets[i] for i in drafting], depth=step.depth)
+            vocab = self.model.config.vocab_size
+            for i, tree in zip(drafting, proposed):
+                if tree.num_nodes > budgets[i]:
+                    raise RuntimeError(f"drafter {self.drafter.name!r} proposed {tree.num_nodes} nodes over a "
+                                       f"budget of {budgets[i]}")
+                if tree.num_nodes and int(tree.tokens.max()) >= vocab:
+                    raise RuntimeError(f"drafter {self.drafter.name!r} proposed token ids outside the vocabulary")
+                trees[i] = tree
         done = sum(c.completes_prompt for c in step.prefills)
         return trees, budgets + [0] * done
 

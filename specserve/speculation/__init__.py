@@ -15,6 +15,9 @@ SPECULATION_MODES = ("adaptive", "static")
 # Calibration forwards go up to this many rows; beyond it the cost is extrapolated (linear: the
 # forward is compute-bound long before) and corrected online.
 CALIBRATION_MAX_ROWS = 64
+# Cached keys before the timed rows: about a prompt and a reply, so the rows' attention costs what a
+# verify row's does.
+CALIBRATION_CONTEXT = 128
 
 
 def make_budget_policy(mode: str, drafter):

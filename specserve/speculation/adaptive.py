@@ -3,7 +3,8 @@
 Model (all measured on this machine, see `cost_model` and `node_values`):
 
     tokens(step)  = decodes + Σ over verified nodes of value(node)        (value = P(node accepted))
-    seconds(step) = overhead + draft_cost(depth, drafting requests) + verify_cost(rows)
+    seconds(step) = overhead + draft_cost(depth, drafting requests, backlog) + verify_cost(rows)
+                    + tree_cost × trees verified
 
 **Plan** (before drafting): for every depth L = 0 (plain decoding) .. the drafter's depth, predict
 each request's nodes from its previous tree (calibrated values × the request's own accuracy factor;
@@ -34,17 +35,21 @@ from specserve.verify import DraftTree
 # A request not drafting is probed after at least PROBE_FIRST steps, and only once the time it spent
 # decoding plainly since its last probe is PROBE_SHARE⁻¹ times what the probe is predicted to cost (a
 # probe pays the drafter's catch-up over everything committed since it last drafted — the whole prompt
-# the first time): probing costs at most ~3 % of a plain-decoding request's time. Each probe that does
-# not bring speculation back doubles the minimum wait, up to PROBE_MAX. A probe's drafting time is not
-# learned from (the catch-up dominates it).
-PROBE_FIRST = 16
+# the first time): probing costs at most ~1.5 % of a plain-decoding request's time. Each probe that does
+# not bring speculation back doubles the minimum wait, up to PROBE_MAX.
+PROBE_FIRST = 32
 PROBE_MAX = 128
 PROBE_BUDGET = 2
-PROBE_SHARE = 0.03
+PROBE_SHARE = 0.015
 # The full plan (every depth priced) runs every REPLAN steps or when a request without a decision
 # arrives; in between the last decision stands (the cut still adapts every drafting step). Pricing
 # every depth each step cost ~0.3 ms — 15 % of a plain step on the embedded model.
 REPLAN = 8
+# ... and every REPLAN_PLAIN steps after a plan that found speculation clearly losing (its best rate
+# under CLEAR_LOSS × plain decoding's): the common case on a CPU, where each full plan (~1 ms on two
+# cores) would otherwise cost a few percent of plain decoding.
+REPLAN_PLAIN = 32
+CLEAR_LOSS = 0.9
 # Weight of the newest step in a request's accuracy factor (realised / predicted accepted tokens).
 FACTOR_RATE = 0.2
 # A request that resumes drafting first pays its drafter's catch-up over everything committed since it
@@ -83,6 +88,10 @@ class AdaptiveBudget:
     draft_cost: DraftCost = field(default_factory=DraftCost)
     node_values: NodeValueModel = field(default_factory=NodeValueModel)
     overhead_s: float = 0.0  # per-step time outside drafting and verify (scheduling, commit, streaming)
+    # What a verified tree costs beyond its rows' share of the forward: packing, tree acceptance instead
+    # of a plain argmax, KV moves, and whatever the row cost model misses for tree rows. Learned from
+    # the steps that verified trees (what they took beyond the plain-step model), per tree.
+    tree_s: float = 0.0
 
     def __post_init__(self) -> None:
         self._requests: dict[str, _RequestState] = {}
@@ -90,7 +99,9 @@ class AdaptiveBudget:
         self._depth = 0  # this step's plan depth
         self._plan_depth = 0  # the last full plan's depth
         self._since_plan = REPLAN
-        self._probes_only = False  # this step drafts only probes
+        self._replan_every = REPLAN
+        self._planned_plain_shape = False
+        self._tree_steps_seen = 0
 
     def calibrate(self, time_forward, max_rows: int) -> None:
         """Measure the target forward at a few row counts (the engine's `time_forward(rows) -> s`)."""
@@ -110,13 +121,19 @@ class AdaptiveBudget:
             self._depth = self.max_depth  # nothing known yet: draft fully and measure
             return DraftPlan([self.max_budget] * len(requests), self.max_depth)
         self._since_plan += 1
-        if self._since_plan < REPLAN and all(s.decided for s in states):
+        # A decision stands only between steps without prompt chunks: a step that also prefills has a
+        # big forward anyway (drafting looks cheap there), and what it decided must not outlive it.
+        plain_shape = fixed_rows == len(requests)
+        if (self._since_plan < self._replan_every and plain_shape and self._planned_plain_shape
+                and all(s.decided for s in states)):
             drafting = [s.drafting for s in states]
             return self._budgets(states, drafting, self._plan_depth, fixed_rows)
         self._since_plan = 0
+        self._planned_plain_shape = plain_shape
         predicted = [self._predicted(s) for s in states]
         backlogs = np.array([s.backlog for s in states], dtype=np.float64) / AMORTIZE_STEPS
-        best_depth, best_rate, best_kept = 0, len(requests) / self._seconds(0.0, fixed_rows), None
+        plain_rate = len(requests) / self._seconds(0.0, fixed_rows)
+        best_depth, best_rate, best_kept, best_spec_rate = 0, plain_rate, None, 0.0
         for depth in range(1, self.max_depth + 1):
             values = [v[d <= depth] for v, d in predicted]
             has = np.array([len(v) > 0 for v in values])
@@ -126,12 +143,14 @@ class AdaptiveBudget:
             if 0 < keeps.sum() < has.sum():  # only those that keep nodes draft: re-price with fewer
                 cost = self.draft_cost(depth, int(keeps.sum()), backlogs[keeps].sum())
                 kept, rate = self._best_cut(values, fixed_rows, cost)
+            best_spec_rate = max(best_spec_rate, rate if keeps.any() else 0.0)
             if rate > best_rate:
                 best_depth, best_rate, best_kept = depth, rate, kept
         drafting = [best_kept is not None and best_kept[i] > 0 for i in range(len(states))]
         for s, d in zip(states, drafting):
             s.decided, s.drafting = True, d
         self._plan_depth = best_depth
+        self._replan_every = REPLAN_PLAIN if best_depth == 0 and best_spec_rate < CLEAR_LOSS * plain_rate else REPLAN
         return self._budgets(states, drafting, best_depth, fixed_rows)
 
     def _budgets(self, states: list[_RequestState], drafting: list[bool], depth: int, fixed_rows: int) -> DraftPlan:
@@ -145,12 +164,12 @@ class AdaptiveBudget:
                 budgets.append(self.max_budget)
                 continue
             s.idle += 1
-            if s.idle >= s.probe_every and self._probe_pays(s, fixed_rows):
+            # (whether a probe pays is priced every 8th step only: it is the common plain-decoding path)
+            if s.idle >= s.probe_every and s.idle % 8 == 0 and self._probe_pays(s, fixed_rows):
                 s.idle, s.probe_every, s.probing = 0, min(2 * s.probe_every, PROBE_MAX), True
                 budgets.append(min(PROBE_BUDGET, self.max_budget))
             else:
                 budgets.append(0)
-        self._probes_only = depth == 0
         if depth == 0 and any(budgets):
             depth = min(2, self.max_depth)  # a probe alone: a shallow tree
         self._depth = depth
@@ -234,7 +253,10 @@ class AdaptiveBudget:
         order = np.argsort(-flat, kind="stable")
         gains = np.cumsum(flat[order])
         rows = fixed_rows + np.arange(1, len(flat) + 1)
-        rates = (n + gains) / (self.overhead_s + fixed_s + self.verify_cost(rows))
+        first = np.zeros(len(flat))
+        first[np.unique(owner[order], return_index=True)[1]] = 1.0  # a request's first kept node adds a tree
+        trees = np.cumsum(first)
+        rates = (n + gains) / (self.overhead_s + fixed_s + self.verify_cost(rows) + self.tree_s * trees)
         k = int(np.argmax(rates))
         if rates[k] <= base:
             return kept, base
@@ -247,17 +269,27 @@ class AdaptiveBudget:
     # ---- learning -------------------------------------------------------------------------------
 
     def observe(self, record: StepRecord) -> None:
+        trees = sum(rec.drafted > 0 for rec in record.requests)
         if self.verify_cost is not None and record.num_tokens:
-            self.verify_cost.observe(record.num_tokens, record.verify_s)
+            if not trees:  # plain steps teach the row cost; tree steps what trees add beyond it
+                self.verify_cost.observe(record.num_tokens, record.verify_s)
+            elif record.step_s and self._tree_steps_seen:  # the first tree step (first calls) teaches nothing
+                beyond = record.step_s - self.overhead_s - record.draft_s - self.verify_cost(record.num_tokens)
+                per_tree = max(beyond / trees, 0.0)
+                if self._tree_steps_seen > 1:
+                    per_tree = min(per_tree, 3 * self.tree_s + 1e-4)
+                self.tree_s += (0.1 if self._tree_steps_seen > 1 else 1.0) * (per_tree - self.tree_s)
+            if trees:
+                self._tree_steps_seen += 1
         drafted = {rec.request_id for rec in record.requests if rec.budget > 0}
-        if record.num_drafting and not self._probes_only:
+        if record.num_drafting:  # probes too: the backlog term carries their catch-up
             backlog = sum(self._requests[i].backlog or 0 for i in drafted if i in self._requests)
             self.draft_cost.observe(record.draft_depth, record.num_drafting, backlog, record.draft_s)
         for rec in record.requests:
             state = self._requests.get(rec.request_id)
             if state is not None and state.backlog is not None:
                 state.backlog = rec.accepted + 1 + (0 if rec.request_id in drafted else state.backlog)
-        if record.step_s:
+        if record.step_s and not trees:
             other = max(record.step_s - record.draft_s - record.verify_s, 0.0)
             self.overhead_s += 0.05 * (other - self.overhead_s)
         for rec in record.requests:
