@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.evals.common import host, set_threads, sync, write_json
+from specserve.evals.common import host, parse_batch_sizes, set_threads, sync, write_json
 from specserve.evals.metrics import SpecCounts
 
 DEFAULT_DRAFTERS = "eagle,draft,medusa,ngram"
@@ -79,16 +79,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # ---- arguments ------------------------------------------------------------------------------------
-
-
-def parse_sizes(text: str) -> list[int]:
-    try:
-        sizes = sorted({int(s) for s in text.split(",") if s.strip()})
-    except ValueError:
-        raise ValueError(f"--batch-sizes expects comma-separated integers, got {text!r}") from None
-    if not sizes or sizes[0] < 1:
-        raise ValueError(f"--batch-sizes must be integers >= 1, got {text!r}")
-    return sizes
 
 
 def parse_temperatures(text: str) -> list[float]:
@@ -284,7 +274,7 @@ def run(args: argparse.Namespace) -> int:
     from specserve.kernels import get_threads
 
     drafters = parse_drafters(args.drafters)
-    sizes = parse_sizes(args.batch_sizes)
+    sizes = parse_batch_sizes(args.batch_sizes)
     temps = parse_temperatures(args.temperatures)
     sweep = parse_sweep(args.sweep, list(dict.fromkeys(n for _, n in drafters)))
     for name in ("repeats", "max_tokens", "prompt_chars"):

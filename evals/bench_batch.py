@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from specserve.evals.common import set_threads, sync, write_json
+from specserve.evals.common import parse_batch_sizes, set_threads, sync, write_json
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,20 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, metavar="FILE")
 
 
-def parse_sizes(text: str) -> list[int]:
-    try:
-        sizes = sorted({int(s) for s in text.split(",") if s.strip()})
-    except ValueError:
-        raise ValueError(f"--batch-sizes expects comma-separated integers, got {text!r}") from None
-    if not sizes or sizes[0] < 1:
-        raise ValueError(f"--batch-sizes must be integers >= 1, got {text!r}")
-    return sizes
-
-
 def run(args: argparse.Namespace) -> int:
     from specserve import LLM, SamplingParams
 
-    sizes = parse_sizes(args.batch_sizes)
+    sizes = parse_batch_sizes(args.batch_sizes)
     for name in ("repeats", "prompt_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

@@ -51,3 +51,14 @@ def use_model_dir(model: str | None, build: Callable[[Path], Path], what: str) -
         built = build(Path(tmp))
         print(f"built {what} in {built}", file=sys.stderr)
         yield built
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    """`--batch-sizes 1,4,16` → sorted distinct sizes, each >= 1."""
+    try:
+        sizes = sorted({int(s) for s in text.split(",") if s.strip()})
+    except ValueError:
+        raise ValueError(f"--batch-sizes expects comma-separated integers, got {text!r}") from None
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"--batch-sizes must be integers >= 1, got {text!r}")
+    return sizes

@@ -349,12 +349,21 @@ class Engine:
             self.cache.move(torch.from_numpy(np.concatenate(src)).to(device),
                             torch.from_numpy(np.concatenate(dst)).to(device))
         hidden = out.hidden
+        roots = None
+        if hidden:
+            # Every decode keeps its root's features: gathered once for the batch ([decodes, hidden] per
+            # layer), each request keeping a one-row view (the common plain step costs no per-request copy).
+            index = torch.as_tensor(out.first_rows[:len(step.decodes)], dtype=torch.int64)
+            roots = {layer: h[index.to(h.device)] for layer, h in hidden.items()}
         commits = []
-        for r, tree, result, first, budget, guess in zip(step.decodes, out.trees, results, out.first_rows, budgets,
-                                                         predicted):
+        for j, (r, tree, result, first, budget, guess) in enumerate(zip(step.decodes, out.trees, results, out.first_rows,
+                                                                       budgets, predicted)):
             if hidden and r.speculate:
-                keep = first + np.concatenate([[0], np.asarray(result.accepted_nodes, dtype=np.int64) + 1])
-                r.pending_hidden.append({layer: h[torch.from_numpy(keep).to(h.device)] for layer, h in hidden.items()})
+                if result.num_accepted:
+                    keep = first + np.concatenate([[0], np.asarray(result.accepted_nodes, dtype=np.int64) + 1])
+                    r.pending_hidden.append({layer: h[torch.from_numpy(keep).to(h.device)] for layer, h in hidden.items()})
+                else:
+                    r.pending_hidden.append({layer: h[j:j + 1] for layer, h in roots.items()})
             r.num_cached += 1 + result.num_accepted
             r.stats.record(tree, result, budget, guess)
             commits.append(CommitInfo(r.request_id, result, r.num_cached + 1))

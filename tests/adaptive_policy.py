@@ -9,6 +9,9 @@ trees of every size go through the cut.
 
 from __future__ import annotations
 
+import numpy as np
+
+from specserve.budget import DraftPlan, StaticBudget
 from specserve.speculation import AdaptiveBudget
 from specserve.speculation.cost_model import DraftCost, VerifyCost
 
@@ -39,3 +42,18 @@ def install(llm, policy) -> None:
     """Make `policy` the budget policy of an LLM's engine (the scheduler asks it too)."""
     llm.engine.budget_policy = policy
     llm.engine.scheduler.budget_policy = policy
+
+
+class IntermittentBudget(StaticBudget):
+    """The drafter's budget on some steps and 0 on others, per request, from a seeded stream (and a
+    random depth cap): requests go idle and resume, so drafters that read target features get them
+    queued over several steps — the path adaptive speculation takes when it switches a request off."""
+
+    def __init__(self, budget: int, max_depth: int, seed: int) -> None:
+        super().__init__(budget)
+        self.max_depth = max_depth
+        self.rng = np.random.default_rng(seed)
+
+    def plan(self, requests, fixed_rows) -> DraftPlan:
+        budgets = [self.budget if self.rng.random() < 0.4 else 0 for _ in requests]
+        return DraftPlan(budgets, int(self.rng.integers(1, self.max_depth + 1)))

@@ -70,7 +70,7 @@ class _RequestState:
     probing: bool = False
     decided: bool = False  # has a full plan included or excluded it yet
     drafting: bool = False  # the last full plan's decision
-    pending: tuple | None = None  # (scores, sampled, predicted) of the nodes verified this step
+    pending: tuple | None = None  # (scores, parents, sampled, predicted) of the nodes verified this step
 
     @property
     def factor(self) -> float:
@@ -131,7 +131,9 @@ class AdaptiveBudget:
         self._since_plan = 0
         self._planned_plain_shape = plain_shape
         predicted = [self._predicted(s) for s in states]
-        backlogs = np.array([s.backlog for s in states], dtype=np.float64) / AMORTIZE_STEPS
+        # Resuming is amortized over the steps of drafting that follow — but a decision made in a step
+        # with prompt chunks is re-made next step, so there a catch-up is priced whole.
+        backlogs = np.array([s.backlog for s in states], dtype=np.float64) / (AMORTIZE_STEPS if plain_shape else 1)
         plain_rate = len(requests) / self._seconds(0.0, fixed_rows)
         best_depth, best_rate, best_kept, best_spec_rate = 0, plain_rate, None, 0.0
         for depth in range(1, self.max_depth + 1):

@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import scripted_drafter  # noqa: F401  (registers "scripted")
+from adaptive_policy import IntermittentBudget, cutting_policy, install
 import specserve.drafters.eagle  # noqa: F401  (registers "eagle")
 import specserve.drafters.medusa  # noqa: F401  (registers "medusa")
 from specserve import LLM, SamplingParams
@@ -103,17 +104,24 @@ def _runs_on_kernels(llm: LLM, drafter: str) -> bool:
     return llm.model.kernels is not None and own() is not None
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(drafter=st.sampled_from(DRAFTERS), storage=st.sampled_from(STORAGES), threads=st.sampled_from([1, 2]),
        depth=st.integers(1, 4), topk=st.integers(1, 3), max_budget=st.integers(1, 12), batch=st.sampled_from([1, 2, 4]),
-       max_prefill_tokens=st.sampled_from([3, 256]))
+       max_prefill_tokens=st.sampled_from([3, 256]), policy=st.sampled_from(["static", "cutting", "intermittent"]),
+       seed=st.integers(0, 2**31 - 1))
 def test_every_drafter_is_lossless_greedy_on_the_kernel_path(small_vocab_dir, artifacts, references, restore_threads,
                                                             drafter, storage, threads, depth, topk, max_budget, batch,
-                                                            max_prefill_tokens):
+                                                            max_prefill_tokens, policy, seed):
+    """policy: static (whole trees every step), cutting (the adaptive policy cuts trees), intermittent
+    (requests drop to budget 0 and resume at random: target features queue up between drafts)."""
     threads = min(threads, kernel_threads.max_threads())
     spec, options = _spec(drafter, artifacts, references, storage, depth, topk, max_budget)
     llm = LLM(small_vocab_dir, drafter=spec, drafter_options=options, device="cpu", dtype=storage, threads=threads,
               max_prefill_tokens=max_prefill_tokens, speculation="static")
+    if policy == "cutting":
+        install(llm, cutting_policy(llm.engine.drafter.max_budget, depth, row_cost=0.2, batch=batch))
+    elif policy == "intermittent":
+        install(llm, IntermittentBudget(llm.engine.drafter.max_budget, depth, seed))
     assert _runs_on_kernels(llm, drafter)
     outs = llm.generate(PROMPTS[:batch], GREEDY)
     assert [o.token_ids for o in outs] == references[storage][:batch], (drafter, storage, threads, options)
