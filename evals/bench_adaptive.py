@@ -6,6 +6,8 @@ temperature; in each cell these configurations run the same batch of prompts (EO
 request i of round r has seed 1000·r + i, the same for every configuration):
 
 - plain:           no drafter;
+- plain:control:   a second, separately loaded plain `LLM` (a control: two instances of the same model
+                   differ by a few percent here — memory placement — and that is noise too);
 - static:default:  the drafter with its default options, every request its fixed budget;
 - static:bBdD:     the drafter with max_budget=B, depth=D (the sweep), budgets fixed;
 - adaptive:        the drafter with its default options, `speculation="adaptive"`.
@@ -17,8 +19,8 @@ configuration once, in an order rotated by one each round, so none always goes f
 Aggregate tokens/s = new tokens of the batch / wall time of the `generate` call (prefill included);
 per-request tokens/s = a request's new tokens / its end-to-end time, p50 over the batch, median over
 rounds. "Best static" is the static setting (default included) with the highest median aggregate
-tokens/s in the cell. Noise: the spread of plain decoding's aggregate tokens/s over the cell's rounds,
-(max − min) / median. A goal (adaptive ≥ 0.97 × max(plain, best static); adaptive ≥ 1.00 × plain) is
+tokens/s in the cell. Noise: the larger of the spread of plain decoding's aggregate tokens/s over the
+cell's rounds, (max − min) / median, and the control's distance from plain, |1 − control / plain|. A goal (adaptive ≥ 0.97 × max(plain, best static); adaptive ≥ 1.00 × plain) is
 missed beyond noise when the ratio is below goal × (1 − noise).
 
 At T = 0 every configuration's tokens must equal plain decoding's in every round; a mismatch is a
@@ -211,7 +213,7 @@ def _measure_cell(llms: dict, prompts: list[list[int]], temperature: float, max_
     configs = {}
     for n in names:
         med = statistics.median(rates[n])
-        counts = SpecCounts.total(stats[n]) if n != "plain" else None
+        counts = SpecCounts.total(stats[n]) if not n.startswith("plain") else None
         configs[n] = {
             "tokens_per_s": med, "tokens_per_s_rounds": rates[n], "spread": _spread(rates[n]),
             "speedup": med / plain,
@@ -225,6 +227,8 @@ def _measure_cell(llms: dict, prompts: list[list[int]], temperature: float, max_
     best = max(statics, key=lambda n: configs[n]["tokens_per_s"])
     adaptive = configs["adaptive"]["tokens_per_s"]
     noise = configs["plain"]["spread"]
+    if "plain:control" in configs:
+        noise = max(noise, abs(1 - configs["plain:control"]["tokens_per_s"] / plain))
     vs_best = adaptive / max(plain, configs[best]["tokens_per_s"])
     vs_plain = adaptive / plain
     return {
@@ -293,6 +297,7 @@ def run(args: argparse.Namespace) -> int:
         return llm, time.perf_counter() - t0
 
     plain, plain_load_s = build(None, "static")
+    control, _ = build(None, "static")
     texts = heldout_prompts(max_batch, args.prompt_chars)
     encoded = [plain.encode(t) for t in texts]
     prompts = [encoded[i % len(encoded)] for i in range(max_batch)]
@@ -307,6 +312,7 @@ def run(args: argparse.Namespace) -> int:
             llm.generate(prompts[: min(2, max_batch)], _params(t, 8, min(2, max_batch), 0))
 
     warm_up(plain)
+    warm_up(control)
     result: dict = {
         "machine": host() | {"threads": get_threads(), "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
                              "torch": torch.__version__, "python": platform.python_version(),
@@ -319,8 +325,9 @@ def run(args: argparse.Namespace) -> int:
             "sweep": {n: [list(s) for s in v] for n, v in sweep.items()},
             "seeds": "T > 0: request i of round r has seed 1000*r + i (same for every configuration)",
             "goals": {"adaptive_vs_max_plain_best_static": GOAL_VS_BEST, "adaptive_vs_plain": GOAL_VS_PLAIN},
-            "noise": "per cell, plain decoding's aggregate tokens/s over the rounds: (max - min) / median; a goal is "
-                     "missed beyond noise when the ratio < goal * (1 - noise)",
+            "noise": "per cell, the larger of plain decoding's aggregate tokens/s spread over the rounds, (max - min) / "
+                     "median, and a second plain instance's distance from it, |1 - control / plain|; a goal is missed "
+                     "beyond noise when the ratio < goal * (1 - noise)",
             "order": "each round runs every configuration once; the order rotates by one configuration per round",
         },
         "plain_load_s": plain_load_s,
@@ -328,8 +335,9 @@ def run(args: argparse.Namespace) -> int:
     }
     mismatches: list[str] = []
     for spec, name in drafters:
-        llms: dict = {"plain": plain}
-        configs: dict = {"plain": {"speculation": None, "options": None, "max_budget": 0, "depth": 0, "load_s": plain_load_s}}
+        llms: dict = {"plain": plain, "plain:control": control}
+        configs: dict = {"plain": {"speculation": None, "options": None, "max_budget": 0, "depth": 0, "load_s": plain_load_s},
+                         "plain:control": {"speculation": None, "options": None, "max_budget": 0, "depth": -1, "load_s": 0.0}}
         skipped: list[str] = []
 
         def add(label: str, speculation: str, options: dict | None) -> None:
@@ -354,7 +362,7 @@ def run(args: argparse.Namespace) -> int:
                 skipped.append(f"static:b{b}d{d} ({exc})")  # a default setting this drafter cannot take
         add("adaptive", "adaptive", None)
         for label, llm in llms.items():
-            if label != "plain":
+            if not label.startswith("plain"):
                 warm_up(llm)
         cells = []
         for b in sizes:

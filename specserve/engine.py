@@ -89,10 +89,9 @@ class Engine:
         self.forced_tokens: ForcedTokens | None = None
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self.warmup_s = self.calibration_s = 0.0
         if hasattr(self.budget_policy, "calibrate"):
-            t0 = time.perf_counter()
             self._calibrate_budget_policy()
-            self.calibration_s = time.perf_counter() - t0
 
     # ---- cost calibration -----------------------------------------------------------------------
 
@@ -111,8 +110,16 @@ class Engine:
         self.allocator.allocate(seq, context + max_rows)
         try:
             with torch.inference_mode():
+                # Warm-up first, untimed: on a fresh machine the first forwards of each shape compile
+                # the kernels (a minute or more, once; cached on disk after) — that is not a cost model.
+                t0 = time.perf_counter()
                 if context:
                     self._forward_scratch(seq, 0, context)
+                rows = 1
+                while rows < max_rows * 2:
+                    self._forward_scratch(seq, context, min(rows, max_rows))
+                    rows *= 2
+                t1 = time.perf_counter()
 
                 def time_forward(rows: int) -> float:
                     t0 = time.perf_counter()
@@ -120,6 +127,7 @@ class Engine:
                     return time.perf_counter() - t0
 
                 self.budget_policy.calibrate(time_forward, max_rows)
+                self.warmup_s, self.calibration_s = t1 - t0, time.perf_counter() - t1
         finally:
             self.allocator.free(seq)
 

@@ -181,6 +181,7 @@ def test_no_request_starves_and_output_is_plain_greedy(llama_dir):
 
 
 def test_calibration_is_short_on_the_embedded_model():
+    """The cost model's own forwards; the warm-up before them (compiling on a fresh machine) is apart."""
     llm = LLM(drafter="draft")
     assert isinstance(llm.engine.budget_policy, AdaptiveBudget)
     assert llm.engine.calibration_s < 1.0

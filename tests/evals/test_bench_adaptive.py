@@ -27,10 +27,11 @@ def test_bench_adaptive_smoke(llama_dir, tmp_path, capsys):
     assert set(result["drafters"]) == {"ngram", draft}
     ngram = result["drafters"]["ngram"]
     # 24x6 is ngram's default (budget 24, depth 6): skipped, not measured twice.
-    assert set(ngram["configs"]) == {"plain", "static:default", "static:b2d2", "adaptive"}
+    assert set(ngram["configs"]) == {"plain", "plain:control", "static:default", "static:b2d2", "adaptive"}
     assert len(ngram["sweep_skipped"]) == 1 and "static:b24d6" in ngram["sweep_skipped"][0]
     assert ngram["configs"]["static:b2d2"]["max_budget"] == 2 and ngram["configs"]["static:b2d2"]["depth"] == 2
-    assert set(result["drafters"][draft]["configs"]) == {"plain", "static:default", "static:b1d1", "adaptive"}
+    assert set(result["drafters"][draft]["configs"]) == {"plain", "plain:control", "static:default", "static:b1d1",
+                                                         "adaptive"}
     for entry in result["drafters"].values():
         cells = entry["cells"]
         assert [(c["batch"], c["temperature"]) for c in cells] == [(1, 0.0), (1, 1.0), (2, 0.0), (2, 1.0)]
@@ -38,7 +39,8 @@ def test_bench_adaptive_smoke(llama_dir, tmp_path, capsys):
             assert c["outputs_identical"] is (True if c["temperature"] == 0 else None)
             assert c["best_static"] in entry["configs"] and c["best_static"].startswith("static:")
             assert c["goals"]["vs_plain"] in ("met", "within noise", "missed")
-            assert c["noise"] == 0.0  # one round: no spread to measure
+            control = c["configs"]["plain:control"]["tokens_per_s"] / c["plain_tokens_per_s"]
+            assert c["noise"] == pytest.approx(abs(1 - control))  # one round: no spread; the control's distance
             plain = c["configs"]["plain"]
             assert plain["speedup"] == 1.0 and plain["tokens_per_s"] == c["plain_tokens_per_s"] > 0
             for name, cfg in c["configs"].items():
