@@ -100,7 +100,6 @@ class AdaptiveBudget:
         self._plan_depth = 0  # the last full plan's depth
         self._since_plan = REPLAN
         self._replan_every = REPLAN
-        self._planned_plain_shape = False
         self._tree_steps_seen = 0
 
     def calibrate(self, time_forward, max_rows: int) -> None:
@@ -117,23 +116,27 @@ class AdaptiveBudget:
         for s, r in zip(states, requests):
             if s.backlog is None:
                 s.backlog = len(r.token_ids)
+        plain_shape = fixed_rows == len(requests)
         if self.verify_cost is None or self._typical is None:
+            if not plain_shape:  # explore in a decode-only step, where what is measured is typical
+                self._depth = 0
+                return DraftPlan([0] * len(requests), 0)
             self._depth = self.max_depth  # nothing known yet: draft fully and measure
             return DraftPlan([self.max_budget] * len(requests), self.max_depth)
         self._since_plan += 1
-        # A decision stands only between steps without prompt chunks: a step that also prefills has a
-        # big forward anyway (drafting looks cheap there), and what it decided must not outlive it.
-        plain_shape = fixed_rows == len(requests)
-        if (self._since_plan < self._replan_every and plain_shape and self._planned_plain_shape
-                and all(s.decided for s in states)):
+        # Steps with prompt chunks are not planned: their forward is big and short-lived, a decision
+        # made there would not describe the steps after it, and planning every such step (a whole
+        # batch arriving prefills for dozens of steps) cost several percent at batch 64. Requests keep
+        # the last decode-only step's decision; new ones decode plainly until one is made.
+        if not plain_shape:
+            drafting = [s.decided and s.drafting for s in states]
+            return self._budgets(states, drafting, self._plan_depth, fixed_rows, probes=False)
+        if self._since_plan < self._replan_every and all(s.decided for s in states):
             drafting = [s.drafting for s in states]
             return self._budgets(states, drafting, self._plan_depth, fixed_rows)
         self._since_plan = 0
-        self._planned_plain_shape = plain_shape
         predicted = [self._predicted(s) for s in states]
-        # Resuming is amortized over the steps of drafting that follow — but a decision made in a step
-        # with prompt chunks is re-made next step, so there a catch-up is priced whole.
-        backlogs = np.array([s.backlog for s in states], dtype=np.float64) / (AMORTIZE_STEPS if plain_shape else 1)
+        backlogs = np.array([s.backlog for s in states], dtype=np.float64) / AMORTIZE_STEPS
         plain_rate = len(requests) / self._seconds(0.0, fixed_rows)
         best_depth, best_rate, best_kept, best_spec_rate = 0, plain_rate, None, 0.0
         for depth in range(1, self.max_depth + 1):
@@ -155,9 +158,10 @@ class AdaptiveBudget:
         self._replan_every = REPLAN_PLAIN if best_depth == 0 and best_spec_rate < CLEAR_LOSS * plain_rate else REPLAN
         return self._budgets(states, drafting, best_depth, fixed_rows)
 
-    def _budgets(self, states: list[_RequestState], drafting: list[bool], depth: int, fixed_rows: int) -> DraftPlan:
+    def _budgets(self, states: list[_RequestState], drafting: list[bool], depth: int, fixed_rows: int,
+                 probes: bool = True) -> DraftPlan:
         """The plan's budgets: drafting requests get the drafter's whole candidate tree (the cut keeps
-        what pays); the others decode plainly, except a probe now and then."""
+        what pays); the others decode plainly, except a probe now and then (not in prefill steps)."""
         budgets = []
         for s, d in zip(states, drafting):
             s.probing = False
@@ -167,7 +171,7 @@ class AdaptiveBudget:
                 continue
             s.idle += 1
             # (whether a probe pays is priced every 8th step only: it is the common plain-decoding path)
-            if s.idle >= s.probe_every and s.idle % 8 == 0 and self._probe_pays(s, fixed_rows):
+            if probes and s.idle >= s.probe_every and s.idle % 8 == 0 and self._probe_pays(s, fixed_rows):
                 s.idle, s.probe_every, s.probing = 0, min(2 * s.probe_every, PROBE_MAX), True
                 budgets.append(min(PROBE_BUDGET, self.max_budget))
             else:

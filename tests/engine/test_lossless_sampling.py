@@ -37,7 +37,9 @@ def test_sampled_tokens_follow_target_distribution(small_vocab_dir, case, policy
     # Trees are drawn near the target's own greedy path so drafts are accepted often and deep.
     reference = LLM(small_vocab_dir, device="cpu").generate([PROMPT], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     references = [PROMPT + reference[0].token_ids]
-    llm = LLM(small_vocab_dir, drafter="scripted", device="cpu", max_num_seqs=N, drafter_options={
+    # All prompts in one prefill step: the adaptive policy plans decode-only steps (not prefill steps).
+    llm = LLM(small_vocab_dir, drafter="scripted", device="cpu", max_num_seqs=N, max_prefill_tokens=N * len(PROMPT),
+              drafter_options={
         "mode": spec["mode"], "seed": 7, "references": references, "max_budget": 6, "with_probs": spec["with_probs"]},
         speculation="static")
     if policy == "adaptive":
