@@ -171,7 +171,7 @@ class AdaptiveBudget:
                 continue
             s.idle += 1
             # (whether a probe pays is priced every 8th step only: it is the common plain-decoding path)
-            if probes and s.idle >= s.probe_every and s.idle % 8 == 0 and self._probe_pays(s, fixed_rows):
+            if probes and s.idle >= s.probe_every and s.idle % 8 == 0 and self._probe_pays(s, fixed_rows, len(states)):
                 s.idle, s.probe_every, s.probing = 0, min(2 * s.probe_every, PROBE_MAX), True
                 budgets.append(min(PROBE_BUDGET, self.max_budget))
             else:
@@ -181,12 +181,14 @@ class AdaptiveBudget:
         self._depth = depth
         return DraftPlan(budgets, depth)
 
-    def _probe_pays(self, state: _RequestState, fixed_rows: int) -> bool:
-        """Whether the plain steps since this request's last probe cover a probe's predicted cost."""
+    def _probe_pays(self, state: _RequestState, fixed_rows: int, requests: int) -> bool:
+        """Whether this request's share of the plain steps since its last probe covers a probe's predicted
+        cost (the whole batch waits for a probe: with n requests each probing, the probes' share of the
+        time stays under PROBE_SHARE when each waits n times longer than it would alone)."""
         depth = min(2, self.max_depth)
         cost = self.draft_cost(depth, 1, state.backlog or 0)
         cost += self.verify_cost(fixed_rows + PROBE_BUDGET) - self.verify_cost(fixed_rows)
-        return state.idle * self._seconds(0.0, fixed_rows) * PROBE_SHARE >= cost
+        return state.idle * self._seconds(0.0, fixed_rows) / requests * PROBE_SHARE >= cost
 
     # ---- after drafting -------------------------------------------------------------------------
 
