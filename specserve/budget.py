@@ -48,7 +48,6 @@ class StepRecord:
     verify_s:    wall time of the target forward and acceptance.
     step_s:      wall time of the whole step (scheduling, drafting, verify, commit, streaming).
     draft_depth: the plan's tree depth (levels a level drafter ran; 0 when nobody drafted).
-    num_drafting: requests the drafter was asked to draft for (budget > 0).
     """
 
     requests: tuple[RequestStepRecord, ...]
@@ -58,7 +57,11 @@ class StepRecord:
     verify_s: float
     step_s: float = 0.0
     draft_depth: int = 0
-    num_drafting: int = 0
+
+    @property
+    def num_drafting(self) -> int:
+        """Requests the drafter was asked to draft for (budget > 0)."""
+        return sum(rec.budget > 0 for rec in self.requests)
 
 
 @dataclass(frozen=True)

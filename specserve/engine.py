@@ -242,12 +242,11 @@ class Engine:
                                              tuple(res.accepted_nodes))
                            for r, b, t, res in zip(out.verifying, budgets, out.trees, results)),
             num_tokens=out.num_tokens,
-            num_prefill_tokens=sum(c.end - c.start for c in step.prefills),
+            num_prefill_tokens=step.num_prefill_tokens,
             draft_s=t1 - t0,
             verify_s=t2 - t1,
             step_s=time.perf_counter() - t_start,
             draft_depth=self._draft_depth(step) if any(budgets) else 0,
-            num_drafting=sum(b > 0 for b in budgets),
         ))
         return deltas
 
@@ -262,7 +261,7 @@ class Engine:
         n = len(step.decodes)
         if not n:
             return trees, [None] * len(trees)
-        fixed_rows = n + sum(c.end - c.start for c in step.prefills)
+        fixed_rows = n + step.num_prefill_tokens
         cut, predicted = self.budget_policy.cut(step.decodes, trees[:n], budgets[:n], fixed_rows, draft_s)
         for tree, before in zip(cut, trees[:n]):
             if tree.num_nodes > before.num_nodes:

@@ -49,6 +49,10 @@ class ScheduledStep:
     def empty(self) -> bool:
         return not self.prefills and not self.decodes
 
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(c.end - c.start for c in self.prefills)
+
 
 class Scheduler:
     """Owns the waiting queue and the running batch.

@@ -290,19 +290,19 @@ class AdaptiveBudget:
             if trees:
                 self._tree_steps_seen += 1
         drafted = {rec.request_id for rec in record.requests if rec.budget > 0}
-        if record.num_drafting:  # probes too: the backlog term carries their catch-up
+        if drafted:  # probes too: the backlog term carries their catch-up
             backlog = sum(self._requests[i].backlog or 0 for i in drafted if i in self._requests)
-            self.draft_cost.observe(record.draft_depth, record.num_drafting, backlog, record.draft_s)
-        for rec in record.requests:
-            state = self._requests.get(rec.request_id)
-            if state is not None and state.backlog is not None:
-                state.backlog = rec.accepted + 1 + (0 if rec.request_id in drafted else state.backlog)
+            self.draft_cost.observe(record.draft_depth, len(drafted), backlog, record.draft_s)
         if record.step_s and not trees:
             other = max(record.step_s - record.draft_s - record.verify_s, 0.0)
             self.overhead_s += 0.05 * (other - self.overhead_s)
         for rec in record.requests:
             state = self._requests.get(rec.request_id)
-            if state is None or state.pending is None:
+            if state is None:
+                continue
+            if state.backlog is not None:
+                state.backlog = rec.accepted + 1 + (0 if rec.request_id in drafted else state.backlog)
+            if state.pending is None:
                 continue
             scores, parents, sampled, predicted = state.pending
             state.pending = None
