@@ -27,7 +27,11 @@ class SamplingParams:
     max_tokens:  most tokens to generate; None (the default) means the rest of the context window.
                  A prompt plus max_tokens past the context window is an error when the request is added.
     stop:        strings that end generation; the stop string itself is not returned.
-    seed:        per-request seed: the same seed, prompt and drafter reproduce the same output.
+    seed:        per-request seed: the same seed, prompt, drafter and draft budgets reproduce the same
+                 output (greedy or sampled, whatever else shares the batch). Every seeded run is an exact
+                 draw from the target, but which draw depends on the draft trees it was verified against:
+                 with speculation="adaptive" budgets follow measured timings, so only plain decoding and
+                 speculation="static" reproduce a sample exactly.
     ignore_eos:  keep generating past end-of-sequence tokens (benchmarks).
     """
 

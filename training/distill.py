@@ -111,8 +111,11 @@ def make_distill_data(
 
     from specserve import LLM
 
+    # Static speculation: a seeded sample depends on the draft trees it was verified against, and the
+    # adaptive policy sizes those from measured timings, so only fixed budgets make --resume reproduce
+    # an uninterrupted run (any budget gives draws from the target; only the reproducibility differs).
     llm = LLM(target_dir, drafter=settings.drafter, device=device, max_num_seqs=settings.batch_size,
-              max_model_len=settings.prompt_tokens + settings.new_tokens)
+              max_model_len=settings.prompt_tokens + settings.new_tokens, speculation="static")
     teacher = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=llm.dtype).to(llm.device).eval()
     started = time.perf_counter()
     budget_s = None if max_minutes is None else max_minutes * 60.0
