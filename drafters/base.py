@@ -52,6 +52,11 @@ class DraftRequest:
                needs no features).
     seed:      the request's sampling seed (None when unseeded): a drafter that samples seeds its own
                generator from it, so a seeded request reproduces across calls.
+    grammar:   the request's `specserve.grammar.GrammarState` when its output is constrained and the
+               engine drafts grammar-aware: ``grammar.allowed(path)`` is the bool[V] mask of target ids
+               allowed after the root + `path`. A drafter that samples must mask its distribution with
+               it (q is then the masked one); the engine drops forbidden nodes of trees without q.
+               Read-only for drafters: they must leave the matcher as they found it.
     """
 
     request_id: str
@@ -59,6 +64,7 @@ class DraftRequest:
     temperature: float
     hidden_states: dict[int, torch.Tensor] | None = None
     seed: int | None = None
+    grammar: Any = None
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ import torch
 
 from specserve.budget import RequestStepRecord, StaticBudget, StepRecord
 from specserve.drafters.base import CommitInfo, DraftRequest, Drafter
+from specserve.grammar import GrammarCompiler
 from specserve.kv_cache import BlockAllocator
 from specserve.model import LlamaModel
 from specserve.request import Request, RequestDelta, Status
@@ -31,13 +32,20 @@ from specserve.step_hooks import ForcedTokens, LogitsProcessor, VerifyRows
 from specserve.verify import DraftTree, VerifyResult, accept_trees, draw_uniforms, pack_trees
 
 
+GRAMMAR_DRAFTING = ("verify", "aware", "forced")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """max_model_len: context window (prompt + output). kv_cache_slots: total cached tokens.
 
     max_prefill_tokens: prompt tokens per step; a longer prompt is prefilled in chunks between the
     running requests' decode steps. max_forced_tokens: most tokens a constraint may force per step
-    (reserved past each request's root; 0 until constraints exist).
+    (reserved past each request's root).
+    grammar_drafting: how constrained requests draft — "verify" (the grammar masks verification only:
+    drafters propose freely, what other stacks do), "aware" (drafters also mask their own
+    distributions, n-gram drafts are filtered: no verify row is spent on a forbidden token), "forced"
+    (aware, and tokens the grammar leaves no choice about are drafted for free; the default).
     """
 
     max_model_len: int
@@ -45,9 +53,12 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 64
     max_prefill_tokens: int = 128
-    max_forced_tokens: int = 0
+    max_forced_tokens: int = 8
+    grammar_drafting: str = "forced"
 
     def __post_init__(self) -> None:
+        if self.grammar_drafting not in GRAMMAR_DRAFTING:
+            raise ValueError(f"grammar_drafting must be one of {', '.join(GRAMMAR_DRAFTING)}, got {self.grammar_drafting!r}")
         for name in ("max_model_len", "kv_cache_slots", "block_size", "max_num_seqs", "max_prefill_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -89,6 +100,7 @@ class Engine:
         self.forced_tokens: ForcedTokens | None = None
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self._grammars: GrammarCompiler | None = None  # built with the first constrained request
         self.warmup_s = self.calibration_s = 0.0
         if hasattr(self.budget_policy, "calibrate"):
             self._calibrate_budget_policy()
@@ -185,7 +197,13 @@ class Engine:
                 f"request needs {need} KV slots but the cache holds {capacity}: "
                 "lower max_tokens or raise kv_cache_tokens"
             )
+        grammar = None
+        if params.constraint is not None:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, vocab, self.eos_token_ids)
+            grammar = self._grammars.state(params.constraint)
         req = Request(request_id, list(prompt_ids), params, max_tokens, self.tokenizer, context, speculate)
+        req.grammar = grammar
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
@@ -197,6 +215,11 @@ class Engine:
             return False
         self._finish(req, "cancelled")
         return True
+
+    @property
+    def grammar_mask_s(self) -> float:
+        """Seconds spent computing grammar masks so far (verification rows and drafters' nodes)."""
+        return self._grammars.clock.seconds if self._grammars is not None else 0.0
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -274,9 +297,16 @@ class Engine:
         request; 0 for forced trees, which the policy's cut leaves alone)."""
         decodes, budgets = step.decodes, list(step.budgets)
         trees = [_EMPTY] * len(decodes)
-        if self.forced_tokens is not None:
+        grammar_forces = self.config.grammar_drafting == "forced"
+        if self.forced_tokens is not None or grammar_forces:
             for i, r in enumerate(decodes):
-                forced = list(self.forced_tokens(r))[: min(self.config.max_forced_tokens, r.max_tokens - r.num_output - 1)]
+                if r.grammar is not None and grammar_forces:
+                    forced = r.grammar.forced_tokens()
+                elif self.forced_tokens is not None:
+                    forced = list(self.forced_tokens(r))
+                else:
+                    continue
+                forced = forced[: min(self.config.max_forced_tokens, r.max_tokens - r.num_output - 1)]
                 if forced:
                     trees[i] = DraftTree.chain(forced)
                     budgets[i] = 0
@@ -285,8 +315,10 @@ class Engine:
             # Only drafting requests are handed over: a request at budget 0 keeps its target features
             # queued (`Request.pending_hidden`) and hands them all over when it next drafts, so plain
             # decoding pays no drafter work per step.
+            aware = self.config.grammar_drafting != "verify"
             views = [DraftRequest(decodes[i].request_id, decodes[i].token_ids, decodes[i].params.temperature,
-                                  decodes[i].take_hidden(), decodes[i].params.seed) for i in drafting]
+                                  decodes[i].take_hidden(), decodes[i].params.seed,
+                                  decodes[i].grammar if aware else None) for i in drafting]
             proposed = self.drafter.propose(views, [budgets[i] for i in drafting], depth=step.depth)
             vocab = self.model.config.vocab_size
             for i, tree in zip(drafting, proposed):
@@ -295,6 +327,11 @@ class Engine:
                                        f"budget of {budgets[i]}")
                 if tree.num_nodes and int(tree.tokens.max()) >= vocab:
                     raise RuntimeError(f"drafter {self.drafter.name!r} proposed token ids outside the vocabulary")
+                r = decodes[i]
+                if aware and r.grammar is not None and tree.num_nodes and (r.params.greedy or not tree.has_q):
+                    # Drafters that do not mask their own proposals (n-gram, Medusa's static trees): drop
+                    # what the grammar forbids. Exact for greedy requests and one-hot drafts (GrammarState).
+                    tree = r.grammar.legal_subtree(tree)
                 trees[i] = tree
         done = sum(c.completes_prompt for c in step.prefills)
         return trees, budgets + [0] * done
@@ -302,11 +339,15 @@ class Engine:
     def _accept(self, out: StepForward) -> list[VerifyResult]:
         """Logits processors, then greedy / sampled acceptance of every verifying request, batched."""
         reqs, trees, logits = out.verifying, out.trees, out.logits
-        if not self.logits_processors and all(not t.num_nodes and r.params.greedy for r, t in zip(reqs, trees)):
+        constrained = [b for b, r in enumerate(reqs) if r.grammar is not None]
+        if not self.logits_processors and not constrained and all(
+                not t.num_nodes and r.params.greedy for r, t in zip(reqs, trees)):
             # Plain greedy decoding: each request's token is its row's argmax (the common case, kept lean:
             # right after a forward has streamed the weights through the caches, every Python step is slow).
             return [VerifyResult((), (), token, 0) for token in _argmax(logits).tolist()]
         packed = pack_trees(trees, logits.device)
+        if constrained:
+            self._mask_grammar_rows(logits, reqs, trees, packed.cu_rows, constrained)
         if self.logits_processors:
             rows = VerifyRows(reqs, trees, packed.cu_rows)
             for processor in self.logits_processors:
@@ -333,6 +374,17 @@ class Engine:
             )
             uniforms = draw_uniforms(packed, greedy, [r.generator for r in reqs])
         return accept_trees(trees, packed, greedy, argmax, probs, prob_index, uniforms)
+
+    @staticmethod
+    def _mask_grammar_rows(logits: torch.Tensor, reqs: list[Request], trees: list[DraftTree], cu_rows: np.ndarray,
+                           constrained: list[int]) -> None:
+        """-inf at every token a constrained request's grammar forbids at each of its verify rows (the
+        matcher state of the row's node), before argmax, sampling and residuals see the logits."""
+        masks = [reqs[b].grammar.tree_masks(trees[b])[0] for b in constrained]
+        rows = np.concatenate([np.arange(cu_rows[b], cu_rows[b + 1]) for b in constrained])
+        forbidden = torch.from_numpy(~np.concatenate(masks)).to(logits.device)
+        index = torch.from_numpy(rows).to(logits.device)
+        logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
 
     def _commit(self, step: ScheduledStep, out: StepForward, results: list[VerifyResult], budgets: list[int],
                 predicted: list[float | None]) -> None:
@@ -391,10 +443,14 @@ class Engine:
         for tok in tokens:
             r.append(tok)
             kept.append(tok)
+            if r.grammar is not None:
+                r.grammar.advance([tok])
             if r.detok.add(tok):
                 reason = "stop"
             elif tok in self.eos_token_ids and not r.params.ignore_eos:
                 reason = "stop"
+            elif r.grammar is not None and r.grammar.stopped:
+                reason = "stop"  # the grammar is complete and admits nothing more
             elif r.num_output >= r.max_tokens:
                 reason = "length"
             if reason:

@@ -38,6 +38,10 @@ class LLM:
     only when a model runs on the torch path); None = every core.
     max_prefill_tokens: prompt tokens prefilled per step; longer prompts are prefilled in chunks between
     the running requests' decode steps, so one long prompt never stalls everyone's next token.
+    grammar_drafting: how requests with a constraint (`SamplingParams.json_schema` / `regex` / `grammar`
+    / `choice`) draft: "forced" (the default: drafters mask their proposals with the grammar and tokens
+    it leaves no choice about are drafted for free), "aware" (no forced tokens) or "verify" (the grammar
+    masks verification only). Output is the same either way; only speed differs.
     """
 
     def __init__(
@@ -56,6 +60,7 @@ class LLM:
         threads: int | None = None,
         max_prefill_tokens: int = 128,
         speculation: str = "adaptive",
+        grammar_drafting: str = "forced",
     ) -> None:
         if speculation not in SPECULATION_MODES:
             raise ValueError(f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {speculation!r}")
@@ -118,7 +123,8 @@ class LLM:
             self.tokenizer,
             drafter_obj,
             EngineConfig(max_model_len=max_model_len, kv_cache_slots=kv_cache_tokens, block_size=block_size,
-                         max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens),
+                         max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens,
+                         grammar_drafting=grammar_drafting),
             eos_token_ids=_eos_token_ids(model_dir, cfg.hf_config, self.tokenizer),
             budget_policy=make_budget_policy(speculation, drafter_obj),
         )

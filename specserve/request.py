@@ -122,6 +122,7 @@ class Request:
         self.num_cached = 0
         self.status = Status.WAITING
         self.speculate = speculate  # False: this request decodes plainly (budget 0)
+        self.grammar = None  # grammar.GrammarState of a constrained request: consumed every emitted token
         self.finish_reason: str | None = None
         self.stats = SpecStats()
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.stop)

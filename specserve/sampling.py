@@ -7,7 +7,8 @@ distribution speculation must reproduce is defined in exactly one place.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -33,6 +34,17 @@ class SamplingParams:
                  with speculation="adaptive" budgets follow measured timings, so only plain decoding and
                  speculation="static" reproduce a sample exactly.
     ignore_eos:  keep generating past end-of-sequence tokens (benchmarks).
+
+    Structured output — at most one of (checked here; ValueError naming the problem):
+    json_schema: a JSON schema (dict or JSON text): the output is one JSON value valid against it.
+    regex:       the output matches the regular expression (Rust `regex` syntax), whole.
+    grammar:     a Lark grammar (llguidance's dialect) the output must derive from ``start``.
+    choice:      the output is exactly one of these strings.
+    json_whitespace: "compact" (", " and ": " separators, no other whitespace; the default) or
+                 "flexible" (any JSON whitespace between tokens).
+    A constrained request finishes with "stop" when its grammar is complete and admits no more
+    tokens (or the model ends it where the grammar allows), and with "length" when max_tokens cuts
+    it off inside the structure: that output is incomplete.
     """
 
     temperature: float = defaults.TEMPERATURE
@@ -43,6 +55,12 @@ class SamplingParams:
     stop: tuple[str, ...] = defaults.STOP
     seed: int | None = defaults.SEED
     ignore_eos: bool = defaults.IGNORE_EOS
+    json_schema: dict | str | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    json_whitespace: str = "compact"
+    constraint: Any = field(init=False, default=None, repr=False, compare=False)  # grammar.Constraint | None
 
     def __post_init__(self) -> None:
         def number(name: str) -> float:
@@ -76,6 +94,18 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.seed must be an integer or None, got {self.seed!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
+        given = [kind for kind in ("json_schema", "regex", "grammar", "choice") if getattr(self, kind) is not None]
+        if len(given) > 1:
+            raise ValueError(f"SamplingParams takes at most one of json_schema, regex, grammar and choice; got {', '.join(given)}")
+        if given:
+            from specserve.grammar.constraint import Constraint
+
+            value = getattr(self, given[0])
+            if given[0] == "choice" and isinstance(value, list):
+                object.__setattr__(self, "choice", tuple(value))
+            object.__setattr__(self, "constraint", Constraint.build(given[0], value, self.json_whitespace))
+        elif self.json_whitespace not in ("compact", "flexible"):
+            raise ValueError(f"SamplingParams.json_whitespace must be 'compact' or 'flexible', got {self.json_whitespace!r}")
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,54 @@
+"""Grammars compiled once per distinct constraint and tokenizer; each request gets its own matcher.
+
+llguidance needs the tokenizer's tokens as bytes (`LLTokenizer`, built once per engine from the HF
+fast tokenizer) and compiles a grammar when an `LLMatcher` is made (up to ~1 s for huge schemas). We
+compile each distinct constraint once into a *template* matcher that never consumes a token and give
+every request a `deep_copy` of it (microseconds).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from specserve.grammar.constraint import Constraint, one_line
+from specserve.grammar.state import GrammarState, MaskClock
+
+__all__ = ["GrammarCompiler"]
+
+
+class GrammarCompiler:
+    """tokenizer: a transformers fast tokenizer; vocab_size: the model's (masks cover every logit, and
+    ids past the tokenizer's own vocabulary are never allowed); eos_token_ids: what ends a request."""
+
+    CACHE_SIZE = 256
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids) -> None:
+        import llguidance.hf
+
+        if tokenizer is None:
+            raise ValueError("constrained output (json_schema / regex / grammar / choice) needs the model's tokenizer, "
+                             "and this model directory ships none")
+        eos = sorted(eos_token_ids) or None
+        try:
+            self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+        except ValueError as exc:
+            raise ValueError(f"constrained output needs a fast (tokenizer.json) tokenizer: {exc}") from None
+        self.vocab_size = vocab_size
+        self._templates: OrderedDict[Constraint, object] = OrderedDict()
+        self.clock = MaskClock()  # shared by every state made here: the engine's mask time
+
+    def state(self, constraint: Constraint) -> GrammarState:
+        """A fresh matcher for one request; ValueError when the grammar does not compile for this tokenizer."""
+        from llguidance import LLMatcher
+
+        template = self._templates.get(constraint)
+        if template is None:
+            template = LLMatcher(self.tokenizer, constraint.llguidance_grammar(), log_level=0)
+            if template.is_error():
+                raise ValueError(f"invalid {constraint.kind}: {one_line(template.get_error())}")
+            self._templates[constraint] = template
+            if len(self._templates) > self.CACHE_SIZE:
+                self._templates.popitem(last=False)
+        else:
+            self._templates.move_to_end(constraint)
+        return GrammarState(template.deep_copy(), self.vocab_size, self.clock)
