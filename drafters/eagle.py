@@ -187,6 +187,12 @@ class EagleDrafter(LevelDrafter):
         self._prev = prev
         return self.head.logits(out.flatten(0, 1)).view(len(active), k, -1)
 
+    def _target_ids(self, ids: np.ndarray) -> np.ndarray:
+        return self._id_map[ids]
+
+    def _draft_allowed(self, allowed: np.ndarray) -> np.ndarray:
+        return allowed[self._id_map]
+
     def _tree(self, tokens, parents, q_ids, q_probs, scores) -> DraftTree:
         """Draft-vocabulary ids → target ids (EAGLE-3's reduced vocabulary; the identity for EAGLE-1)."""
         if q_ids is not None:

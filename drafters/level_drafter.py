@@ -10,6 +10,10 @@ Each step, for all drafting requests of the batch together:
    give the next level.
 3. **cut** — each request keeps its best `budget` nodes (`TreeBuilder.finish`).
 
+Constrained requests (`DraftRequest.grammar`): before a level's logits reach the builder, every token
+the grammar forbids after that frontier node's path gets -inf, so forbidden tokens are never drafted
+and a sampled node's q is the masked draft distribution (sampling stays exact).
+
 Tree growth, reranking and sampling run in compiled code on the host (`tree_builder`); only logits
 cross into it, once per level. What each drafter feeds, and how it turns a frontier into model inputs,
 is its own.
@@ -25,7 +29,7 @@ import torch
 
 from specserve.drafters.base import Drafter, DraftRequest
 from specserve.drafters.draft_rng import request_generator
-from specserve.drafters.tree_builder import Frontier, TreeBuilder
+from specserve.drafters.tree_builder import Frontier, TreeBuilder, mask_level
 from specserve.verify import DraftTree
 
 
@@ -65,21 +69,40 @@ class LevelDrafter(Drafter):
                 work.append(LevelWork(i, req, cap, levels, state))
         if not work:
             return trees
-        logits = self._catch_up(work)  # [A, V]
+        logits = _numpy(self._catch_up(work))  # [A, V]
         temps = np.array([w.req.temperature for w in work], dtype=np.float32)
         builder = TreeBuilder(self.topk, self.depth, self.width, temps, self._uniforms(work, temps), self.vocab)
-        front = builder.add_level(_numpy(logits))
+        grammars = [w.req.grammar for w in work]
+        constrained = any(g is not None for g in grammars)
+        if constrained:
+            mask_level(logits[:, None], grammars, builder, None, None, self._target_ids, self._draft_allowed)
+        front = builder.add_level(logits)
         levels = np.array([w.levels for w in work])
         for level in range(2, self.depth + 1):
             active = np.flatnonzero(levels >= level)
             if not active.size:
                 break
-            logits = self._feed_level(work, builder, front, active, level)  # [A', W, V]
-            front = builder.add_level(_numpy(logits), active)
+            logits = _numpy(self._feed_level(work, builder, front, active, level))  # [A', W, V]
+            if constrained:
+                mask_level(logits, grammars, builder, front, active, self._target_ids, self._draft_allowed)
+            front = builder.add_level(logits, active)
         for w, (tokens, parents, q_ids, q_probs, scores) in zip(work, builder.finish([w.cap for w in work])):
             if len(tokens):
                 trees[w.index] = self._tree(tokens, parents, q_ids, q_probs, scores)
         return trees
+
+    def _target_ids(self, ids: np.ndarray) -> np.ndarray:
+        """Draft-vocabulary ids as target ids (identity; EAGLE-3's reduced vocabulary maps them)."""
+        return ids
+
+    def _draft_allowed(self, allowed: np.ndarray) -> np.ndarray:
+        """bool[target V] -> bool[draft V] (identity; EAGLE-3 picks its draft tokens' entries)."""
+        if len(allowed) == self.vocab:
+            return allowed
+        out = np.zeros(self.vocab, dtype=np.bool_)
+        n = min(len(allowed), self.vocab)
+        out[:n] = allowed[:n]
+        return out
 
     def _uniforms(self, work: list[LevelWork], temps: np.ndarray) -> np.ndarray | None:
         """One uniform per generated node for each sampled request, from its own seeded stream."""

@@ -33,7 +33,7 @@ from specserve.drafters.base import check_int_option, Drafter, DraftRequest, Tar
 from specserve.drafters.medusa_heads import load_heads
 from specserve.drafters.medusa_tree import DEFAULT_CHOICES, StaticTree, parse_choices, sample_static_tree
 from specserve.drafters.draft_rng import request_generator
-from specserve.drafters.tree_builder import TreeBuilder
+from specserve.drafters.tree_builder import TreeBuilder, mask_level
 from specserve.verify import DraftTree
 
 TREES = ("static", "dynamic")
@@ -198,9 +198,17 @@ class MedusaDrafter(Drafter):
         width = max(caps)
         size = self.topk + (self.depth - 1) * width * self.topk
         builder = TreeBuilder(self.topk, self.depth, width, temps, self._uniforms(reqs, temps, size), logits.shape[-1])
-        builder.add_level(logits[:, 0])
+        grammars = [req.grammar for req in reqs]
+        constrained = any(g is not None for g in grammars)
+        level = logits[:, 0][:, None].copy()
+        if constrained:
+            mask_level(level, grammars, builder, None)
+        front = builder.add_level(level)
         for d in range(1, self.depth):
-            builder.add_level(np.repeat(logits[:, d][:, None], width, axis=1))
+            level = np.repeat(logits[:, d][:, None], width, axis=1)
+            if constrained:
+                mask_level(level, grammars, builder, front)
+            front = builder.add_level(level)
         return [_tree(t, p, qi, qp, sc) for t, p, qi, qp, sc in builder.finish(caps)]
 
     def _static_trees(self, logits: np.ndarray, reqs: list[DraftRequest], temps: np.ndarray,

@@ -157,6 +157,40 @@ class TreeBuilder:
         return out
 
 
+def mask_level(logits: np.ndarray, grammars: list, builder: TreeBuilder, front: Frontier | None,
+               requests: np.ndarray | None = None, target_ids=lambda ids: ids,
+               draft_allowed=lambda allowed: allowed) -> None:
+    """Grammar-aware drafting: -inf (in place) at every token a constrained request's grammar forbids
+    after each node whose children come next, so no forbidden token is drawn and a sampled node's q
+    is the masked draft distribution.
+
+    logits: float32[A', F, V] the level's draft-vocabulary logits, row i for builder request
+    ``requests[i]`` (default: all); front: the frontier being expanded (None at level 1: each
+    request's root, F = 1); grammars: per builder request, a `GrammarState` or None. target_ids maps
+    draft ids to target ids, draft_allowed a bool[target V] mask to bool[V] (identity unless the
+    drafter has a reduced vocabulary)."""
+    if requests is None:
+        requests = np.arange(len(grammars))
+    slot_row = {} if front is None else {int(a): j for j, a in enumerate(front.requests)}
+    for i, a in enumerate(requests):
+        grammar = grammars[a]
+        if grammar is None:
+            continue
+        j = slot_row.get(int(a))
+        slots = [0] if front is None else np.flatnonzero(front.valid[j])
+        for f in slots:
+            path: list[int] = []
+            node = -1 if front is None else int(front.nodes[j, f])
+            while node >= 0:
+                path.append(int(builder.tokens[a, node]))
+                node = int(builder.parents[a, node])
+            allowed = grammar.allowed(target_ids(np.array(path[::-1], dtype=np.int64)).tolist())
+            if allowed is None:  # the path itself is forbidden (unreachable: its nodes were masked)
+                logits[i, f] = -np.inf
+            else:
+                logits[i, f, ~draft_allowed(allowed)] = -np.inf
+
+
 @numba.njit(cache=True, nogil=True)
 def _top(row, count, ids, values):
     """The `count` largest entries of row (ties: the lower index first), best first, into ids/values."""
