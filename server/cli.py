@@ -41,6 +41,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="info (the default) logs one line per finished request; warning keeps only problems")
     p.add_argument("--log-format", default="text", choices=["text", "json"], help="json: one JSON object per line")
+    from specserve.cli import add_grammar_drafting_argument
+
+    add_grammar_drafting_argument(p)
 
 
 def add_chat_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,6 +59,8 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
                    help="smooth: spread each step's tokens over the step (default); off: as they come")
     p.add_argument("--drafter", default=None, help="switch the session's drafter: the server's one or 'none'")
     p.add_argument("--json", action="store_true", help="print every server event as a JSON line")
+    p.add_argument("--json-schema", metavar="FILE_OR_JSON", default=None,
+                   help="every reply is one JSON value valid against this schema (a .json file or inline JSON)")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -74,7 +79,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, args.log_format)
     llm = LLM(args.model, drafter=args.drafter, drafter_options=_drafter_options(args.drafter_option),
               device=args.device, dtype=args.dtype, threads=args.threads, max_num_seqs=args.max_num_seqs,
-              max_model_len=args.max_model_len, speculation=args.speculation)
+              max_model_len=args.max_model_len, speculation=args.speculation, grammar_drafting=args.grammar_drafting)
     server = SpecServer(llm, config)
     return asyncio.run(_serve(server))
 
@@ -103,4 +108,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     if args.max_output_tokens is not None and args.max_output_tokens < 1:
         raise ValueError(f"--max-output-tokens must be >= 1, got {args.max_output_tokens}")
+    if args.json_schema is not None:
+        from specserve.cli import load_json_schema
+
+        args.json_schema = load_json_schema(args.json_schema)  # the server says whether it compiles
     return run_chat(args)

@@ -147,6 +147,8 @@ class ChatClient:
             value = getattr(self.args, key)
             if value is not None:
                 response[key] = value
+        if getattr(self.args, "json_schema", None) is not None:
+            response["text"] = {"format": {"type": "json_schema", "name": "reply", "schema": self.args.json_schema}}
         await self.send({"type": "response.create", "event_id": reply.event_id, "response": response})
         try:
             while True:

@@ -33,7 +33,7 @@ from specserve.server.openai_protocol import (
 )
 from specserve.server.pacing import Pacer, split_text, token_weights
 from specserve.server.protocol import ProtocolError
-from specserve.server.submit import final_status, fitted, make_params, prepare
+from specserve.server.submit import final_status, fitted, make_params, prepare, refusal
 
 API = "openai"
 FINISH_REASONS = {"stop": "stop", "length": "length"}
@@ -137,7 +137,7 @@ class OpenAIApi:
                 raise self._model_not_found(req.model)
             speculate = self._speculate(req.drafter)
             server.check_capacity()
-            params = make_params(req.sampling)
+            params = make_params(req.sampling, req.constraint)
             prompt = await prepare(server, req.input, req.messages, params.max_tokens, "error", req.names)
         except ProtocolError as err:
             server.reject(API, client, err)
@@ -149,7 +149,7 @@ class OpenAIApi:
         try:
             if req.stream:
                 return await self._stream(request, req, stream, shapes)
-            return await self._whole(stream, shapes)
+            return await self._whole(req, stream, shapes)
         finally:
             if stream.summary is None:  # the client went away (or the server is stopping): free its KV now
                 server.worker.cancel(rid)
@@ -166,7 +166,7 @@ class OpenAIApi:
         raise ProtocolError("drafter_unavailable", f"drafter {drafter[:64]!r} is not loaded: this server loaded {loaded}; "
                             "give its name or \"none\"", "drafter")
 
-    async def _whole(self, stream: _Stream, shapes: Shapes) -> web.Response:
+    async def _whole(self, req: CompletionRequest, stream: _Stream, shapes: Shapes) -> web.Response:
         texts = []
         while True:
             kind, value = await stream.queue.get()
@@ -174,7 +174,7 @@ class OpenAIApi:
                 texts.append(value[0])
                 continue
             summary: Summary = value
-            failure = _failure(summary)
+            failure = _failure(summary, req)
             if failure is not None:
                 return error_response(failure)
             body = shapes.whole("".join(texts), FINISH_REASONS.get(summary.reason, "stop"), usage_of(summary), spec_of(summary),
@@ -202,7 +202,7 @@ class OpenAIApi:
                         await sse.send(shapes.text_chunk(text, usage))
                     continue
                 summary: Summary = value
-                failure = _failure(summary)
+                failure = _failure(summary, req)
                 if failure is not None:
                     await sse.send(_dumps(error_body(failure)))
                 else:
@@ -263,9 +263,9 @@ class _Stream:
                 self.queue.put_nowait(("done", summary))
 
 
-def _failure(summary: Summary) -> ProtocolError | None:
+def _failure(summary: Summary, req: CompletionRequest) -> ProtocolError | None:
     if summary.reason == "rejected":
-        return ProtocolError("request_rejected", summary.error or "the engine refused the request")
+        return refusal(summary, req.constraint)
     if summary.reason == "error":
         return ProtocolError("internal_error", summary.error or "the engine failed")
     if summary.reason == "cancelled":

@@ -7,6 +7,12 @@ neutral values, so a client that sends its defaults works and one that relies on
 
 specserve extras (vLLM spells the first three the same): ``top_k``, ``min_p``, ``ignore_eos``,
 ``drafter`` (the server's drafter or ``"none"``), ``stream_pacing`` (``"off"`` | ``"smooth"``).
+
+Structured output: ``response_format`` (``{"type": "json_schema", "json_schema": {name, schema, strict}}``,
+``{"type": "json_object"}`` or ``{"type": "text"}``), or vLLM's ``guided_json`` (a schema, object or
+JSON text), ``guided_regex``, ``guided_choice`` (strings), ``guided_grammar`` (Lark, llguidance's
+dialect) and ``structured_outputs`` ({json | regex | choice | grammar}); at most one of them, plus
+``json_whitespace`` ("compact" | "flexible"). Anything wrong with them is a 400 ``invalid_grammar``.
 Omitted ``max_tokens`` means the rest of the context; a prompt plus ``max_tokens`` past the window is
 a 400 naming both numbers.
 
@@ -24,11 +30,14 @@ from typing import Any
 from specserve.server.prompts import FieldNames
 from specserve.server.protocol import (
     MAX_MESSAGES,
+    ConstraintSpec,
     ProtocolError,
     _int,
     _json_type,
     _reject_constant,
     dumps,
+    grammar_error,
+    parse_json_whitespace,
     parse_options,
     parse_sampling,
 )
@@ -48,20 +57,24 @@ HTTP_STATUS = {
 TYPE_STATUS = {"invalid_request_error": 400, "rate_limit_error": 429, "server_error": 500}
 
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos")
-_COMMON = ("model", "max_tokens", "n", "stream", "stream_options", "user", "drafter", "stream_pacing", *_SAMPLING)
+#: Structured output: OpenAI's response_format, vLLM's guided_* fields and structured_outputs.
+_GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+_STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+_CONSTRAINTS = ("response_format", *_GUIDED, "structured_outputs", "json_whitespace")
+_COMMON = ("model", "max_tokens", "n", "stream", "stream_options", "user", "drafter", "stream_pacing", *_SAMPLING,
+           *_CONSTRAINTS)
 #: Accepted only at these neutral values (the first one is what we behave as).
 _NEUTRAL: dict[str, tuple] = {
     "presence_penalty": (0, None), "frequency_penalty": (0, None), "logit_bias": (None, {}),
     "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None, "none", "auto"),
     "parallel_tool_calls": (None, True, False), "functions": (None, []), "function_call": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}), "service_tier": (None, "auto", "default"), "store": (None, False),
+    "service_tier": (None, "auto", "default"), "store": (None, False),
     "metadata": (None,), "modalities": (None, ["text"]), "reasoning_effort": (None,), "prediction": (None,),
     "audio": (None,), "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1),
 }
 _CHAT_ONLY = ("messages", "max_completion_tokens")
 _CHAT_NEUTRAL = ("presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "tools",
-                 "tool_choice", "parallel_tool_calls", "functions", "function_call", "response_format",
-                 "service_tier", "store", "metadata", "modalities", "reasoning_effort", "prediction", "audio")
+                 "tool_choice", "parallel_tool_calls", "functions", "function_call", "service_tier", "store", "metadata", "modalities", "reasoning_effort", "prediction", "audio")
 _COMPLETION_NEUTRAL = ("presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "echo", "suffix", "best_of")
 ROLES = ("system", "developer", "user", "assistant")
 
@@ -78,6 +91,7 @@ class CompletionRequest:
     continuous_usage: bool  # stream_options.continuous_usage_stats (vLLM's): usage so far in every chunk
     drafter: str | None  # None: the server's choice
     stream_pacing: str
+    constraint: ConstraintSpec | None = None  # structured output, not yet compiled (submit.make_params does)
 
     @property
     def names(self) -> FieldNames:
@@ -134,7 +148,90 @@ def parse_request(body: dict, chat: bool, defaults: dict) -> CompletionRequest:
         raise ProtocolError("invalid_type", 'drafter must be the server\'s drafter name or "none"', "drafter")
     options = parse_options({k: body[k] for k in ("stream_pacing",) if k in body and body[k] is not None}, "")
     return CompletionRequest(chat, model, prompt, messages, sampling, stream, include_usage, continuous_usage, drafter,
-                             options.get("stream_pacing", "off"))
+                             options.get("stream_pacing", "off"), _constraint(body))
+
+
+def _constraint(body: dict) -> ConstraintSpec | None:
+    """The one structured-output field given (response_format, guided_*, structured_outputs), or None."""
+    whitespace = parse_json_whitespace(body, "json_whitespace")
+    found: list[ConstraintSpec] = []
+    given: list[str] = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        spec = _response_format(fmt, whitespace)
+        if spec is not None:  # {"type": "text"} constrains nothing
+            given.append("response_format")
+            found.append(spec)
+    for key, kind in _GUIDED.items():
+        if body.get(key) is not None:
+            given.append(key)
+            found.append(_guided(kind, body[key], key, whitespace))
+    if body.get("structured_outputs") is not None:
+        value = body["structured_outputs"]
+        given.append("structured_outputs")
+        if not isinstance(value, dict):
+            raise grammar_error("structured_outputs must be an object with one of json, regex, choice, grammar",
+                                "structured_outputs")
+        for key in value:
+            if key not in _STRUCTURED_OUTPUTS:
+                raise grammar_error(f"structured_outputs.{key[:64]} is not supported; give one of "
+                                    f"{', '.join(_STRUCTURED_OUTPUTS)}", f"structured_outputs.{key[:64]}")
+        present = [k for k in _STRUCTURED_OUTPUTS if value.get(k) is not None]
+        if len(present) != 1:
+            raise grammar_error("structured_outputs takes exactly one of json, regex, choice, grammar", "structured_outputs")
+        key = present[0]
+        found.append(_guided(_STRUCTURED_OUTPUTS[key], value[key], f"structured_outputs.{key}", whitespace))
+    if len(found) > 1:
+        raise grammar_error(f"give at most one of response_format, {', '.join(_GUIDED)} and structured_outputs; "
+                            f"got {', '.join(given)}", given[1])
+    return found[0] if found else None
+
+
+def _response_format(fmt: Any, whitespace: str) -> ConstraintSpec | None:
+    if not isinstance(fmt, dict):
+        raise grammar_error(f"response_format must be an object {{type, ...}}, got {_json_type(fmt)}", "response_format")
+    kind = fmt.get("type")
+    allowed = {"text": ("type",), "json_object": ("type",), "json_schema": ("type", "json_schema")}
+    if not isinstance(kind, str) or kind not in allowed:
+        raise grammar_error('response_format.type must be "json_schema", "json_object" or "text"', "response_format.type")
+    for key in fmt:
+        if key not in allowed[kind]:
+            raise grammar_error(f"unknown field response_format.{key[:64]} for type {kind!r}", f"response_format.{key[:64]}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ConstraintSpec("json_schema", {"type": "object"}, "response_format", whitespace)
+    path = "response_format.json_schema"
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise grammar_error(f"{path} is required: an object {{name, schema, strict}}", path)
+    for key in spec:
+        if key not in ("name", "schema", "strict", "description"):
+            raise grammar_error(f"unknown field {path}.{key[:64]}; allowed: name, schema, strict, description",
+                                f"{path}.{key[:64]}")
+    for key, types, what in (("name", str, "a string"), ("description", str, "a string"), ("strict", bool, "a boolean")):
+        if spec.get(key) is not None and not isinstance(spec[key], types):
+            raise grammar_error(f"{path}.{key} must be {what}", f"{path}.{key}")
+    if "schema" not in spec:
+        raise grammar_error(f"{path}.schema is required: the JSON schema the output must follow", f"{path}.schema")
+    if not isinstance(spec["schema"], dict):
+        raise grammar_error(f"{path}.schema must be a JSON schema (an object), got {_json_type(spec['schema'])}",
+                            f"{path}.schema")
+    return ConstraintSpec("json_schema", spec["schema"], f"{path}.schema", whitespace)
+
+
+def _guided(kind: str, value: Any, param: str, whitespace: str) -> ConstraintSpec:
+    """vLLM's guided_json (a schema or its JSON text), guided_regex, guided_choice and guided_grammar."""
+    if kind == "json_schema":
+        if not isinstance(value, (dict, str)):
+            raise grammar_error(f"{param} must be a JSON schema (an object, or its JSON text)", param)
+    elif kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise grammar_error(f"{param} must be a non-empty list of non-empty strings", param)
+        value = list(value)
+    elif not isinstance(value, str) or not value:
+        raise grammar_error(f"{param} must be a non-empty string", param)
+    return ConstraintSpec(kind, value, param, whitespace)
 
 
 def _same(value, neutral) -> bool:

@@ -4,7 +4,9 @@ Every frame is one JSON object with a ``type``. Client events (validated here, s
 fields are errors so that typos never pass silently):
 
 - ``response.create {event_id?, response: {input | messages, max_output_tokens, temperature, top_p,
-  top_k, min_p, seed, stop, ignore_eos, stream_pacing, truncation, metadata}}``
+  top_k, min_p, seed, stop, ignore_eos, stream_pacing, truncation, metadata, text, json_whitespace}}``
+  (``text: {format: ...}``: structured output as OpenAI's Responses API spells it, see
+  :func:`parse_text_format`)
 - ``response.cancel {event_id?, response_id}``
 - ``session.update {event_id?, session: {drafter?, defaults?}}`` (defaults: the sampling fields,
   ``stream_pacing`` and ``truncation``)
@@ -46,6 +48,7 @@ ERROR_CODES: dict[str, str] = {
     "tokenizer_unavailable": INVALID_REQUEST,  # text input for a model without tokenizer files
     "drafter_unavailable": INVALID_REQUEST,  # session.update names a drafter the server did not load
     "request_rejected": INVALID_REQUEST,  # the engine refused the request (e.g. larger than the KV cache)
+    "invalid_grammar": INVALID_REQUEST,  # structured output: a bad format, schema, regex, grammar or choice list
     "too_many_responses": RATE_LIMIT,  # per-connection concurrent response limit
     "too_many_connections": RATE_LIMIT,  # sent once, then the socket closes with code 1013
     "server_busy": RATE_LIMIT,  # server-wide queue of responses is full
@@ -112,6 +115,7 @@ class CreateResponse:
     messages: list[dict] | None
     sampling: dict[str, Any]
     metadata: dict[str, str]
+    constraint: ConstraintSpec | None = None
 
 
 @dataclass
@@ -181,7 +185,7 @@ def _event_id(obj: dict) -> str | None:
 def _parse_create(obj: dict, event_id: str | None, max_output_tokens: int) -> CreateResponse:
     _only(obj, ("type", "event_id", "response"), "")
     resp = _object(obj, "response", "response", required=True)
-    _only(resp, ("input", "messages", "metadata", *SAMPLING_FIELDS, *RESPONSE_OPTIONS), "response.")
+    _only(resp, ("input", "messages", "metadata", *SAMPLING_FIELDS, *RESPONSE_OPTIONS, *CONSTRAINT_FIELDS), "response.")
     has_input, has_messages = "input" in resp, "messages" in resp
     if has_input == has_messages:
         raise ProtocolError(
@@ -197,6 +201,7 @@ def _parse_create(obj: dict, event_id: str | None, max_output_tokens: int) -> Cr
         messages=messages,
         sampling=parse_sampling(resp, "response.", max_output_tokens) | parse_options(resp, "response."),
         metadata=_metadata(resp.get("metadata")),
+        constraint=parse_text_format(resp, "response."),
     )
 
 
@@ -293,6 +298,114 @@ def parse_sampling(obj: dict, prefix: str, max_output_tokens: int | None) -> dic
             raise ProtocolError("invalid_type", f"{prefix}ignore_eos must be a boolean", prefix + "ignore_eos")
         out["ignore_eos"] = obj["ignore_eos"]
     return out
+
+
+# ---- structured output --------------------------------------------------------------------------
+
+#: Structured output a response may ask for (not session defaults: a schema belongs to one request).
+CONSTRAINT_FIELDS = ("text", "json_whitespace")
+JSON_WHITESPACE = ("compact", "flexible")
+#: ``text.format`` types and the fields each takes (``type`` included).
+TEXT_FORMATS: dict[str, tuple[str, ...]] = {
+    "text": ("type",),
+    "json_schema": ("type", "name", "schema", "strict", "description"),
+    "json_object": ("type",),
+    "grammar": ("type", "syntax", "definition"),
+    "choice": ("type", "choices"),  # a specserve extension: the output is exactly one of these strings
+}
+GRAMMAR_SYNTAXES = ("lark", "regex")
+MAX_GRAMMAR_ERROR_CHARS = 600
+
+
+@dataclass(frozen=True)
+class ConstraintSpec:
+    """What a request's output is constrained to, before it is compiled: ``kind`` is a SamplingParams
+    field (json_schema | regex | grammar | choice), ``value`` its value, ``param`` the request field it
+    came from (named by an ``invalid_grammar`` error when it does not compile)."""
+
+    kind: str
+    value: Any
+    param: str
+    json_whitespace: str = "compact"
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        return {self.kind: self.value, "json_whitespace": self.json_whitespace}
+
+
+def grammar_error(message: str, param: str | None) -> ProtocolError:
+    message = " ".join(message.split())
+    if len(message) > MAX_GRAMMAR_ERROR_CHARS:
+        message = message[: MAX_GRAMMAR_ERROR_CHARS - 3] + "..."
+    return ProtocolError("invalid_grammar", message, param)
+
+
+def parse_json_whitespace(obj: dict, path: str) -> str:
+    """``json_whitespace`` ("compact", the default, or "flexible") when present in ``obj``."""
+    value = obj.get("json_whitespace")
+    if value is None:
+        return "compact"
+    if not isinstance(value, str) or value not in JSON_WHITESPACE:
+        raise ProtocolError("invalid_value", f'{path} must be "compact" or "flexible"', path)
+    return value
+
+
+def parse_text_format(resp: dict, prefix: str) -> ConstraintSpec | None:
+    """``text: {format: {type, ...}}`` (OpenAI's Responses API) → a ConstraintSpec, or None for plain text.
+
+    Types: ``text`` (no constraint, the default); ``json_schema`` {name?, schema, strict?, description?};
+    ``json_object`` (any JSON object); ``grammar`` {syntax: "lark" (the default) | "regex", definition};
+    ``choice`` {choices: [strings]} (ours). Anything wrong in ``text`` is ``invalid_grammar``; whether the
+    schema or grammar compiles is checked when the request's SamplingParams are made (submit.make_params).
+    """
+    whitespace = parse_json_whitespace(resp, prefix + "json_whitespace")
+    text = resp.get("text")
+    path = prefix + "text"
+    if text is None:
+        return None
+    if not isinstance(text, dict):
+        raise grammar_error(f"{path} must be an object {{format: {{type, ...}}}}, got {_json_type(text)}", path)
+    for key in text:
+        if key != "format":
+            raise grammar_error(f"unknown field {path}.{key[:64]}; allowed: format", f"{path}.{key[:64]}")
+    fmt = text.get("format")
+    path += ".format"
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise grammar_error(f"{path} must be an object {{type, ...}}, got {_json_type(fmt)}", path)
+    kind = fmt.get("type")
+    if not isinstance(kind, str) or kind not in TEXT_FORMATS:
+        raise grammar_error(f"{path}.type must be one of {', '.join(TEXT_FORMATS)}", f"{path}.type")
+    for key in fmt:
+        if key not in TEXT_FORMATS[kind]:
+            raise grammar_error(f"unknown field {path}.{key[:64]} for type {kind!r}; allowed: {', '.join(TEXT_FORMATS[kind])}",
+                                f"{path}.{key[:64]}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ConstraintSpec("json_schema", {"type": "object"}, path, whitespace)
+    if kind == "json_schema":
+        for key, types, what in (("name", str, "a string"), ("description", str, "a string"), ("strict", bool, "a boolean")):
+            if fmt.get(key) is not None and not isinstance(fmt[key], types):
+                raise grammar_error(f"{path}.{key} must be {what}", f"{path}.{key}")
+        if "schema" not in fmt:
+            raise grammar_error(f"{path}.schema is required: the JSON schema the output must follow", f"{path}.schema")
+        if not isinstance(fmt["schema"], dict):
+            raise grammar_error(f"{path}.schema must be a JSON schema (an object), got {_json_type(fmt['schema'])}",
+                                f"{path}.schema")
+        return ConstraintSpec("json_schema", fmt["schema"], f"{path}.schema", whitespace)
+    if kind == "grammar":
+        syntax = fmt.get("syntax", "lark")
+        if not isinstance(syntax, str) or syntax not in GRAMMAR_SYNTAXES:
+            raise grammar_error(f'{path}.syntax must be "lark" or "regex"', f"{path}.syntax")
+        definition = fmt.get("definition")
+        if not isinstance(definition, str) or not definition:
+            raise grammar_error(f"{path}.definition must be a non-empty string (the {syntax} source)", f"{path}.definition")
+        return ConstraintSpec("grammar" if syntax == "lark" else "regex", definition, f"{path}.definition")
+    choices = fmt.get("choices")
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise grammar_error(f"{path}.choices must be a non-empty list of non-empty strings", f"{path}.choices")
+    return ConstraintSpec("choice", list(choices), f"{path}.choices")
 
 
 def _only(obj: dict, allowed, prefix: str) -> None:

@@ -26,6 +26,7 @@ from specserve.server.pacing import Pacer, split_text, token_weights
 from specserve.server.prompts import Prompt, prepare_prompt
 from specserve.server.protocol import (
     CancelResponse,
+    ConstraintSpec,
     CreateResponse,
     ProtocolError,
     UpdateSession,
@@ -33,7 +34,7 @@ from specserve.server.protocol import (
     parse_event,
     with_event_id,
 )
-from specserve.server.submit import final_status, fitted, make_params, needs_thread
+from specserve.server.submit import final_status, fitted, make_params, needs_thread, refusal
 
 log = logging.getLogger("specserve.server")
 
@@ -51,6 +52,7 @@ class _Response:
     status: str = "in_progress"  # | "cancelling" (client asked) | "failing" (slow consumer)
     failure: ProtocolError | None = None
     unsent_tokens: int = 0  # tokens whose text is still held back (UTF-8 or stop-string holdback)
+    constraint: ConstraintSpec | None = None  # its structured output, if any (names the field of a refusal)
 
 
 class Session:
@@ -150,7 +152,7 @@ class Session:
             )
         server.check_capacity()
         s = {**self.defaults, **ev.sampling}
-        params = make_params(s)
+        params = make_params(s, ev.constraint)
         policy = "auto" if s["truncation"] == "auto" else "clamp"
         if not needs_thread(ev.input, ev.messages):
             prompt = prepare_prompt(server.llm, server.context_length, ev.input, ev.messages, params.max_tokens, policy)
@@ -190,7 +192,7 @@ class Session:
         server = self.server
         asked = params.max_tokens if params.max_tokens is not None else prompt.max_tokens
         rid = "resp_" + uuid.uuid4().hex[:24]
-        resp = _Response(rid, ev.event_id, ev.metadata, asked, server.metrics.token_clock(API))
+        resp = _Response(rid, ev.event_id, ev.metadata, asked, server.metrics.token_clock(API), constraint=ev.constraint)
         if s["stream_pacing"] == "smooth":
             loop = asyncio.get_running_loop()
             resp.pacer = Pacer(lambda text, n, rid=rid: self.outbox.send_delta(rid, text, n), loop.time, loop.call_at)
@@ -282,7 +284,8 @@ class Session:
             error = resp.failure
         elif summary.reason == "rejected":
             body["status"] = "failed"
-            error = ProtocolError("request_rejected", summary.error or "the engine refused the request", event_id=resp.event_id)
+            error = refusal(summary, resp.constraint)
+            error.event_id = resp.event_id
             self.outbox.send(error_event(error))
         else:
             body["status"] = "failed"

@@ -14,7 +14,7 @@ import dataclasses
 
 from specserve.sampling import SamplingParams
 from specserve.server.prompts import WEBSOCKET_NAMES, FieldNames, Prompt, prepare_prompt
-from specserve.server.protocol import ProtocolError
+from specserve.server.protocol import ConstraintSpec, ProtocolError, grammar_error
 
 #: Texts up to this many characters are tokenized inline (well under a millisecond); longer ones on
 #: the server's tokenizer thread.
@@ -31,15 +31,34 @@ def needs_thread(input_, messages) -> bool:
     return text_chars(input_, messages) > INLINE_TOKENIZE_CHARS
 
 
-def make_params(s: dict) -> SamplingParams:
-    """``s``: sampling fields as the websocket protocol names them (max_output_tokens None = the rest)."""
+def make_params(s: dict, constraint: ConstraintSpec | None = None) -> SamplingParams:
+    """``s``: sampling fields as the websocket protocol names them (max_output_tokens None = the rest);
+    ``constraint``: structured output, compiled (validated by llguidance) here — one that does not is
+    ``invalid_grammar`` naming the field it came from."""
     try:
         return SamplingParams(
             temperature=s["temperature"], top_p=s["top_p"], top_k=s["top_k"], min_p=s["min_p"],
             max_tokens=s.get("max_output_tokens"), stop=tuple(s["stop"]), seed=s["seed"], ignore_eos=s["ignore_eos"],
+            **(constraint.sampling_kwargs() if constraint is not None else {}),
         )
-    except ValueError as exc:  # every field was validated already; this is a backstop
+    except ValueError as exc:
+        # SamplingParams names its own fields ("SamplingParams.top_p ..."), all validated already (a backstop);
+        # anything else comes from the constraint.
+        if constraint is not None and not str(exc).startswith("SamplingParams"):
+            raise grammar_error(str(exc), constraint.param) from None
         raise ProtocolError("invalid_value", str(exc)) from None
+
+
+def refusal(summary, constraint: ConstraintSpec | None = None) -> ProtocolError:
+    """The error for a request the engine refused (``add_request`` raised): ``invalid_grammar`` when its
+    constraint does not compile for this model's tokenizer, ``tokenizer_unavailable`` when the model has
+    none, else ``request_rejected``."""
+    message = summary.error or "the engine refused the request"
+    if constraint is not None and message.startswith("invalid "):
+        return grammar_error(message, constraint.param)
+    if constraint is not None and message.startswith("constrained output"):
+        return ProtocolError("tokenizer_unavailable", message, constraint.param)
+    return ProtocolError("request_rejected", message)
 
 
 def fitted(params: SamplingParams, prompt: Prompt) -> SamplingParams:

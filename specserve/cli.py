@@ -131,6 +131,75 @@ def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--threads", type=int, default=None, help="CPU threads for the kernels (default: every core)")
     gen.add_argument("--json", action="store_true",
                      help="print token ids, text, speculation stats, TTFT and tokens/s as JSON")
+    add_constraint_arguments(gen)
+    add_grammar_drafting_argument(gen)
+
+
+GRAMMAR_DRAFTING = ("forced", "aware", "verify")  # specserve.engine.GRAMMAR_DRAFTING (not imported: no torch here)
+
+
+def add_grammar_drafting_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--grammar-drafting", default="forced", choices=GRAMMAR_DRAFTING,
+                        help="how constrained requests draft: forced (default: drafters follow the grammar and tokens "
+                             "it leaves no choice about are drafted for free), aware (no forced tokens) or verify (the "
+                             "grammar masks verification only); the output is the same, only speed differs")
+
+
+def add_constraint_arguments(parser: argparse.ArgumentParser) -> None:
+    """Structured output: at most one of --json-schema, --regex, --grammar, --choice."""
+    group = parser.add_argument_group("structured output (at most one)")
+    one = group.add_mutually_exclusive_group()
+    one.add_argument("--json-schema", metavar="FILE_OR_JSON", default=None,
+                     help="the output is one JSON value valid against this schema: a .json file, or inline JSON text")
+    one.add_argument("--regex", metavar="PATTERN", default=None,
+                     help="the output matches this regular expression, whole (Rust regex syntax)")
+    one.add_argument("--grammar", metavar="FILE", default=None,
+                     help="the output derives from this Lark grammar's start rule (a file; llguidance's Lark dialect)")
+    one.add_argument("--choice", action="append", default=None, metavar="TEXT",
+                     help="the output is exactly one of these strings (repeatable)")
+    group.add_argument("--json-whitespace", default="compact", choices=("compact", "flexible"),
+                       help="JSON output: compact (default: ', ' and ': ' separators, no other whitespace) or flexible")
+
+
+def load_json_schema(value: str, flag: str = "--json-schema"):
+    """A schema given on the command line: inline JSON text (starting with '{'), else a path to a JSON file."""
+    text = value
+    if not value.lstrip().startswith("{"):
+        from pathlib import Path
+
+        path = Path(value)
+        if not path.is_file():
+            raise ValueError(f"{flag} {value!r} is neither a file nor inline JSON (an object starting with '{{')")
+        text = path.read_text(encoding="utf-8")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        where = "inline JSON" if text is value else value
+        raise ValueError(f"{flag}: {where} is not valid JSON: {exc}") from None
+
+
+def _read_text_file(value: str, flag: str) -> str:
+    from pathlib import Path
+
+    path = Path(value)
+    if not path.is_file():
+        raise ValueError(f"{flag}: no such file {value!r}")
+    return path.read_text(encoding="utf-8")
+
+
+def constraint_kwargs(args: argparse.Namespace) -> dict:
+    """SamplingParams' structured-output fields from the arguments (empty when none is given)."""
+    if args.json_schema is not None:
+        kwargs = {"json_schema": load_json_schema(args.json_schema)}
+    elif args.regex is not None:
+        kwargs = {"regex": args.regex}
+    elif args.grammar is not None:
+        kwargs = {"grammar": _read_text_file(args.grammar, "--grammar")}
+    elif args.choice is not None:
+        kwargs = {"choice": list(args.choice)}
+    else:
+        return {}
+    return {**kwargs, "json_whitespace": args.json_whitespace}
 
 
 def add_info_arguments(info: argparse.ArgumentParser) -> None:
@@ -143,11 +212,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         max_tokens=args.max_tokens, stop=tuple(args.stop), seed=args.seed, ignore_eos=args.ignore_eos,
+        **constraint_kwargs(args),
     )
     if not args.prompt:
         raise ValueError("--prompt is empty")
     llm = LLM(args.model, drafter=args.drafter, drafter_options=_drafter_options(args.drafter_option), device=args.device,
-              dtype=args.dtype, threads=args.threads, speculation=args.speculation)
+              dtype=args.dtype, threads=args.threads, speculation=args.speculation, grammar_drafting=args.grammar_drafting)
     if args.json:
         out = llm.generate([args.prompt], params)[0]
         print(json.dumps({

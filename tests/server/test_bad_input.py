@@ -92,6 +92,28 @@ CASES = [
     (create(input="a " * 20_000), "context_length_exceeded", "response.input"),
     (create(input=[7] * 512), "context_length_exceeded", "response.input"),
     (b'{"type": "session.update", "session": {}}', "binary_not_supported", None),
+    # structured output: anything wrong in text is invalid_grammar, naming the field
+    (create(text="json"), "invalid_grammar", "response.text"),
+    (create(text={"fmt": {}}), "invalid_grammar", "response.text.fmt"),
+    (create(text={"format": {"type": "yaml"}}), "invalid_grammar", "response.text.format.type"),
+    (create(text={"format": {"type": "json_schema"}}), "invalid_grammar", "response.text.format.schema"),
+    (create(text={"format": {"type": "json_schema", "schema": "{}"}}), "invalid_grammar", "response.text.format.schema"),
+    (create(text={"format": {"type": "json_schema", "schema": {"type": "nope"}}}), "invalid_grammar",
+     "response.text.format.schema"),
+    (create(text={"format": {"type": "json_schema", "schema": {}, "strict": "yes"}}), "invalid_grammar",
+     "response.text.format.strict"),
+    (create(text={"format": {"type": "json_object", "schema": {}}}), "invalid_grammar", "response.text.format.schema"),
+    (create(text={"format": {"type": "grammar", "syntax": "ebnf", "definition": "x"}}), "invalid_grammar",
+     "response.text.format.syntax"),
+    (create(text={"format": {"type": "grammar", "definition": ""}}), "invalid_grammar", "response.text.format.definition"),
+    (create(text={"format": {"type": "grammar", "definition": "start: nope"}}), "invalid_grammar",
+     "response.text.format.definition"),
+    (create(text={"format": {"type": "grammar", "syntax": "regex", "definition": "[a-"}}), "invalid_grammar",
+     "response.text.format.definition"),
+    (create(text={"format": {"type": "choice", "choices": ["a", ""]}}), "invalid_grammar", "response.text.format.choices"),
+    (create(json_whitespace="wide"), "invalid_value", "response.json_whitespace"),
+    ({"type": "session.update", "event_id": "bad", "session": {"defaults": {"text": {}}}}, "unknown_field",
+     "session.defaults.text"),
 ]
 
 
@@ -168,8 +190,20 @@ messages = mostly(st.lists(
                            "content": mostly(st.text(max_size=30))}),
     min_size=1, max_size=3,
 ))
+text_formats = st.one_of(
+    st.just({"type": "text"}), st.just({"type": "json_object"}),
+    st.fixed_dictionaries({"type": st.just("json_schema")}, optional={
+        "schema": mostly(st.sampled_from([{}, {"type": "integer"}, {"type": "array", "items": {"type": "boolean"}}])),
+        "name": mostly(st.text(max_size=5)), "strict": mostly(st.booleans())}),
+    st.fixed_dictionaries({"type": st.just("grammar")}, optional={
+        "syntax": mostly(st.sampled_from(["lark", "regex"])),
+        "definition": mostly(st.sampled_from(["[0-9]+", "a|b", 'start: "x"+', "()"]) | st.text(max_size=8))}),
+    st.fixed_dictionaries({"type": st.just("choice")}, optional={"choices": mostly(st.lists(st.text(max_size=4), max_size=3))}),
+)
 response_objects = st.fixed_dictionaries({}, optional={
     "metadata": mostly(st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=3)),
+    "text": mostly(st.fixed_dictionaries({}, optional={"format": mostly(text_formats)})),
+    "json_whitespace": mostly(st.sampled_from(["compact", "flexible"])),
     **sampling_values,
 })
 create_events = st.builds(
