@@ -36,7 +36,8 @@ def test_help_and_argument_errors_do_not_import_torch():
     """`specserve --help` and a bad argument answer without importing torch (the ~2-5 s of every start)."""
     code = ("import sys\nfrom specserve.cli import main\n"
             "for argv in (['--help'], ['generate', '--max-tokens', 'abc', '--prompt', 'x'], ['serve', '--help'],"
-            " ['chat', '--port'], ['bench', '--help']):\n"
+            " ['chat', '--port'], ['bench', '--help'], ['generate', '--regex', 'a', '--choice', 'b', '--prompt', 'x'],"
+            " ['generate', '--grammar-drafting', 'x', '--prompt', 'x'], ['serve', '--grammar-drafting', 'x']):\n"
             "    try:\n        main(argv)\n    except SystemExit as e:\n        assert e.code in (0, 2), (argv, e.code)\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\nprint('ok')\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -122,3 +123,100 @@ def test_bench_drafters_smoke(tmp_path):
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["drafters"]["ngram"]["identical_to_plain"] is True
     assert result["drafters"]["ngram"]["tau"] >= 1.0
+
+
+# ---- structured output ------------------------------------------------------------------------------
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999}, "b": {"type": "boolean"}},
+          "required": ["a", "b"], "additionalProperties": False}
+
+
+def generate_in_process(capsys, llama_dir, *args: str) -> dict:
+    """`specserve generate ... --json` through the same main() the console script runs."""
+    from specserve.cli import main
+
+    assert main(["generate", "--model", str(llama_dir), "--prompt", "hello", "--max-tokens", "64", "--threads", "1",
+                 *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_generate_json_schema_from_a_file_and_inline(capsys, llama_dir, tmp_path):
+    schema_file = tmp_path / "ab.json"
+    schema_file.write_text(json.dumps(SCHEMA))
+    for source in (str(schema_file), json.dumps(SCHEMA)):
+        for extra in (["--temperature", "0"], ["--temperature", "1", "--seed", "5", "--drafter", "ngram"]):
+            out = generate_in_process(capsys, llama_dir, "--json-schema", source, *extra)
+            assert out["finish_reason"] == "stop", out["text"]
+            obj = json.loads(out["text"])
+            assert set(obj) == {"a", "b"} and 0 <= obj["a"] <= 999 and isinstance(obj["b"], bool), out["text"]
+
+
+@pytest.mark.parametrize("drafting", ["forced", "aware", "verify"])
+def test_generate_regex_grammar_and_choice(capsys, llama_dir, tmp_path, drafting):
+    import re
+
+    lark = tmp_path / "g.lark"
+    lark.write_text('start: "x" NUM\nNUM: /[0-9]{1,3}/\n')
+    common = ["--drafter", "ngram", "--grammar-drafting", drafting]
+    out = generate_in_process(capsys, llama_dir, "--regex", "[a-z]{3}-[0-9]{2}", *common)
+    assert re.fullmatch("[a-z]{3}-[0-9]{2}", out["text"]) and out["finish_reason"] == "stop", out["text"]
+    out = generate_in_process(capsys, llama_dir, "--grammar", str(lark), *common)
+    assert re.fullmatch("x[0-9]{1,3}", out["text"]) and out["finish_reason"] == "stop", out["text"]
+    out = generate_in_process(capsys, llama_dir, "--choice", "red", "--choice", "green", "--temperature", "1", *common)
+    assert out["text"] in ("red", "green") and out["finish_reason"] == "stop"
+
+
+def test_generate_streams_constrained_text(capsys, llama_dir):
+    from specserve.cli import main
+
+    assert main(["generate", "--model", str(llama_dir), "--prompt", "hi", "--threads", "1", "--max-tokens", "64",
+                 "--json-schema", json.dumps(SCHEMA), "--json-whitespace", "compact"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert set(obj) == {"a", "b"}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--json-schema", '{"type": "nope"}'], "invalid json_schema"),
+    (["--json-schema", "{not json"], "not valid JSON"),
+    (["--json-schema", "/no/such/schema.json"], "neither a file nor inline JSON"),
+    (["--json-schema", "{badjson}"], "bad.json is not valid JSON"),
+    (["--regex", "(("], "invalid regex"),
+    (["--grammar", "/no/such/grammar.lark"], "no such file"),
+    (["--grammar", "{lark}"], "invalid grammar"),
+    (["--choice", ""], "choice"),
+])
+def test_bad_constraints_exit_2_with_one_line(capsys, llama_dir, tmp_path, args, message):
+    from specserve.cli import main
+
+    (tmp_path / "bad.lark").write_text("start: nope\n")
+    (tmp_path / "bad.json").write_text('{"type": "object",')
+    args = [a.replace("{lark}", str(tmp_path / "bad.lark")).replace("{badjson}", str(tmp_path / "bad.json")) for a in args]
+    assert main(["generate", "--model", str(llama_dir), "--prompt", "x", *args]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--regex", "a", "--choice", "b"], "not allowed with"),
+    (["--json-schema", "{}", "--grammar", "g.lark"], "not allowed with"),
+    (["--json-whitespace", "wide", "--regex", "a"], "invalid choice"),
+    (["--grammar-drafting", "eager"], "invalid choice"),
+])
+def test_conflicting_constraint_arguments_exit_2_with_one_line(capsys, args, message):
+    from specserve.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--prompt", "x", *args])
+    assert info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], lines
+
+
+def test_grammar_drafting_reaches_serve_and_generate():
+    from specserve.cli import build_parser
+
+    for command in (["serve"], ["generate", "--prompt", "x"]):
+        argv = [*command, "--grammar-drafting", "aware"]
+        assert build_parser(argv).parse_args(argv).grammar_drafting == "aware"
+        assert build_parser(command).parse_args(command).grammar_drafting == "forced"

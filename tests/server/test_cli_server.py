@@ -104,6 +104,15 @@ def test_chat_json_prints_every_event(server):
     assert events[1]["session"]["drafter"] is None
 
 
+def test_chat_json_schema_constrains_every_reply(server):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    res = specserve("chat", "--url", server.ws_url, "--max-output-tokens", "32", "--json-schema", json.dumps(schema),
+                    stdin="hello\nagain\n")
+    assert res.returncode == 0, res.stderr
+    replies = res.stdout.splitlines()
+    assert len(replies) == 2 and all(set(json.loads(r)) == {"ok"} for r in replies), res.stdout
+
+
 def test_ctrl_c_cancels_the_reply_in_flight(make_server, noeos_dir):
     srv = make_server(model_dir=noeos_dir)
     proc = subprocess.Popen([sys.executable, "-m", "specserve", "chat", "--url", srv.ws_url, "--json",
@@ -131,6 +140,7 @@ def test_chat_connection_errors_are_one_line(capsys, free_port):
     one_line_error(capsys, ["chat", "--url", f"ws://127.0.0.1:{free_port}/v1/ws"], "cannot connect")
     one_line_error(capsys, ["chat", "--url", "http://x"], "--url")
     one_line_error(capsys, ["chat", "--max-output-tokens", "0"], "max-output-tokens")
+    one_line_error(capsys, ["chat", "--json-schema", "/no/such.json"], "--json-schema")
 
 
 def test_chat_without_the_key_is_told_so(capsys, make_server):
