@@ -11,6 +11,11 @@ Its settings start from the session's defaults (specserve/defaults.py). Replies 
 hold the conversation plus a reply, the server leaves out the oldest turns and the page greys them
 out and says so. A message the server refused is marked "not sent"; every finished reply says how it
 ended: "stopped", "failed: reason" or "cut at N tokens".
+
+"Structured output" (a collapsible box above the message box) takes a JSON schema: when it is not empty,
+every message goes out with ``text: {format: {type: "json_schema", schema}}`` and the reply is one
+JSON value valid against it. A schema that is not JSON is refused on the page; one the server cannot
+compile comes back as an ``invalid_grammar`` error and the message is marked "not sent".
 """
 
 from __future__ import annotations
@@ -64,6 +69,10 @@ PAGE_HTML = r"""<!doctype html>
            background: var(--accent); color: #fff; }
   button:disabled { opacity: .4; cursor: default; }
   button.secondary { background: #e3e3e8; color: var(--ink); }
+  #structured { max-width: 820px; margin: 0 auto 8px; font-size: 13px; color: var(--muted); }
+  #structured summary { cursor: pointer; user-select: none; }
+  #structured[data-active="1"] summary::after { content: " · on"; color: var(--accent); font-weight: 600; }
+  #schema { width: 100%; height: 110px; margin-top: 6px; resize: vertical; font: 13px/1.4 ui-monospace, monospace; }
 </style>
 </head>
 <body>
@@ -80,6 +89,11 @@ PAGE_HTML = r"""<!doctype html>
 <main id="scroll"><div id="messages"></div></main>
 <footer>
   <div id="error" role="alert"></div>
+  <details id="structured">
+    <summary>Structured output</summary>
+    <textarea id="schema" spellcheck="false"
+      placeholder='JSON schema every reply must follow, e.g. {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]} (empty: plain text)'></textarea>
+  </details>
   <form id="composer">
     <textarea id="prompt" placeholder="Message (Enter to send, Shift+Enter for a new line)" autofocus></textarea>
     <button id="send" type="submit" disabled>Send</button>
@@ -244,9 +258,21 @@ function finish(response) {
   $("prompt").focus();
 }
 
+// The structured-output schema: null when the box is empty; throws (with a message) when it is not JSON.
+function schemaFormat() {
+  const source = $("schema").value.trim();
+  if (!source) return null;
+  let schema;
+  try { schema = JSON.parse(source); } catch (e) { throw new Error("the schema is not valid JSON: " + e.message); }
+  if (schema === null || typeof schema !== "object" || Array.isArray(schema)) throw new Error("the schema must be a JSON object");
+  return {type: "json_schema", name: "page", schema};
+}
+
 function send() {
   const text = $("prompt").value.trim();
   if (!text || live || !session) return;
+  let format;
+  try { format = schemaFormat(); } catch (e) { showError("invalid_grammar: " + e.message); return; }
   showError("");
   $("prompt").value = "";
   turns.push({role: "user", content: text, el: addMessage("user", text)});
@@ -258,6 +284,7 @@ function send() {
                     temperature: Number($("temperature").value) || 0};
   const maxTokens = parseInt($("max-tokens").value, 10);
   if (maxTokens > 0) response.max_output_tokens = maxTokens;
+  if (format) { response.text = {format}; el.dataset.schema = "1"; }
   ws.send(JSON.stringify({type: "response.create", event_id: live.eventId, response}));
   refreshButtons();
 }
@@ -270,6 +297,7 @@ $("stop").addEventListener("click", () => {
 $("speculate").addEventListener("change", () => {
   ws.send(JSON.stringify({type: "session.update", session: {drafter: $("speculate").checked ? session.available_drafters[0] : "none"}}));
 });
+$("schema").addEventListener("input", () => { $("structured").dataset.active = $("schema").value.trim() ? "1" : ""; });
 $("clear").addEventListener("click", () => {
   if (live) return;
   turns.length = 0; $("messages").textContent = ""; showError("");

@@ -1,7 +1,9 @@
-"""The chat page end to end in a real headless Chromium: stream a reply, show its stats, stop a reply."""
+"""The chat page end to end in a real headless Chromium: stream a reply, show its stats, stop a reply,
+send a JSON schema with a message."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -94,3 +96,42 @@ def test_ten_turn_chat_with_the_embedded_model_never_dead_ends():
         page.click("#send")
         page.wait_for(f"document.querySelectorAll('.msg.assistant').length === 11 && {LAST}.dataset.status !== 'streaming'",
                       timeout=60)
+
+
+def test_structured_output_from_the_page(server):
+    """A schema in the "Structured output" box: the reply parses as JSON valid against it; a schema the
+    server cannot compile is an invalid_grammar error (the message is not sent), one that is not JSON never
+    leaves the page; then the chat goes on."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999}, "b": {"type": "boolean"}},
+              "required": ["a", "b"], "additionalProperties": False}
+    with Chromium(server.http_url) as page:
+        page.wait_for("document.getElementById('status').dataset.state === 'ready'")
+        page.set_value("#max-tokens", "64")
+        page.click("#structured summary")
+        page.wait_for("document.getElementById('structured').open")
+        page.type("#schema", json.dumps(schema))
+        page.type("#prompt", "give me a and b")
+        page.click("#send")
+        page.wait_for(f"{LAST}?.dataset.status && {LAST}.dataset.status !== 'streaming'")
+        assert page.eval(f"{LAST}.dataset.status") == "completed"
+        reply = json.loads(page.eval(f"{LAST}.querySelector('.content').textContent"))
+        assert set(reply) == {"a", "b"} and 0 <= reply["a"] <= 999 and isinstance(reply["b"], bool)
+
+        page.set_value("#schema", '{"type": "nope"}')  # JSON, but no schema: the server refuses it
+        page.type("#prompt", "again")
+        page.click("#send")
+        page.wait_for("document.querySelector('.msg.user.unsent') !== null")
+        assert "invalid_grammar" in page.eval("document.getElementById('error').textContent")
+        assert page.eval("document.querySelectorAll('.msg.assistant').length") == 1
+
+        page.set_value("#schema", "{oops")  # not JSON: refused on the page, the typed message stays
+        page.type("#prompt", "once more")
+        page.click("#send")
+        assert "not valid JSON" in page.eval("document.getElementById('error').textContent")
+        assert page.eval("document.getElementById('prompt').value") == "once more"
+        assert page.eval("document.querySelectorAll('.msg.user').length") == 2
+
+        page.set_value("#schema", "")  # empty: plain text again
+        page.click("#send")
+        page.wait_for(f"document.querySelectorAll('.msg.assistant').length === 2 && {LAST}.dataset.status !== 'streaming'")
+        assert page.eval(f"{LAST}.dataset.schema") is None and page.eval("document.getElementById('error').textContent") == ""
