@@ -34,9 +34,9 @@ def one_line(message: str) -> str:
 
 @dataclass(frozen=True)
 class Constraint:
-    """kind: one of CONSTRAINT_KINDS; definition: its canonical text (a JSON schema serialised with
-    sorted keys, the regex, the Lark source, or the choices as a JSON list) — equal constraints have
-    equal definitions, so compiled grammars are cached by it. json_whitespace: for json_schema only."""
+    """kind: one of CONSTRAINT_KINDS; definition: its text (a JSON schema serialised — keys keep their
+    order: properties are generated in schema order —, the regex, the Lark source, or the choices as
+    a JSON list); compiled grammars are cached by it. json_whitespace: for json_schema only."""
 
     kind: str
     definition: str
@@ -57,7 +57,7 @@ class Constraint:
                     raise ValueError(f"json_schema is not valid JSON: {exc}") from None
             if not isinstance(value, (dict, bool)):
                 raise ValueError(f"json_schema must be a JSON object (a dict or its JSON text), got {type(value).__name__}")
-            definition = json.dumps(value, sort_keys=True)
+            definition = json.dumps(value)
         elif kind == "choice":
             if isinstance(value, str) or not isinstance(value, (list, tuple)) or not value:
                 raise ValueError(f"choice must be a non-empty list of strings, got {value!r}")
