@@ -87,30 +87,38 @@ class GrammarState:
         Rows of illegal nodes are all True: such a node's own token is masked at its parent's row, so
         it is never accepted and its row's distribution is never read."""
         started = time.perf_counter()
-        n = tree.num_nodes
-        bits = np.full((n + 1, self._words), -1, dtype=np.int32)
-        legal = np.zeros(n, dtype=np.bool_)
+        bits = np.full((tree.num_nodes + 1, self._words), -1, dtype=np.int32)
         self._mask_into(bits, 0)
-        if n:
-            tokens = tree.tokens.tolist()
-            children: list[list[int]] = [[] for _ in range(n + 1)]  # children[0]: the root's
-            for i, p in enumerate(tree.parents.tolist()):
-                children[p + 1].append(i)
-            stack = [(child, True) for child in reversed(children[0])]
-            while stack:
-                node, entering = stack.pop()
-                if not entering:
-                    self.matcher.rollback(1)
-                    continue
-                if not self.matcher.try_consume_tokens([tokens[node]]):
-                    continue  # forbidden: it and its subtree stay illegal
-                legal[node] = True
-                self._mask_into(bits, node + 1)
-                stack.append((node, False))
-                stack.extend((child, True) for child in reversed(children[node + 1]))
+        legal = self._walk(tree, bits)
         masks = self._unpack(bits)
         self.clock.seconds += time.perf_counter() - started
         return masks, legal
+
+    def _walk(self, tree: DraftTree, bits: np.ndarray | None) -> np.ndarray:
+        """Depth-first over the tree, consuming each node's token on the way down and rolling it back on
+        the way up; bool[N] legal nodes, and each legal node's mask into bits[node + 1] when given."""
+        n = tree.num_nodes
+        legal = np.zeros(n, dtype=np.bool_)
+        if not n:
+            return legal
+        tokens = tree.tokens.tolist()
+        children: list[list[int]] = [[] for _ in range(n + 1)]  # children[0]: the root's
+        for i, p in enumerate(tree.parents.tolist()):
+            children[p + 1].append(i)
+        stack = [(child, True) for child in reversed(children[0])]
+        while stack:
+            node, entering = stack.pop()
+            if not entering:
+                self.matcher.rollback(1)
+                continue
+            if not self.matcher.try_consume_tokens([tokens[node]]):
+                continue  # forbidden: it and its subtree stay illegal
+            legal[node] = True
+            if bits is not None:
+                self._mask_into(bits, node + 1)
+            stack.append((node, False))
+            stack.extend((child, True) for child in reversed(children[node + 1]))
+        return legal
 
     def _mask_into(self, bits: np.ndarray, row: int) -> None:
         self.matcher.unsafe_compute_mask_ptr(bits[row].ctypes.data, bits[row].nbytes)
@@ -129,5 +137,7 @@ class GrammarState:
         assumes the earlier siblings were tried, so trees with q are masked by their drafter instead."""
         if not tree.num_nodes:
             return tree
-        _, legal = self.tree_masks(tree)
+        started = time.perf_counter()
+        legal = self._walk(tree, None)
+        self.clock.seconds += time.perf_counter() - started
         return tree if legal.all() else tree.subtree(np.flatnonzero(legal))
