@@ -11,6 +11,14 @@ with newlines as plain text.
 Built-in ``builtin:heldout-code``: code prefixes from the embedded default model's held-out modules
 (never trained on), each ending just after a top-level ``def`` line, category = the module name.
 They are completion prompts: never wrapped in a chat template.
+
+Constrained output: a line may carry one constraint beside ``turns`` — ``json_schema`` (an object, or
+its JSON text), ``regex`` (a string), ``grammar`` (a Lark grammar string) or ``choice`` (a list of
+strings), and with ``json_schema`` optionally ``json_whitespace`` ("compact", the default, or
+"flexible"). It applies to every turn's answer (earlier turns' answers are generated under it too) and
+goes into `SamplingParams`. A line with two constraints, an ill-typed one or one llguidance cannot
+compile is malformed (its line number and the reason are named). Built-in ``builtin:structured-code``
+(`specserve.evals.structured`): constrained completion prompts for the embedded code model.
 """
 
 from __future__ import annotations
@@ -23,18 +31,21 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from specserve.chat_template import has_chat_template
+from specserve.grammar.constraint import CONSTRAINT_KINDS, Constraint
 
 ON_BAD_LINE = ("fail", "skip")
 
 
 @dataclass(frozen=True)
 class Record:
-    """One dataset entry. chat=False: a completion prompt (one turn, never through a chat template)."""
+    """One dataset entry. chat=False: a completion prompt (one turn, never through a chat template).
+    constraint: what every turn's answer is constrained to (None: free text)."""
 
     id: str
     category: str
     turns: tuple[str, ...]
     chat: bool = True
+    constraint: Constraint | None = None
 
 
 @dataclass(frozen=True)
@@ -46,6 +57,7 @@ class EvalPrompt:
     category: str
     turn: int
     token_ids: tuple[int, ...]
+    constraint: Constraint | None = None
 
 
 # ---- Spec-Bench JSONL -----------------------------------------------------------------------------
@@ -104,7 +116,29 @@ def _parse_line(line: str) -> Record:
     turns = obj["turns"]
     if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
         raise ValueError("turns must be a non-empty list of non-empty strings")
-    return Record(str(qid), category, tuple(turns))
+    return Record(str(qid), category, tuple(turns), constraint=parse_constraint(obj))
+
+
+def parse_constraint(obj: dict) -> Constraint | None:
+    """The constraint fields of one dataset line (None when it has none); ValueError naming the problem."""
+    given = [k for k in CONSTRAINT_KINDS if k in obj and obj[k] is not None]
+    whitespace = obj.get("json_whitespace")
+    if len(given) > 1:
+        raise ValueError(f"at most one of {', '.join(CONSTRAINT_KINDS)} per line, got {', '.join(given)}")
+    if whitespace is not None and given != ["json_schema"]:
+        raise ValueError("json_whitespace needs a json_schema")
+    if not given:
+        return None
+    kind, value = given[0], obj[given[0]]
+    if kind == "json_schema" and not isinstance(value, (dict, str)):
+        raise ValueError(f"json_schema must be an object or its JSON text, got {type(value).__name__}")
+    if kind in ("regex", "grammar") and (not isinstance(value, str) or not value):
+        raise ValueError(f"{kind} must be a non-empty string")
+    if kind == "choice" and (not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value)):
+        raise ValueError("choice must be a non-empty list of non-empty strings")
+    if whitespace is not None and whitespace not in ("compact", "flexible"):
+        raise ValueError(f"json_whitespace must be 'compact' or 'flexible', got {whitespace!r}")
+    return Constraint.build(kind, value, whitespace or "compact")  # ValueError "invalid regex: ..." (llguidance)
 
 
 def _stderr(message: str) -> None:
@@ -167,7 +201,14 @@ def _heldout_code(limit: int | None) -> list[Record]:
             for i, (module, text) in enumerate(heldout_code_prefixes(limit))]
 
 
-BUILTINS: dict[str, Callable[[int | None], list[Record]]] = {"heldout-code": _heldout_code}
+def _structured_code(limit: int | None) -> list[Record]:
+    from specserve.evals.structured import structured_code_records
+
+    return structured_code_records(limit)
+
+
+BUILTINS: dict[str, Callable[[int | None], list[Record]]] = {"heldout-code": _heldout_code,
+                                                              "structured-code": _structured_code}
 
 
 def load_dataset(spec: str, on_bad_line: str = "fail", limit: int | None = None,
@@ -218,7 +259,8 @@ def render(tokenizer, record: Record, turn: int, answers: list[str]) -> list[int
 def build_prompts(records: list[Record], tokenizer, answer: Callable[[list[int]], str],
                   max_prompts: int | None = None) -> list[EvalPrompt]:
     """One prompt per turn, in dataset order, at most `max_prompts`. `answer(token_ids)` is the
-    target's plain greedy answer text, called only for turns followed by another one."""
+    target's plain greedy answer text, called only for turns followed by another one; for a
+    constrained record it is called as `answer(token_ids, constraint)` (the answer obeys it)."""
     prompts: list[EvalPrompt] = []
     for record in records:
         answers: list[str] = []
@@ -226,10 +268,11 @@ def build_prompts(records: list[Record], tokenizer, answer: Callable[[list[int]]
             if max_prompts is not None and len(prompts) >= max_prompts:
                 return prompts
             if turn > 1:
-                answers.append(answer(list(prompts[-1].token_ids)))
+                previous = list(prompts[-1].token_ids)
+                answers.append(answer(previous) if record.constraint is None else answer(previous, record.constraint))
             ids = render(tokenizer, record, turn, answers)
             pid = record.id if len(record.turns) == 1 else f"{record.id}/turn{turn}"
-            prompts.append(EvalPrompt(pid, record.id, record.category, turn, tuple(ids)))
+            prompts.append(EvalPrompt(pid, record.id, record.category, turn, tuple(ids), record.constraint))
     return prompts
 
 

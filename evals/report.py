@@ -50,17 +50,30 @@ def markdown(results: dict, plots: list[str]) -> str:
         "same target measured in the same run, interleaved per prompt group. Identical = outputs equal to",
         "plain decoding token for token (greedy only).",
         "",
-        "| system | tokens/s | speedup vs plain | τ | draft tokens/step | accepted/step | identical |",
-        "|---|---|---|---|---|---|---|",
-        f"| plain | {_range(results['plain'].get('tokens_per_s_spread'), '.1f')} | 1.00 | 1.00 | 0 | 0 | – |",
+    ]
+    constrained = bool(s.get("constrained_prompts"))
+    if constrained:
+        lines += [f"{s['constrained_prompts']} prompts are constrained (grammar drafting "
+                        f"`{s.get('grammar_drafting')}`; plain decoding masks verification only): valid = outputs of "
+                        "constrained prompts that satisfy their constraint.", ""]
+    valid_head, valid_rule = (" valid |", "---|") if constrained else ("", "")
+
+    def valid(entry: dict) -> str:
+        return f" {_pct(entry.get('validity'))} |" if constrained else ""
+
+    lines += [
+        "| system | tokens/s | speedup vs plain | τ | draft tokens/step | accepted/step | identical |" + valid_head,
+        "|---|---|---|---|---|---|---|" + valid_rule,
+        f"| plain | {_range(results['plain'].get('tokens_per_s_spread'), '.1f')} | 1.00 | 1.00 | 0 | 0 | – |"
+        + valid(results["plain"]),
     ]
     for spec, d in results["drafters"].items():
         lines.append(f"| {spec} | {_range(d.get('tokens_per_s_spread'), '.1f')} | {_range(d.get('speedup_spread'))} | "
                      f"{_f(d.get('tau'))} | {_f(d.get('draft_tokens_per_step'))} | {_f(d.get('accepted_tokens_per_step'))} | "
-                     f"{_pct(d.get('identical_fraction'))} |")
+                     f"{_pct(d.get('identical_fraction'))} |" + valid(d))
     for name, p in results["peers"].items():
         lines.append(f"| {name} | {_range(p.get('tokens_per_s_spread'), '.1f')} | {_range(p.get('speedup_spread'))} "
-                     f"| – | – | – | {_pct(p.get('identical_fraction'))} |")
+                     f"| – | – | – | {_pct(p.get('identical_fraction'))} |" + valid(p))
     if results["peers"] and results["drafters"]:
         lines += ["", "Our drafters' tokens/s over each peer's:", "",
                   "| drafter | " + " | ".join(results["peers"]) + " |", "|---|" + "---|" * len(results["peers"])]

@@ -9,6 +9,13 @@ ignored). A peer that cannot run here (llama.cpp without llama-cpp-python or its
 skipped with one line and listed under skipped_peers. results.json is rewritten as groups finish,
 so an interrupted run keeps what it finished; report.md and the plots are written at the end (and
 on Ctrl-C).
+
+Constrained prompts (a dataset line's json_schema / regex / grammar / choice, or
+builtin:structured-code) are generated under their constraint, EOS allowed (they end when the
+structure is complete, or at --max-tokens); drafters draft them as --grammar-drafting says, plain
+decoding is the grammar masking verification only (no forced tokens), and every system's outputs are
+checked against their constraints (`specserve.evals.structured.check_output`): the validity rate.
+Peers cannot constrain output, so they cannot run constrained datasets.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specserve.cli import GRAMMAR_DRAFTING, add_grammar_drafting_argument
 from specserve.evals.datasets import (
     ON_BAD_LINE,
     EvalPrompt,
@@ -33,6 +41,7 @@ from specserve.evals.datasets import (
 from specserve.evals import llamacpp_peer
 from specserve.evals.common import set_threads, sync
 from specserve.evals.peers import parse_peers, resolve_peer_draft
+from specserve.evals.structured import check_output, constraint_kwargs
 from specserve.evals.report import write_json, write_report
 from specserve.evals.summary import PLAIN, RunData, summarize
 
@@ -44,7 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", action="append", required=True, metavar="SPEC[#LABEL]",
                    help="drafter spec (repeatable); '#LABEL' names a variant, so one drafter can run with several "
                         "option sets: --drafter eagle#chain --drafter-option eagle#chain:topk=1")
-    p.add_argument("--dataset", required=True, help="Spec-Bench JSONL file, or builtin:heldout-code")
+    p.add_argument("--dataset", required=True,
+                   help="Spec-Bench JSONL file (lines may carry json_schema / regex / grammar / choice), "
+                        "builtin:heldout-code or builtin:structured-code")
     p.add_argument("--max-prompts", type=int, default=None, help="at most N prompts (each turn of a record is one)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens every system generates per prompt")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -65,6 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "own budget every step (measures the drafter alone)")
     p.add_argument("--drafter-option", action="append", default=[], metavar="[SPEC:]KEY=VALUE",
                    help="option for one drafter (SPEC:key=value) or for all (key=value); repeatable")
+    add_grammar_drafting_argument(p)  # constrained prompts: how the drafters draft them (plain: verify only)
     p.add_argument("--on-bad-line", choices=ON_BAD_LINE, default="fail", help="malformed JSONL lines: fail (default) or skip")
     p.add_argument("--out", required=True, metavar="DIR", help="results.json, report.md and plots go here")
 
@@ -111,6 +123,7 @@ class EvalConfig:
     seed: int = 0
     drafter_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     speculation: str = "adaptive"  # or "static": every drafter at its own budget every step
+    grammar_drafting: str = "forced"  # constrained prompts: forced | aware | verify (plain is always verify)
     on_bad_line: str = "fail"
     progress: bool = True
 
@@ -130,6 +143,8 @@ class EvalConfig:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
         if not self.temperature >= 0:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.grammar_drafting not in GRAMMAR_DRAFTING:
+            raise ValueError(f"--grammar-drafting must be one of {', '.join(GRAMMAR_DRAFTING)}, got {self.grammar_drafting!r}")
         if self.on_bad_line not in ON_BAD_LINE:
             raise ValueError(f"--on-bad-line must be one of {ON_BAD_LINE}, got {self.on_bad_line!r}")
         self.peers = parse_peers(",".join(self.peers))
@@ -147,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
         llama_cpp_source=args.llama_cpp_source, llama_cpp_cache=args.llama_cpp_cache, threads=args.threads,
         device=args.device, seed=args.seed,
         drafter_options=parse_drafter_options(args.drafter_option, args.drafter), on_bad_line=args.on_bad_line,
-        speculation=args.speculation,
+        speculation=args.speculation, grammar_drafting=args.grammar_drafting,
     )
     try:
         run_eval(cfg)
@@ -181,6 +196,9 @@ def run_eval(cfg: EvalConfig) -> dict:
         skipped_peers["llama.cpp"] = str(llama_tree)
     set_threads(cfg.threads)  # the kernels' and torch's; llama.cpp gets the same count
     records = load_dataset(cfg.dataset, cfg.on_bad_line, limit=cfg.max_prompts, warn=_log)
+    if cfg.peers and any(r.constraint is not None for r in records):
+        raise ValueError(f"--peers {','.join(cfg.peers)}: peers cannot constrain their output, and dataset "
+                         f"{cfg.dataset!r} has constrained prompts (json_schema / regex / grammar / choice)")
     out_dir.mkdir(parents=True, exist_ok=True)
 
     state: dict[str, Any] = {"data": None, "status": "loading", "skipped": [], "device": None}
@@ -200,7 +218,7 @@ def run_eval(cfg: EvalConfig) -> dict:
         }
 
     try:
-        plain = LLM(cfg.model, drafter=None, device=cfg.device, max_num_seqs=cfg.batch_size)
+        plain = LLM(cfg.model, drafter=None, device=cfg.device, max_num_seqs=cfg.batch_size, grammar_drafting="verify")
         state["device"] = plain.device
         llms = {PLAIN: plain}
         for spec in cfg.drafters:
@@ -216,8 +234,15 @@ def run_eval(cfg: EvalConfig) -> dict:
         write_json(results(), out_dir)
 
         def params_for(idx: list[int], repeat: int, max_tokens: int) -> list:
-            return [SamplingParams(max_tokens=max_tokens, temperature=cfg.temperature, ignore_eos=True,
-                                   seed=cfg.seed + 100_003 * repeat + i) for i in idx]
+            # A constrained prompt ends where its structure does (EOS allowed), an unconstrained one at max_tokens.
+            return [SamplingParams(max_tokens=max_tokens, temperature=cfg.temperature,
+                                   ignore_eos=prompts[i].constraint is None, seed=cfg.seed + 100_003 * repeat + i,
+                                   **constraint_kwargs(prompts[i].constraint)) for i in idx]
+
+        def validity(idx: list[int], outs: list[list[int]]) -> list[bool | None]:
+            return [None if prompts[i].constraint is None else
+                    not check_output(prompts[i].constraint, plain.tokenizer.decode(ids, skip_special_tokens=True))
+                    for i, ids in zip(idx, outs)]
 
         def timed(name: str, idx: list[int], repeat: int, max_tokens: int):
             ids = [list(prompts[i].token_ids) for i in idx]
@@ -240,7 +265,7 @@ def run_eval(cfg: EvalConfig) -> dict:
             for g, idx in enumerate(groups):
                 for name in systems:
                     seconds, outs, stats = timed(name, idx, repeat, cfg.max_tokens)
-                    data.record(name, repeat, g, seconds, outs, stats)
+                    data.record(name, repeat, g, seconds, outs, stats, validity(idx, outs))
                     bar.update(1)
                 if time.perf_counter() - last_write > WRITE_EVERY_S:
                     write_json(results(), out_dir)
@@ -289,7 +314,8 @@ def _load_drafter_llm(cfg: EvalConfig, spec: str):
 
     try:
         return LLM(cfg.model, drafter=spec.partition("#")[0], drafter_options=cfg.drafter_options.get(spec) or None,
-                   device=cfg.device, max_num_seqs=cfg.batch_size, speculation=cfg.speculation)
+                   device=cfg.device, max_num_seqs=cfg.batch_size, speculation=cfg.speculation,
+                   grammar_drafting=cfg.grammar_drafting)
     except Exception as exc:  # a drafter that cannot load is bad input: one line naming it and why
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ValueError(f"drafter {spec!r} failed to load: {first}") from exc
@@ -301,11 +327,12 @@ def _prompts(cfg: EvalConfig, records, plain, max_len: int, skipped: list) -> li
 
     answered = [0]
 
-    def answer(ids: list[int]) -> str:  # an earlier turn's reply: the target's plain greedy answer
+    def answer(ids: list[int], constraint=None) -> str:  # an earlier turn's reply: the target's plain greedy answer
         if len(ids) >= max_len - 1:
             return ""
         answered[0] += 1
-        return plain.generate([ids], SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0))[0].text
+        params = SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0, **constraint_kwargs(constraint))
+        return plain.generate([ids], params)[0].text
 
     all_prompts = build_prompts(records, plain.tokenizer, answer, cfg.max_prompts)
     if answered[0]:
@@ -342,7 +369,8 @@ def _settings(cfg: EvalConfig, data: RunData | None, threads: int) -> dict:
         "temperature": cfg.temperature, "batch_size": cfg.batch_size, "repeats": cfg.repeats, "peers": list(cfg.peers),
         "peer_draft": cfg.peer_draft, "prompt_lookup_tokens": cfg.prompt_lookup_tokens,
         "llama_cpp_source": cfg.llama_cpp_source or os.environ.get(llamacpp_peer.ENV_SOURCE), "threads": threads,
-        "seed": cfg.seed, "on_bad_line": cfg.on_bad_line,
+        "seed": cfg.seed, "on_bad_line": cfg.on_bad_line, "grammar_drafting": cfg.grammar_drafting,
+        "constrained_prompts": sum(p.constraint is not None for p in data.prompts) if data else None,
         "drafter_options": {s: {k: short(v) for k, v in o.items()} for s, o in cfg.drafter_options.items() if o},
     }
 

@@ -33,8 +33,11 @@ class RunData:
     measurements: list[Measurement] = field(default_factory=list)
     outputs: dict[tuple[str, int, int], list[int]] = field(default_factory=dict)  # (system, repeat, prompt) → ids
     stats: dict[tuple[str, int, int], object] = field(default_factory=dict)  # (drafter, repeat, prompt) → SpecStats
+    valid: dict[tuple[str, int, int], bool] = field(default_factory=dict)  # constrained prompts' outputs: valid?
 
-    def record(self, system: str, repeat: int, group: int, seconds: float, outputs: list[list[int]], stats=None) -> None:
+    def record(self, system: str, repeat: int, group: int, seconds: float, outputs: list[list[int]], stats=None,
+               valid: list[bool | None] | None = None) -> None:
+        """valid: per output, whether it satisfies its prompt's constraint (None: unconstrained prompt)."""
         idx = self.groups[group]
         category = self.prompts[idx[0]].category
         self.measurements.append(Measurement(system, repeat, group, seconds, sum(len(o) for o in outputs), category))
@@ -42,6 +45,8 @@ class RunData:
             self.outputs[(system, repeat, i)] = list(out)
             if stats is not None:
                 self.stats[(system, repeat, i)] = stats[k]
+            if valid is not None and valid[k] is not None:
+                self.valid[(system, repeat, i)] = bool(valid[k])
 
     def categories(self) -> list[str]:
         return list(dict.fromkeys(p.category for p in self.prompts))
@@ -59,6 +64,10 @@ def _timing(data: RunData, system: str, category: str | None) -> dict:
                  if s == system and (PLAIN, r, i) in data.outputs
                  and (category is None or data.prompts[i].category == category)]
         out["identical_fraction"] = identical_fraction(pairs) if data.greedy else None
+    flags = [ok for (s, _, i), ok in data.valid.items()
+             if s == system and (category is None or data.prompts[i].category == category)]
+    out["validity"] = sum(flags) / len(flags) if flags else None  # constrained outputs that satisfy their constraint
+    out["constrained_outputs"] = len(flags)
     out["prompts_done"] = len({i for (s, _, i) in data.outputs if s == system
                                and (category is None or data.prompts[i].category == category)})
     return out
@@ -92,6 +101,6 @@ def summarize(data: RunData) -> dict:
             drafters[spec].setdefault("over_peers", {})[name] = ratio(drafters[spec]["tokens_per_s"], entry["tokens_per_s"])
     top = {"best_drafter": best}
     for key in ("tau", "acceptance_per_position", "speedup", "speedup_spread", "identical_fraction", "tokens_per_s",
-                "tokens_per_s_spread", "draft_tokens_per_step", "accepted_tokens_per_step", "per_category"):
+                "tokens_per_s_spread", "draft_tokens_per_step", "accepted_tokens_per_step", "validity", "per_category"):
         top[key] = drafters[best][key] if best else None
     return top | {"plain": plain, "drafters": drafters, "peers": peers}

@@ -50,6 +50,8 @@ BENCH_COMMANDS: dict[str, tuple[str, str, str, str]] = {
                       "specserve.evals.bench_prefill_stall", "add_arguments", "run"),
     "adaptive": ("adaptive speculation vs plain decoding and static budgets, by batch size and temperature",
                  "specserve.evals.bench_adaptive", "add_arguments", "run"),
+    "grammar": ("structured output: validity, tau, speed and mask cost of drafters x grammar-drafting modes vs "
+                "constrained plain decoding", "specserve.evals.bench_grammar", "add_arguments", "run"),
 }
 
 
