@@ -19,8 +19,9 @@ A cell is one batch size × temperature. Its requests are the prompts, cycled to
 B (so B = 8 with 4 prompts runs each prompt twice), run B at a time through `generate`, EOS allowed (a
 request ends when its structure is complete, or at --max-tokens: "truncated"). At T > 0 request i of
 round r has seed 1000·r + i, the same for every configuration. A cell runs --repeats rounds; each runs
-every configuration once, in an order rotated by one each round. Each configuration is warmed up first
-(every prompt once at each temperature: kernels, and every grammar compiled).
+every configuration once, in an order rotated by one each round. Each configuration is warmed up first:
+one untimed pass of every prompt at each temperature, B = the largest batch size (kernels, every grammar
+compiled, the drafters' paths).
 
 Per cell and configuration: validity (outputs that satisfy their constraint, checked from the text by
 `specserve.evals.structured.check_output`, independently of the engine), τ (tokens emitted per verify
@@ -53,7 +54,6 @@ MODES = ("verify", "aware", "forced")
 SPECULATION = ("static", "adaptive")
 DEFAULT_DRAFTERS = "eagle,draft,medusa,ngram"
 PLAIN = "plain"
-WARMUP_TOKENS = 8
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -274,7 +274,7 @@ def run(args: argparse.Namespace) -> int:
         for t in temps:
             for s in range(0, len(prompts), sizes[-1]):
                 chunk = prompts[s: s + sizes[-1]]
-                llm.generate([list(p.token_ids) for p in chunk], _params(chunk, t, WARMUP_TOKENS, 0))
+                llm.generate([list(p.token_ids) for p in chunk], _params(chunk, t, args.max_tokens, 0))
     result: dict = {
         "machine": host() | {"threads": get_threads(), "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
                              "torch": torch.__version__, "python": platform.python_version(),
