@@ -33,7 +33,7 @@ from specserve.drafters.base import check_int_option, Drafter, DraftRequest, Tar
 from specserve.drafters.medusa_heads import load_heads
 from specserve.drafters.medusa_tree import DEFAULT_CHOICES, StaticTree, parse_choices, sample_static_tree
 from specserve.drafters.draft_rng import request_generator
-from specserve.drafters.tree_builder import TreeBuilder, mask_level
+from specserve.drafters.tree_builder import DRAFT_Q_SUPPORT, TreeBuilder, draw_siblings, mask_level
 from specserve.verify import DraftTree
 
 TREES = ("static", "dynamic")
@@ -220,6 +220,10 @@ class MedusaDrafter(Drafter):
         uniforms = self._uniforms(reqs, temps, s.num_nodes)
         for a, cap in enumerate(caps):
             parents, depths, ranks = s.parents[:cap], s.depths[:cap], s.ranks[:cap]
+            if reqs[a].grammar is not None:
+                out.append(_constrained_static_tree(logits[a], reqs[a].grammar, parents, depths, ranks, float(temps[a]),
+                                                    uniforms[a] if uniforms is not None else None))
+                continue
             if temps[a] <= 0:
                 order = np.argsort(-logits[a], axis=-1, kind="stable")[:, : s.max_rank + 1]  # [D, ranks]
                 out.append(_tree(order[depths - 1, ranks], parents, None, None))
@@ -241,6 +245,55 @@ class MedusaDrafter(Drafter):
         shape = f"{self.static.num_nodes} static nodes" if self.static is not None else f"dynamic topk={self.topk}"
         return (f"MedusaDrafter(path={self.path!r}, layout={self.layout}, heads={self.num_heads}, depth={self.depth}, "
                 f"tree={shape}, max_budget={self.max_budget})")
+
+
+def _constrained_static_tree(logits: np.ndarray, grammar, parents: np.ndarray, depths: np.ndarray,
+                             ranks: np.ndarray, temperature: float, uniforms: np.ndarray | None) -> DraftTree:
+    """A static tree under a grammar: every expanded row's head logits are masked with the grammar's
+    state after that row's path (one mask per row), then its children are chosen as without a grammar —
+    greedy: the rank-``ranks[i]`` allowed token; sampled: draws without replacement from the masked
+    compact q (`draw_siblings`, so q is the masked draft and sampling stays exact). A node with no
+    allowed token left is dropped with its subtree. logits: float32[D, V]."""
+    n = len(parents)
+    tokens = np.zeros(n, dtype=np.int64)
+    keep = np.zeros(n, dtype=np.bool_)
+    support = max(DRAFT_Q_SUPPORT, n)
+    q_ids = np.full((n, support), -1, dtype=np.int64)
+    q_probs = np.zeros((n, support), dtype=np.float32)
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(parents.tolist()):
+        children.setdefault(parent, []).append(i)
+    for row in [-1] + list(range(n)):
+        kids = children.get(row)
+        if not kids or (row >= 0 and not keep[row]):
+            continue
+        path, node = [], row
+        while node >= 0:
+            path.append(int(tokens[node]))
+            node = int(parents[node])
+        allowed = grammar.allowed(path[::-1])
+        head = logits[depths[kids[0]] - 1]
+        masked = np.where(allowed[:len(head)], head, -np.inf).astype(np.float32) if allowed is not None \
+            else np.full_like(head, -np.inf)
+        if temperature <= 0:
+            candidates = np.flatnonzero(masked > -np.inf)
+            candidates = candidates[np.argsort(-masked[candidates], kind="stable")]
+            for i in kids:
+                if ranks[i] < len(candidates):
+                    tokens[i], keep[i] = candidates[ranks[i]], True
+            continue
+        count = len(kids)
+        c_tokens, c_ids = np.zeros(count, np.int64), np.full((count, support), -1, np.int64)
+        c_probs = np.zeros((count, support), np.float32)
+        drawn = draw_siblings(masked, temperature, count, uniforms[kids], c_ids, c_probs, c_tokens,
+                              np.empty(support, np.int64), np.empty(support, np.float64), np.empty(support, np.float64))
+        for j in range(drawn):
+            tokens[kids[j]], q_ids[kids[j]], q_probs[kids[j]], keep[kids[j]] = c_tokens[j], c_ids[j], c_probs[j], True
+    index = np.cumsum(keep) - 1
+    new_parents = np.where(parents >= 0, index[np.maximum(parents, 0)], -1)[keep]
+    if temperature <= 0:
+        return _tree(tokens[keep], new_parents, None, None)
+    return _tree(tokens[keep], new_parents, q_ids[keep], q_probs[keep])
 
 
 def _tree(tokens: np.ndarray, parents: np.ndarray, q_ids: np.ndarray | None, q_probs: np.ndarray | None,

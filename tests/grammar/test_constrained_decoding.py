@@ -92,10 +92,12 @@ def test_greedy_constrained_speculation_equals_plain(llama_dir, drafters, plain_
             assert o.finish_reason == "stop" and _valid(kind, o.text), (kind, o.text)
 
 
-def test_grammar_aware_drafting_beats_masks_in_verification_only(llama_dir, drafters):
-    """The draft model equal to the target drafts right when it respects the grammar: its τ under
-    "aware" is far above "verify", and forced tokens cut steps further."""
-    spec, options = drafters["draft"]
+@pytest.mark.parametrize("drafter", ["draft", "medusa-static"])
+def test_grammar_aware_drafting_beats_masks_in_verification_only(llama_dir, drafters, drafter):
+    """Drafts that respect the grammar are accepted more often (the draft model equal to the target
+    drafts right whenever it drafts a legal token; random Medusa heads at least draft legal ones):
+    τ under "aware" beats "verify", and forced tokens cut steps further."""
+    spec, options = drafters[drafter]
     steps, accepted = {}, {}
     for mode in ("verify", "aware", "forced"):
         llm = LLM(llama_dir, drafter=spec, drafter_options=options, device="cpu", speculation="static", grammar_drafting=mode)
@@ -191,7 +193,8 @@ def _masked_marginals(model_dir, prompt: list[int], params: SamplingParams):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("drafter,mode", [("draft", "aware"), ("eagle3", "forced"), ("ngram", "aware"), ("draft", "verify")])
+@pytest.mark.parametrize("drafter,mode", [("draft", "aware"), ("eagle3", "forced"), ("ngram", "aware"), ("draft", "verify"),
+                                          ("medusa-static", "aware"), ("medusa", "forced")])
 def test_sampled_constrained_output_follows_the_masked_target(llama_dir, drafters, drafter, mode):
     spec, options = drafters[drafter]
     llm = LLM(llama_dir, drafter=spec, drafter_options=options, device="cpu", speculation="static",
