@@ -239,8 +239,12 @@ def draw_siblings(row, temperature, count, uniforms, q_ids, q_probs, tokens, top
                 if acc > target:
                     break
         tokens[j] = top_ids[pick]
-        mass -= weights[pick]
         weights[pick] = 0.0
+        # Re-summed, not decremented: subtracting leaves a rounding residue (~1e-17) once the support is
+        # spent (common under a grammar mask: few allowed tokens), and the next draw would pick nothing.
+        mass = 0.0
+        for m in range(support):
+            mass += weights[m]
     return count
 
 

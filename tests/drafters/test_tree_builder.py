@@ -198,3 +198,20 @@ def dense(q_ids: np.ndarray, q_probs: np.ndarray, vocab: int) -> np.ndarray:
             if t >= 0:
                 out[i, t] += p
     return out
+
+
+def test_draw_siblings_stops_when_the_support_is_spent():
+    """Two tokens with mass, three siblings asked: exactly two are drawn (each once) whatever the
+    uniforms — the spent support must not leave a rounding residue that 'draws' token -1."""
+    from specserve.drafters.tree_builder import draw_siblings
+
+    row = np.full(100, -np.inf, np.float32)
+    row[[3, 7]] = [0.1, 0.37]
+    support = 32
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        q_ids, q_probs = np.full((3, support), -1, np.int64), np.zeros((3, support), np.float32)
+        tokens = np.zeros(3, np.int64)
+        drawn = draw_siblings(row, 1.0, 3, rng.random(3), q_ids, q_probs, tokens, np.empty(support, np.int64),
+                              np.empty(support, np.float64), np.empty(support, np.float64))
+        assert drawn == 2 and sorted(tokens[:2].tolist()) == [3, 7]
