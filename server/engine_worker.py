@@ -29,8 +29,9 @@ log = logging.getLogger("specserve.server")
 class Summary:
     """A finished request, as ``response.done`` reports it.
 
-    reason: the engine's finish reason ("stop" | "length" | "cancelled"), or "rejected" (add_request
-    refused it; ``error`` says why) or "error" (the engine failed; ``error`` says how).
+    reason: the engine's finish reason ("stop" | "length" | "cancelled" | "error": the model failed on
+    the request's step, the engine lives on), or "rejected" (add_request refused it; ``error`` says why);
+    "error" also when the whole step failed (``error`` says how).
     timing (ms, None when not reached): queue_ms = receipt → admitted into the running batch;
     ttft_ms = receipt → first token sampled; e2e_ms = receipt → finished; engine_ttft_ms = what the
     engine alone reports (add_request → first token), the figure LLM.generate gives as ttft_s.
@@ -221,6 +222,7 @@ class EngineWorker:
                 "e2e_ms": ms(req.finish_time, live.received),
                 "engine_ttft_ms": ms(req.first_token_time, req.arrival_time),
             },
+            error=req.error,
             drafted=stats.num_drafted,
             accepted=stats.num_emitted - stats.num_steps,  # each verify step emits its accepted tokens + 1 bonus
         )

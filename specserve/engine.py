@@ -12,6 +12,7 @@ tokens). This class wires them and commits what was accepted.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 
@@ -33,6 +34,8 @@ from specserve.verify import DraftTree, VerifyResult, accept_trees, draw_uniform
 
 
 GRAMMAR_DRAFTING = ("verify", "aware", "forced")
+
+log = logging.getLogger("specserve")
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,12 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._grammars: GrammarCompiler | None = None  # built with the first constrained request
+        # Fault isolation: drafter calls that raised (the requests they touched decode plainly from
+        # then on, never handed to the drafter again) and target forwards that raised (the requests in
+        # that step finish with "error"). _drafter_off: ids the drafter has already released.
+        self.drafter_failures = 0
+        self.forward_failures = 0
+        self._drafter_off: set[str] = set()
         self.warmup_s = self.calibration_s = 0.0
         if hasattr(self.budget_policy, "calibrate"):
             self._calibrate_budget_policy()
@@ -237,8 +246,47 @@ class Engine:
         self.scheduler.remove(req)
         self.allocator.free(req.request_id)
         self.budget_policy.release(req.request_id)
-        if self.drafter is not None:
-            self.drafter.release(req.request_id)
+        if self.drafter is not None and req.request_id not in self._drafter_off:
+            try:
+                self.drafter.release(req.request_id)
+            except Exception:
+                self.drafter_failures += 1
+                log.exception("drafter %r failed to release %s", self.drafter.name, req.request_id)
+        self._drafter_off.discard(req.request_id)
+
+    def _drafter_failed(self, reqs: list[Request], what: str) -> None:
+        """A drafter call raised (called from its except block): log it once, count it, and turn
+        speculation off for the requests it touched — they go on decoding plainly (the same greedy
+        output), are released from the drafter and never handed to it again."""
+        self.drafter_failures += 1
+        log.exception("drafter %r failed in %s; %d request(s) go on without speculation: %s", self.drafter.name,
+                      what, len(reqs), ", ".join(r.request_id for r in reqs[:8]) + (" ..." if len(reqs) > 8 else ""))
+        for r in reqs:
+            r.speculate = False
+            r.pending_hidden = []
+            if r.request_id in self._drafter_off:
+                continue
+            self._drafter_off.add(r.request_id)
+            try:
+                self.drafter.release(r.request_id)
+            except Exception:  # already counted and logged: the failure that brought us here
+                pass
+
+    def _forward_failed(self, step: ScheduledStep, exc: Exception) -> list[RequestDelta]:
+        """The target forward raised: the requests of this step finish with "error" (their KV freed);
+        everyone else — waiting requests, later arrivals — is untouched and the next step runs."""
+        self.forward_failures += 1
+        reqs = list(step.decodes) + [c.request for c in step.prefills]
+        log.exception("target forward failed; failing the %d request(s) of this step", len(reqs))
+        message = f"the model failed on this request's step ({type(exc).__name__})"
+        deltas = []
+        for r in reqs:
+            if r.status is Status.FINISHED:
+                continue
+            r.error = message
+            self._finish(r, "error")
+            deltas.append(RequestDelta(r.request_id, [], r.detok.take_delta(final=True), True, "error"))
+        return deltas
 
     # ---- the step -------------------------------------------------------------------------------
 
@@ -255,7 +303,10 @@ class Engine:
         trees, budgets = self._draft(step)
         t1 = time.perf_counter()
         trees, predicted = self._cut(step, trees, budgets, t1 - t0)
-        out = self.runner.run(step, trees)
+        try:
+            out = self.runner.run(step, trees)
+        except Exception as exc:
+            return self._forward_failed(step, exc)
         results = self._accept(out)
         t2 = time.perf_counter()
         self._commit(step, out, results, budgets, predicted)
@@ -319,7 +370,15 @@ class Engine:
             views = [DraftRequest(decodes[i].request_id, decodes[i].token_ids, decodes[i].params.temperature,
                                   decodes[i].take_hidden(), decodes[i].params.seed,
                                   decodes[i].grammar if aware else None) for i in drafting]
-            proposed = self.drafter.propose(views, [budgets[i] for i in drafting], depth=step.depth)
+            try:
+                proposed = self.drafter.propose(views, [budgets[i] for i in drafting], depth=step.depth)
+            except Exception:
+                # This step's drafting requests verify the empty tree (plain decoding) and are done with
+                # the drafter; the step goes on for everyone.
+                self._drafter_failed([decodes[i] for i in drafting], "propose")
+                for i in drafting:
+                    budgets[i] = 0
+                proposed, drafting = [], []
             vocab = self.model.config.vocab_size
             for i, tree in zip(drafting, proposed):
                 if tree.num_nodes > budgets[i]:
@@ -431,8 +490,13 @@ class Engine:
             if hidden and r.speculate:
                 r.pending_hidden.append({layer: h[first:first + chunk.end - chunk.start] for layer, h in hidden.items()})
             r.num_cached = chunk.end
+        if self.drafter is not None and self._drafter_off:
+            commits = [c for c in commits if c.request_id not in self._drafter_off]
         if self.drafter is not None and commits:
-            self.drafter.on_commit(commits)  # before _emit, which may finish (and release) requests
+            try:
+                self.drafter.on_commit(commits)  # before _emit, which may finish (and release) requests
+            except Exception:
+                self._drafter_failed([self.requests[c.request_id] for c in commits], "on_commit")
 
     def _emit(self, r: Request, tokens: list[int]) -> RequestDelta:
         """Append accepted tokens one by one, stopping at EOS, max_tokens or a stop string."""

@@ -196,6 +196,7 @@ class LLM:
             spec=req.stats,
             ttft_s=(req.first_token_time - req.arrival_time) if req.first_token_time else None,
             e2e_s=(req.finish_time - req.arrival_time) if req.finish_time else None,
+            error=req.error,
         )
 
 

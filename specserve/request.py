@@ -124,6 +124,7 @@ class Request:
         self.speculate = speculate  # False: this request decodes plainly (budget 0)
         self.grammar = None  # grammar.GrammarState of a constrained request: consumed every emitted token
         self.finish_reason: str | None = None
+        self.error: str | None = None  # why, when finish_reason is "error" (the engine failed on its step)
         self.stats = SpecStats()
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.stop)
         self.generator = torch.Generator().manual_seed(
@@ -181,7 +182,8 @@ class RequestDelta:
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """A finished request: `finish_reason` is "stop", "length" or "cancelled"."""
+    """A finished request: `finish_reason` is "stop", "length", "cancelled" or "error" (the model failed on
+    one of its steps: `error` says so; the tokens are those produced before)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -191,3 +193,4 @@ class RequestOutput:
     spec: SpecStats
     ttft_s: float | None
     e2e_s: float | None
+    error: str | None = None
