@@ -5,6 +5,7 @@ from specserve.drafters import ngram as _ngram  # noqa: F401  (registers "ngram"
 from specserve.drafters import draft_model as _draft_model  # noqa: F401  (registers "draft")
 from specserve.drafters import medusa as _medusa  # noqa: F401  (registers "medusa")
 from specserve.drafters import eagle as _eagle  # noqa: F401  (registers "eagle")
+from specserve.drafters import suffix as _suffix  # noqa: F401  (registers "suffix")
 
 __all__ = ["CommitInfo", "DraftRequest", "Drafter", "TargetInfo", "create_drafter", "parse_drafter_spec",
            "register", "registered_drafters"]
