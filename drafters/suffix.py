@@ -14,7 +14,10 @@ longest suffix (``min_match..max_match`` tokens) of the context + the node's pat
 counts summed over both; a child's score is its parent's times ``count / total`` (an empirical
 acceptance estimate). The best-scoring candidate is added next (ties: the earlier candidate; siblings
 in count-descending, token-ascending order) until the tree holds ``min(budget, max_budget)`` nodes or
-nothing is left; no node is deeper than ``depth``. Drafts are deterministic (no q: the verifier treats
+nothing is left; no node is deeper than ``depth``. As in SuffixDecoding, weak evidence does not fill the
+budget: a tree has at most ``spec_factor`` × the root's match length nodes, and no node scoring below
+``min_prob`` (on fresh text a 1-token match would otherwise fill the budget with guesses that cost
+verify rows). Drafts are deterministic (no q: the verifier treats
 them as one-hot, which is lossless); ``DraftTree.scores`` carries the log scores for the adaptive
 policy. Under a grammar the engine drops forbidden nodes of a tree without q, so the drafter ignores
 ``DraftRequest.grammar``.
@@ -104,6 +107,8 @@ class SuffixDrafter(Drafter):
       depth:         most levels per tree, >= 1.
       max_budget:    most nodes per tree, >= 1; each tree has at most ``min(budget, max_budget)``.
       shared_tokens: cap of the shared index over finished outputs, in tokens, >= 0 (0: no sharing).
+      spec_factor:   at most ``spec_factor * k`` nodes per tree, ``k`` the root's match length, >= 0 (0: off).
+      min_prob:      nodes whose score (estimated acceptance probability) is below it are not drafted, in [0, 1].
     """
 
     needs_hidden_states = False
@@ -119,6 +124,8 @@ class SuffixDrafter(Drafter):
         depth: int = 8,
         max_budget: int = 24,
         shared_tokens: int = 65536,
+        spec_factor: int = 1,
+        min_prob: float = 0.1,
     ) -> None:
         if path is not None:
             raise ValueError(f"the suffix drafter takes no path, got {path!r}")
@@ -128,6 +135,11 @@ class SuffixDrafter(Drafter):
         self.depth = _check("depth", depth, 1)
         self.max_budget = _check("max_budget", max_budget, 1)
         self.shared_tokens = _check("shared_tokens", shared_tokens, 0)
+        self.spec_factor = _check("spec_factor", spec_factor, 0)
+        ok = isinstance(min_prob, (int, float, np.floating)) and not isinstance(min_prob, bool)
+        if not ok or not 0.0 <= float(min_prob) <= 1.0:
+            raise ValueError(f"suffix drafter option min_prob must be a number in [0, 1], got {min_prob!r}")
+        self.min_prob = float(min_prob)
         self.shared = SuffixIndex(self.max_match, 1024)
         self.shared_seqs: deque[np.ndarray] = deque()
         self.shared_size = 0  # tokens in shared_seqs
@@ -216,11 +228,13 @@ class SuffixDrafter(Drafter):
         depth = self.depth if depth is None else max(1, min(depth, self.depth))
         shared = self.shared if self.shared_size else _EMPTY
         tokens, parents, scores = sm.build_suffix_tree(*index.lookup_view(), *shared.lookup_view(), ctx,
-                                                       self.min_match, self.max_match, depth, cap)
+                                                       self.min_match, self.max_match, depth, cap,
+                                                       self.spec_factor, self.min_prob)
         if tokens.shape[0] == 0:
             return DraftTree.empty()
         return DraftTree(torch.from_numpy(tokens), torch.from_numpy(parents), scores=torch.from_numpy(scores))
 
     def __repr__(self) -> str:
         return (f"SuffixDrafter(min_match={self.min_match}, max_match={self.max_match}, depth={self.depth}, "
-                f"max_budget={self.max_budget}, shared_tokens={self.shared_tokens})")
+                f"max_budget={self.max_budget}, shared_tokens={self.shared_tokens}, "
+                f"spec_factor={self.spec_factor}, min_prob={self.min_prob})")

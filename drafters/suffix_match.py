@@ -307,7 +307,7 @@ def lookup(a_keys, a_head, a_total, a_tok, a_cnt, a_next, b_keys, b_head, b_tota
 
 @numba.njit(cache=True, nogil=True)
 def build_suffix_tree(a_keys, a_head, a_total, a_tok, a_cnt, a_next, b_keys, b_head, b_total, b_tok, b_cnt,
-                      b_next, ctx, min_match, max_match, depth, cap):
+                      b_next, ctx, min_match, max_match, depth, cap, spec_factor, min_prob):
     """The draft tree of one context, best first: ``(tokens int64[N], parents int64[N], scores float32[N])``.
 
     Each node's children are the next tokens of the longest match (`_lookup`) of ``ctx`` + the node's
@@ -315,7 +315,11 @@ def build_suffix_tree(a_keys, a_head, a_total, a_tok, a_cnt, a_next, b_keys, b_h
     tree grows by repeatedly adding the best-scoring candidate (ties: the earliest-made candidate;
     siblings are made in rank order), up to ``cap`` nodes and ``depth`` levels. ``scores`` are the log
     of those products (never above a parent's). Only each node's ``cap`` best children can ever be
-    added, so only they become candidates."""
+    added, so only they become candidates.
+
+    Two cuts keep weak evidence from filling the budget (SuffixDecoding's): with ``spec_factor > 0`` the
+    tree has at most ``spec_factor * k`` nodes, ``k`` the root's match length; a candidate whose score is
+    below ``min_prob`` is not made."""
     tokens = np.empty(max(cap, 0), np.int64)
     parents = np.empty(max(cap, 0), np.int64)
     scores = np.empty(max(cap, 0), np.float32)
@@ -356,10 +360,14 @@ def build_suffix_tree(a_keys, a_head, a_total, a_tok, a_cnt, a_next, b_keys, b_h
             tstart = max(0, tl - max_match)
             k, n, total = _lookup(a_keys, a_head, a_total, a_tok, a_cnt, a_next, b_keys, b_head, b_total, b_tok,
                                   b_cnt, b_next, tail[tstart:tl], tl - tstart, min_match, max_match, keys, toks, cnts)
+            if parent < 0 and spec_factor > 0:
+                cap = min(cap, spec_factor * k)
             if n > 0:
                 order = _top(toks, cnts, n, cap)
                 for r in range(order.shape[0]):
                     q = order[r]
+                    if parent_score * (cnts[q] / total) < min_prob:
+                        break  # the rest score lower still
                     c_tok[nc] = toks[q]
                     c_par[nc] = parent
                     c_score[nc] = parent_score * (cnts[q] / total)

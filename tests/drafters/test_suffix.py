@@ -22,7 +22,8 @@ TARGET = TargetInfo(vocab_size=100, hidden_size=8, num_layers=1, device=torch.de
 
 
 def drafter(**options) -> SuffixDrafter:
-    return SuffixDrafter(TARGET, **options)
+    """Without the weak-evidence cuts unless asked for (they have their own tests)."""
+    return SuffixDrafter(TARGET, **{"spec_factor": 0, "min_prob": 0.0, **options})
 
 
 def request(tokens, request_id: str = "r0") -> DraftRequest:
@@ -52,8 +53,10 @@ def brute_lookup(corpus: list[list[int]], tail: list[int], min_match: int, max_m
     return 0, [], []
 
 
-def brute_tree(corpus, ctx, min_match, max_match, depth, cap):
+def brute_tree(corpus, ctx, min_match, max_match, depth, cap, spec_factor=0, min_prob=0.0):
     tokens, parents, scores, depths = [], [], [], []
+    if spec_factor > 0:
+        cap = min(cap, spec_factor * brute_lookup(corpus, ctx, min_match, max_match)[0])
     if cap <= 0 or depth <= 0 or not ctx:
         return tokens, parents
     cands: list[list] = []  # [score, parent, token, live]
@@ -68,6 +71,8 @@ def brute_tree(corpus, ctx, min_match, max_match, depth, cap):
         _, toks, cnts = brute_lookup(corpus, ctx + path[::-1], min_match, max_match)
         total = sum(cnts)
         for t, c in zip(toks, cnts):
+            if score * (c / total) < min_prob:
+                break
             cands.append([score * (c / total), node, t, True])
 
     expand(-1, 1.0, 0)
@@ -101,6 +106,19 @@ def test_children_are_ranked_by_frequency_and_scored_by_it():
     (tree,) = drafter(max_match=2, depth=1).propose([request(ctx)], [24])
     assert as_lists(tree) == ([7, 8], [-1, -1])
     assert np.allclose(tree.scores.exp().tolist(), [2 / 3, 1 / 3])
+
+
+def test_weak_evidence_cuts():
+    ctx = [1, 2, 3, 4, 5, 9, 1, 2, 3]  # the root's longest match is 3 tokens
+    assert as_lists(drafter(spec_factor=1).propose([request(ctx)], [24])[0]) == ([4, 5, 9], [-1, 0, 1])
+    assert drafter(spec_factor=2).propose([request(ctx)], [24])[0].num_nodes == 6
+    # after [1, 2]: 7 twice, 8 once, 6 once -> 1/4 each for 8 and 6
+    ctx = [1, 2, 7, 1, 2, 7, 1, 2, 8, 1, 2, 6, 5, 1, 2]
+    assert as_lists(drafter(max_match=2, depth=1, min_prob=0.3).propose([request(ctx)], [24])[0]) == ([7], [-1])
+    assert as_lists(drafter(max_match=2, depth=1, min_prob=0.25).propose([request(ctx)], [24])[0]) == ([7, 6, 8], [-1, -1, -1])
+    # the defaults are SuffixDecoding's
+    d = SuffixDrafter(TARGET)
+    assert (d.spec_factor, d.min_prob) == (1, 0.1)
 
 
 def test_no_match_and_zero_budget_give_the_empty_tree():
@@ -160,7 +178,8 @@ def corpora(draw):
     shared = draw(st.lists(st.lists(tok, max_size=25), max_size=6))
     min_match = draw(st.integers(1, 3))
     options = dict(min_match=min_match, max_match=draw(st.integers(min_match, 6)), depth=draw(st.integers(1, 6)),
-                   max_budget=draw(st.integers(1, 20)), shared_tokens=draw(st.integers(0, 60)))
+                   max_budget=draw(st.integers(1, 20)), shared_tokens=draw(st.integers(0, 60)),
+                   spec_factor=draw(st.integers(0, 3)), min_prob=draw(st.sampled_from([0.0, 0.1, 0.3, 0.5])))
     return ctx_chunks, shared, options, draw(st.integers(0, 24))
 
 
@@ -180,7 +199,7 @@ def test_index_and_tree_match_brute_force(case):
         corpus = [ctx] + kept
         cap = min(budget, options["max_budget"])
         assert as_lists(tree) == brute_tree(corpus, ctx, options["min_match"], options["max_match"],
-                                            options["depth"], cap)
+                                            options["depth"], cap, options["spec_factor"], options["min_prob"])
         # the lookup kernel itself: longest match, next tokens, counts and order
         st_ = d._states["r0"]
         shared_view = d.shared.lookup_view()
@@ -223,6 +242,9 @@ def test_shared_cap_holds_and_eviction_keeps_counts_exact():
         ({"max_budget": 0}, "max_budget"),
         ({"max_budget": True}, "max_budget"),
         ({"shared_tokens": -1}, "shared_tokens"),
+        ({"spec_factor": -1}, "spec_factor"),
+        ({"min_prob": 1.5}, "min_prob"),
+        ({"min_prob": "0.1"}, "min_prob"),
     ],
 )
 def test_option_validation(options, name):
