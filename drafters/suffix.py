@@ -29,6 +29,11 @@ indexes merge by adding counts, and the frequency a node needs is one lookup. Wh
 matches longer than ``max_match`` tokens: past that length the longest suffix is the last ``max_match``
 tokens, which in practice already pins the continuation down.
 
+Memory: the tables are sized for ``max_match`` windows per token (at most half full), about 0.9 KB per
+indexed token at ``max_match=8``: ~60 MB for the default 65536-token shared index, ~2 MB per 2k-token
+request. Only requests the engine handed to `propose` at least once are indexed, so under adaptive
+speculation a request that never drafted leaves no output in the shared index.
+
 Privacy: the shared index lives in the drafter instance, i.e. one per engine / server process, in memory
 only, and text from one request's output can be proposed (as draft tokens, verified by the target) to
 any later request of the same process — it can then show up in that request's output only if the target
@@ -154,7 +159,7 @@ class SuffixDrafter(Drafter):
         if st is not None and (st.indexed > L or (st.indexed and st.tokens[st.indexed - 1] != ctx[st.indexed - 1])):
             st = None  # the context is not an extension of what was indexed: start over
         if st is None:
-            st = _RequestState(SuffixIndex(self.max_match, 2 * max(L, 16) * self.max_match),
+            st = _RequestState(SuffixIndex(self.max_match, 64),  # `add` grows it to what L needs
                                np.empty(max(64, 2 * L), np.int64), prompt_len=max(L - 1, 0))
             self._states[request.request_id] = st
         if L > st.tokens.shape[0]:
