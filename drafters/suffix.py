@@ -29,9 +29,10 @@ indexes merge by adding counts, and the frequency a node needs is one lookup. Wh
 matches longer than ``max_match`` tokens: past that length the longest suffix is the last ``max_match``
 tokens, which in practice already pins the continuation down.
 
-Memory: the tables are sized for ``max_match`` windows per token (at most half full), about 0.9 KB per
-indexed token at ``max_match=8``: ~60 MB for the default 65536-token shared index, ~2 MB per 2k-token
-request. Only requests the engine handed to `propose` at least once are indexed, so under adaptive
+Memory: the tables are sized for ``max_match`` windows per token (at most half full). At ``max_match=8``
+the shared index peaks near 2 KB per token of its cap when every window is new (evicted entries wait for
+the rebuild): 60 MiB for the default 32768-token cap, measured; a request's own index is ~1 KB per
+token. Only requests the engine handed to `propose` at least once are indexed, so under adaptive
 speculation a request that never drafted leaves no output in the shared index.
 
 Privacy: the shared index lives in the drafter instance, i.e. one per engine / server process, in memory
@@ -128,7 +129,7 @@ class SuffixDrafter(Drafter):
         max_match: int = 8,
         depth: int = 8,
         max_budget: int = 24,
-        shared_tokens: int = 65536,
+        shared_tokens: int = 32768,
         spec_factor: int = 1,
         min_prob: float = 0.1,
     ) -> None:
