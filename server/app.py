@@ -63,6 +63,8 @@ class ServerConfig:
     send_buffer_bytes: the kernel send buffer of each connection (None: the OS default, which grows to
                        megabytes on loopback); smaller makes a stalled reader felt sooner.
     threads:           torch threads of the engine thread (None: the starting thread's setting).
+    shutdown_grace:    seconds ``shutdown()`` lets running responses finish before it cancels the rest
+                       (each still gets its terminal event).
     """
 
     host: str = "127.0.0.1"
@@ -78,6 +80,7 @@ class ServerConfig:
     ping_interval: float | None = 20.0
     send_buffer_bytes: int | None = None
     threads: int | None = None
+    shutdown_grace: float = 10.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -92,6 +95,8 @@ class ServerConfig:
             raise ValueError(f"ServerConfig.send_buffer_bytes must be >= 1, got {self.send_buffer_bytes}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"ServerConfig.threads must be >= 1, got {self.threads}")
+        if not self.shutdown_grace >= 0:
+            raise ValueError(f"ServerConfig.shutdown_grace must be >= 0 seconds, got {self.shutdown_grace!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("ServerConfig.api_key is empty: give a key or none")
         object.__setattr__(self, "allowed_origins", tuple(o.rstrip("/") for o in self.allowed_origins))
@@ -128,6 +133,8 @@ class SpecServer:
         self.tokenize_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="specserve-tokenize")
         self._drafter_of: dict[str, str | None] = {}  # request id -> drafter label, for the metrics
         self._sockets: set[web.WebSocketResponse] = set()
+        self._sessions: set[Session] = set()
+        self.draining = False  # shutdown() has begun: no new connections or responses
         self._streams: set[asyncio.Task] = set()  # HTTP handlers streaming a response
         self._runner: web.AppRunner | None = None
         self._stopped = asyncio.Event()
@@ -150,6 +157,8 @@ class SpecServer:
     # ---- the way to the engine, for both APIs -----------------------------------------------------
 
     def check_capacity(self) -> None:
+        if self.draining:
+            raise ProtocolError("server_busy", "the server is shutting down; try again later")
         if self.in_flight >= self.max_in_flight:
             raise ProtocolError("server_busy", f"the server has {self.in_flight} responses in flight; try again shortly")
 
@@ -211,7 +220,39 @@ class SpecServer:
     async def serve_forever(self) -> None:
         await self._stopped.wait()
 
+    async def stop_accepting(self) -> None:
+        """The first half of ``shutdown()``: close the listening socket (open connections stay) and refuse
+        new responses (``server_busy``)."""
+        self.draining = True
+        if self._runner is not None:
+            for site in list(self._runner.sites):
+                await site.stop()
+
+    async def shutdown(self, grace: float | None = None, now: asyncio.Event | None = None) -> None:
+        """Graceful stop: stop listening and refuse new responses, let running ones finish for up to
+        ``grace`` seconds (default ``config.shutdown_grace``; ``now`` set cuts it short), cancel the rest
+        (each gets its terminal event: response.done cancelled, the HTTP API's error chunk), then close."""
+        grace = self.config.shutdown_grace if grace is None else grace
+        await self.stop_accepting()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        while self.in_flight and loop.time() < deadline and not (now is not None and now.is_set()):
+            await asyncio.sleep(0.02)
+        if self.in_flight and self.worker is not None:
+            log.info("shutdown: cancelling %d response(s) still running", self.in_flight)
+            self.worker.cancel_all()
+            deadline = loop.time() + 5.0
+            while self.in_flight and loop.time() < deadline:
+                await asyncio.sleep(0.02)
+        # Let the websockets' writers send what is queued (the terminal events) before the sockets close.
+        deadline = loop.time() + 2.0
+        while any(s.outbox.pending_bytes for s in self._sessions) and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        await self.close()
+
     async def close(self) -> None:
+        if self._stopped.is_set():
+            return
         if self._runner is not None:
             await self._runner.cleanup()
         if self.worker is not None:
@@ -307,7 +348,12 @@ class SpecServer:
             if sock is not None:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, c.send_buffer_bytes)
         try:
-            await Session(ws, self, peer=peer_of(request)).run()
+            session = Session(ws, self, peer=peer_of(request))
+            self._sessions.add(session)
+            try:
+                await session.run()
+            finally:
+                self._sessions.discard(session)
         finally:
             self.connections -= 1
             self._sockets.discard(ws)

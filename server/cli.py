@@ -34,6 +34,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queued", type=int, default=256, help="responses that may wait for a batch slot")
     p.add_argument("--max-responses-per-connection", type=int, default=8)
     p.add_argument("--max-message-bytes", type=int, default=1 << 20)
+    p.add_argument("--shutdown-grace", type=float, default=10.0, metavar="SECONDS",
+                   help="on SIGINT/SIGTERM: stop accepting, let running responses finish for up to this long, then "
+                        "cancel the rest (each gets its terminal event); a second signal cuts it short (default 10)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together in one batch")
     p.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for the kernels (default: every core)")
@@ -73,6 +76,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, api_key=args.api_key, allowed_origins=tuple(args.allow_origin),
         max_connections=args.max_connections, max_queued=args.max_queued,
         max_responses_per_connection=args.max_responses_per_connection, max_message_bytes=args.max_message_bytes,
+        shutdown_grace=args.shutdown_grace,
     )
     from specserve.server.request_log import configure_logging
 
@@ -91,12 +95,16 @@ async def _serve(server) -> int:
     print(f"specserve: serving {server.model_name} (drafter {server.drafter_spec or 'none'}{', ' + server.speculation + ' speculation' if server.speculation else ''}) "
           f"on http://{shown}:{server.port}/ — OpenAI API http://{shown}:{server.port}/v1, "
           f"websocket ws://{shown}:{server.port}/v1/ws", flush=True)
-    stop = asyncio.Event()
+    stop, now = asyncio.Event(), asyncio.Event()  # the first signal drains; a second cuts the grace short
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, lambda: now.set() if stop.is_set() else stop.set())
     try:
         await stop.wait()
+        await server.stop_accepting()
+        print(f"specserve: shutting down: no new requests; running responses get up to {server.config.shutdown_grace:g} s "
+              "to finish", file=sys.stderr, flush=True)
+        await server.shutdown(now=now)
     finally:
         await server.close()
     print("specserve: stopped", file=sys.stderr, flush=True)

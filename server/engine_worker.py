@@ -103,6 +103,10 @@ class EngineWorker:
     def cancel(self, request_id: str) -> None:
         self._commands.put(("cancel", request_id))
 
+    def cancel_all(self) -> None:
+        """Cancel every request in flight (each sink hears its summary, reason "cancelled")."""
+        self._commands.put(("cancel_all",))
+
     def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
         """Run ``fn(engine)`` on the engine thread between steps (e.g. to read KV statistics)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -145,6 +149,9 @@ class EngineWorker:
                 self._submit(*cmd[1:], out=out)
             elif kind == "cancel":
                 self._cancel(cmd[1], out)
+            elif kind == "cancel_all":
+                for rid in list(self._live):
+                    self._cancel(rid, out)
             elif kind == "call":
                 fn, future = cmd[1], cmd[2]
                 if future.set_running_or_notify_cancel():
