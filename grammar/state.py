@@ -41,9 +41,18 @@ class GrammarState:
     # ---- the committed state --------------------------------------------------------------------
 
     def advance(self, tokens: Sequence[int]) -> None:
-        """Consume tokens the request emitted (they were verified under this grammar's masks)."""
-        if not self.matcher.consume_tokens(list(tokens)):
-            raise RuntimeError(f"grammar rejected emitted tokens {list(tokens)}: {self.matcher.get_error()}")
+        """Consume tokens the request emitted (they were verified under this grammar's masks). Should the
+        matcher fail anyway (llguidance's per-step work limits on a pathological grammar), it is left
+        `failed` and the engine ends this request alone with finish reason "error"."""
+        self.matcher.consume_tokens(list(tokens))
+
+    @property
+    def failed(self) -> bool:
+        return self.matcher.is_error()
+
+    @property
+    def error(self) -> str:
+        return self.matcher.get_error()
 
     @property
     def stopped(self) -> bool:
@@ -88,6 +97,8 @@ class GrammarState:
         it is never accepted and its row's distribution is never read."""
         started = time.perf_counter()
         bits = np.full((tree.num_nodes + 1, self._words), -1, dtype=np.int32)
+        if self.failed:  # no mask to give: the row goes unmasked and the engine ends the request at emit
+            return self._unpack(bits), np.ones(tree.num_nodes, dtype=np.bool_)
         self._mask_into(bits, 0)
         legal = self._walk(tree, bits)
         masks = self._unpack(bits)

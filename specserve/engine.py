@@ -505,10 +505,17 @@ class Engine:
         kept: list[int] = []
         reason = None
         for tok in tokens:
+            if r.grammar is not None:
+                if not r.grammar.failed:
+                    r.grammar.advance([tok])
+                if r.grammar.failed:
+                    # The matcher gave up (llguidance's work limits on a pathological grammar): this
+                    # request alone ends, without the tokens its grammar could not vouch for.
+                    r.error = f"the output constraint failed: {r.grammar.error}"
+                    reason = "error"
+                    break
             r.append(tok)
             kept.append(tok)
-            if r.grammar is not None:
-                r.grammar.advance([tok])
             if r.detok.add(tok):
                 reason = "stop"
             elif tok in self.eos_token_ids and not r.params.ignore_eos:

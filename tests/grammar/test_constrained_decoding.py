@@ -9,6 +9,7 @@ import itertools
 import json
 import re
 
+import numpy as np
 import pytest
 import torch
 from target_stats import chi_square_p_value
@@ -209,3 +210,28 @@ def test_sampled_constrained_output_follows_the_masked_target(llama_dir, drafter
         assert float(counts[exact == 0].sum()) == 0, f"token {position + 1}: a token the masked target rules out"
         p_value = chi_square_p_value(counts, exact)
         assert p_value > 1e-3, f"token {position + 1}: chi-square p-value {p_value:.2e}"
+
+
+def test_a_failed_matcher_ends_only_its_request(llama_dir):
+    """llguidance leaves a matcher in an error state when it gives up (its work limits on a pathological
+    grammar); that request ends with "error" and none of the unvouched tokens, the batch goes on."""
+    llm = LLM(llama_dir, drafter="ngram", device="cpu", speculation="static")
+    engine = llm.engine
+    free = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    reference = LLM(llama_dir, drafter=None, device="cpu").generate(["x = "], free)[0].token_ids
+    engine.add_request(llm.encode("x = "), free, "free")
+    broken = engine.add_request(llm.encode("x = "), SamplingParams(max_tokens=12, temperature=0, **CONSTRAINTS["regex"]), "g")
+    engine.step()  # prefill: the constrained request's first token
+    assert broken.grammar.accepting is False and not broken.grammar.failed
+    forbidden = int(np.flatnonzero(~broken.grammar.allowed())[0])
+    broken.grammar.matcher.consume_token(forbidden)  # the way llguidance fails: an error state
+    assert broken.grammar.failed
+    emitted = list(broken.output_ids)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.pop_finished("g").finish_reason == "error" and broken.output_ids == emitted
+    assert "output constraint failed" in broken.error
+    out = engine.pop_finished("free")
+    assert out.output_ids == reference and out.finish_reason == "length"
+    alloc = engine.cache.allocator
+    assert alloc.num_free_blocks == alloc.num_blocks
