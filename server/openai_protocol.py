@@ -37,6 +37,7 @@ from specserve.server.protocol import (
     _reject_constant,
     dumps,
     grammar_error,
+    json_schema_spec,
     parse_json_whitespace,
     parse_options,
     parse_sampling,
@@ -209,15 +210,7 @@ def _response_format(fmt: Any, whitespace: str) -> ConstraintSpec | None:
         if key not in ("name", "schema", "strict", "description"):
             raise grammar_error(f"unknown field {path}.{key[:64]}; allowed: name, schema, strict, description",
                                 f"{path}.{key[:64]}")
-    for key, types, what in (("name", str, "a string"), ("description", str, "a string"), ("strict", bool, "a boolean")):
-        if spec.get(key) is not None and not isinstance(spec[key], types):
-            raise grammar_error(f"{path}.{key} must be {what}", f"{path}.{key}")
-    if "schema" not in spec:
-        raise grammar_error(f"{path}.schema is required: the JSON schema the output must follow", f"{path}.schema")
-    if not isinstance(spec["schema"], dict):
-        raise grammar_error(f"{path}.schema must be a JSON schema (an object), got {_json_type(spec['schema'])}",
-                            f"{path}.schema")
-    return ConstraintSpec("json_schema", spec["schema"], f"{path}.schema", whitespace)
+    return json_schema_spec(spec, path, whitespace)
 
 
 def _guided(kind: str, value: Any, param: str, whitespace: str) -> ConstraintSpec:

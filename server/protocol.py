@@ -339,6 +339,20 @@ def grammar_error(message: str, param: str | None) -> ProtocolError:
     return ProtocolError("invalid_grammar", message, param)
 
 
+def json_schema_spec(obj: dict, path: str, whitespace: str) -> ConstraintSpec:
+    """The constraint of an OpenAI json_schema object {name?, description?, strict?, schema} found at
+    `path` (the Responses API's text.format, chat completions' response_format.json_schema)."""
+    for key, types, what in (("name", str, "a string"), ("description", str, "a string"), ("strict", bool, "a boolean")):
+        if obj.get(key) is not None and not isinstance(obj[key], types):
+            raise grammar_error(f"{path}.{key} must be {what}", f"{path}.{key}")
+    if "schema" not in obj:
+        raise grammar_error(f"{path}.schema is required: the JSON schema the output must follow", f"{path}.schema")
+    if not isinstance(obj["schema"], dict):
+        raise grammar_error(f"{path}.schema must be a JSON schema (an object), got {_json_type(obj['schema'])}",
+                            f"{path}.schema")
+    return ConstraintSpec("json_schema", obj["schema"], f"{path}.schema", whitespace)
+
+
 def parse_json_whitespace(obj: dict, path: str) -> str:
     """``json_whitespace`` ("compact", the default, or "flexible") when present in ``obj``."""
     value = obj.get("json_whitespace")
@@ -385,15 +399,7 @@ def parse_text_format(resp: dict, prefix: str) -> ConstraintSpec | None:
     if kind == "json_object":
         return ConstraintSpec("json_schema", {"type": "object"}, path, whitespace)
     if kind == "json_schema":
-        for key, types, what in (("name", str, "a string"), ("description", str, "a string"), ("strict", bool, "a boolean")):
-            if fmt.get(key) is not None and not isinstance(fmt[key], types):
-                raise grammar_error(f"{path}.{key} must be {what}", f"{path}.{key}")
-        if "schema" not in fmt:
-            raise grammar_error(f"{path}.schema is required: the JSON schema the output must follow", f"{path}.schema")
-        if not isinstance(fmt["schema"], dict):
-            raise grammar_error(f"{path}.schema must be a JSON schema (an object), got {_json_type(fmt['schema'])}",
-                                f"{path}.schema")
-        return ConstraintSpec("json_schema", fmt["schema"], f"{path}.schema", whitespace)
+        return json_schema_spec(fmt, path, whitespace)
     if kind == "grammar":
         syntax = fmt.get("syntax", "lark")
         if not isinstance(syntax, str) or syntax not in GRAMMAR_SYNTAXES:
