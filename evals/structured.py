@@ -8,9 +8,7 @@ Every constraint is bounded, so a complete output takes well under 96 tokens of 
 
 Validity is checked independently of the engine that produced the output, from the output's *text*:
 
-- json_schema: ``json.loads`` and a small JSON Schema validator (``validate_json_schema``) covering the
-  keywords below (the ``jsonschema`` package is not a dependency); a schema using another keyword falls
-  back to llguidance (below) for the schema part.
+- json_schema: ``json.loads``, then the ``jsonschema`` package (``validate_json_schema``).
 - regex: Python's ``re.fullmatch`` (a regex Python cannot compile, Rust-only syntax, falls back to
   llguidance).
 - grammar (Lark): llguidance over the text's UTF-8 bytes with a byte-level tokenizer — a fresh matcher
@@ -21,15 +19,13 @@ Validity is checked independently of the engine that produced the output, from t
 from __future__ import annotations
 
 import json
-import math
 import re
 from functools import lru_cache
 from typing import Any
 
 from specserve.grammar.constraint import Constraint
 
-__all__ = ["STRUCTURED_CODE", "check_output", "constraint_kwargs", "structured_code_records",
-           "validate_json_schema", "UnsupportedSchema"]
+__all__ = ["STRUCTURED_CODE", "check_output", "constraint_kwargs", "structured_code_records", "validate_json_schema"]
 
 
 # ---- the built-in workload ------------------------------------------------------------------------
@@ -170,12 +166,7 @@ def check_output(constraint: Constraint, text: str) -> str:
             return f"not JSON: {exc.msg} at {exc.pos}"
         if constraint.json_whitespace == "compact" and text != text.strip():
             return "whitespace around the JSON value"
-        schema = json.loads(constraint.definition)
-        try:
-            errors = validate_json_schema(instance, schema)
-        except UnsupportedSchema:
-            return _llguidance_check(constraint, text)
-        return "; ".join(errors[:3])
+        return "; ".join(validate_json_schema(instance, json.loads(constraint.definition))[:3])
     if constraint.kind == "regex":
         try:
             pattern = re.compile(constraint.definition)
@@ -226,122 +217,13 @@ def _llguidance_check(constraint: Constraint, text: str) -> str:
     return "" if matcher.is_accepting() else f"the {constraint.kind} is incomplete: {text[-40:]!r}"
 
 
-# ---- a small JSON Schema validator ----------------------------------------------------------------
+# ---- JSON Schema ---------------------------------------------------------------------------------
 
 
-class UnsupportedSchema(ValueError):
-    """The schema uses a keyword `validate_json_schema` does not implement."""
+def validate_json_schema(instance, schema) -> list[str]:
+    """Errors of `instance` against `schema` (empty: valid), by the `jsonschema` package (the schema's
+    declared draft, else 2020-12), one line each with the path: "$.tags[2]: 'z' is not one of ['x']"."""
+    import jsonschema
 
-
-_ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "format",
-                "deprecated", "readOnly", "writeOnly"}
-_SUPPORTED = _ANNOTATIONS | {
-    "type", "enum", "const", "properties", "required", "additionalProperties", "minProperties", "maxProperties",
-    "items", "minItems", "maxItems", "uniqueItems", "minLength", "maxLength", "pattern", "minimum", "maximum",
-    "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "anyOf", "oneOf", "allOf", "not"}
-
-
-def _is_type(value, name: str) -> bool:
-    if name == "null":
-        return value is None
-    if name == "boolean":
-        return isinstance(value, bool)
-    if name == "integer":
-        return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())
-    if name == "number":
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if name == "string":
-        return isinstance(value, str)
-    if name == "array":
-        return isinstance(value, list)
-    if name == "object":
-        return isinstance(value, dict)
-    raise UnsupportedSchema(f"unknown type {name!r}")
-
-
-def _equal(a, b) -> bool:
-    """JSON equality: 1 == 1.0, but true != 1."""
-    if isinstance(a, bool) or isinstance(b, bool):
-        return type(a) is type(b) and a == b
-    return a == b
-
-
-def validate_json_schema(instance, schema, path: str = "$") -> list[str]:
-    """Errors of `instance` against `schema` (empty: valid). Raises UnsupportedSchema for keywords
-    outside the supported subset (``$ref`` and friends, ``patternProperties``, ...)."""
-    if schema is True or schema == {}:
-        return []
-    if schema is False:
-        return [f"{path}: no value is allowed here"]
-    if not isinstance(schema, dict):
-        raise UnsupportedSchema(f"{path}: a schema must be an object or a boolean")
-    unknown = set(schema) - _SUPPORTED
-    if unknown:
-        raise UnsupportedSchema(f"{path}: unsupported keyword(s) {sorted(unknown)}")
-    errors: list[str] = []
-    types = schema.get("type")
-    if types is not None:
-        names = [types] if isinstance(types, str) else list(types)
-        if not any(_is_type(instance, t) for t in names):
-            return [f"{path}: expected {'/'.join(names)}, got {type(instance).__name__}"]
-    if "enum" in schema and not any(_equal(instance, v) for v in schema["enum"]):
-        errors.append(f"{path}: {instance!r} is not in the enum")
-    if "const" in schema and not _equal(instance, schema["const"]):
-        errors.append(f"{path}: {instance!r} is not {schema['const']!r}")
-    if isinstance(instance, str):
-        if "minLength" in schema and len(instance) < schema["minLength"]:
-            errors.append(f"{path}: shorter than {schema['minLength']}")
-        if "maxLength" in schema and len(instance) > schema["maxLength"]:
-            errors.append(f"{path}: longer than {schema['maxLength']}")
-        if "pattern" in schema and not re.search(schema["pattern"], instance):
-            errors.append(f"{path}: {instance!r} does not match {schema['pattern']!r}")
-    if _is_type(instance, "number"):
-        if "minimum" in schema and instance < schema["minimum"]:
-            errors.append(f"{path}: {instance} < minimum {schema['minimum']}")
-        if "maximum" in schema and instance > schema["maximum"]:
-            errors.append(f"{path}: {instance} > maximum {schema['maximum']}")
-        if "exclusiveMinimum" in schema and instance <= schema["exclusiveMinimum"]:
-            errors.append(f"{path}: {instance} <= exclusiveMinimum {schema['exclusiveMinimum']}")
-        if "exclusiveMaximum" in schema and instance >= schema["exclusiveMaximum"]:
-            errors.append(f"{path}: {instance} >= exclusiveMaximum {schema['exclusiveMaximum']}")
-        if "multipleOf" in schema and not math.isclose(instance / schema["multipleOf"], round(instance / schema["multipleOf"])):
-            errors.append(f"{path}: {instance} is not a multiple of {schema['multipleOf']}")
-    if isinstance(instance, list):
-        if "minItems" in schema and len(instance) < schema["minItems"]:
-            errors.append(f"{path}: fewer than {schema['minItems']} items")
-        if "maxItems" in schema and len(instance) > schema["maxItems"]:
-            errors.append(f"{path}: more than {schema['maxItems']} items")
-        if schema.get("uniqueItems") and len({json.dumps(v, sort_keys=True) for v in instance}) < len(instance):
-            errors.append(f"{path}: items are not unique")
-        items = schema.get("items")
-        if isinstance(items, list):
-            raise UnsupportedSchema(f"{path}: tuple-form items")
-        if items is not None:
-            for i, v in enumerate(instance):
-                errors += validate_json_schema(v, items, f"{path}[{i}]")
-    if isinstance(instance, dict):
-        if "minProperties" in schema and len(instance) < schema["minProperties"]:
-            errors.append(f"{path}: fewer than {schema['minProperties']} properties")
-        if "maxProperties" in schema and len(instance) > schema["maxProperties"]:
-            errors.append(f"{path}: more than {schema['maxProperties']} properties")
-        missing = [k for k in schema.get("required", []) if k not in instance]
-        if missing:
-            errors.append(f"{path}: missing {', '.join(missing)}")
-        props = schema.get("properties", {})
-        extra = schema.get("additionalProperties", True)
-        for key, v in instance.items():
-            if key in props:
-                errors += validate_json_schema(v, props[key], f"{path}.{key}")
-            elif extra is False:
-                errors.append(f"{path}: unexpected property {key!r}")
-            else:
-                errors += validate_json_schema(v, extra, f"{path}.{key}")
-    for sub in schema.get("allOf", []):
-        errors += validate_json_schema(instance, sub, path)
-    if "anyOf" in schema and not any(not validate_json_schema(instance, s, path) for s in schema["anyOf"]):
-        errors.append(f"{path}: matches none of anyOf")
-    if "oneOf" in schema and sum(not validate_json_schema(instance, s, path) for s in schema["oneOf"]) != 1:
-        errors.append(f"{path}: does not match exactly one of oneOf")
-    if "not" in schema and not validate_json_schema(instance, schema["not"], path):
-        errors.append(f"{path}: matches the 'not' schema")
-    return errors
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    return [f"{error.json_path}: {error.message}" for error in validator.iter_errors(instance)]
