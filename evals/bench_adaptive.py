@@ -32,16 +32,12 @@ from __future__ import annotations
 import argparse
 import gc
 import math
-import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import torch
-
-from specserve.evals.common import host, parse_batch_sizes, set_threads, sync, write_json
+from specserve.evals.common import machine, parse_batch_sizes, set_threads, sync, write_json
 from specserve.evals.metrics import SpecCounts
 
 DEFAULT_DRAFTERS = "eagle,draft,medusa,ngram"
@@ -275,7 +271,6 @@ def _goal(ratio: float, goal: float, noise: float) -> str:
 def run(args: argparse.Namespace) -> int:
     from specserve import LLM
     from specserve.evals.datasets import heldout_prompts
-    from specserve.kernels import get_threads
 
     drafters = parse_drafters(args.drafters)
     sizes = parse_batch_sizes(args.batch_sizes)
@@ -314,9 +309,7 @@ def run(args: argparse.Namespace) -> int:
     warm_up(plain)
     warm_up(control)
     result: dict = {
-        "machine": host() | {"threads": get_threads(), "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
-                             "torch": torch.__version__, "python": platform.python_version(),
-                             "device": str(plain.device), "dtype": str(plain.dtype)},
+        "machine": machine(plain),
         "model": args.model or "embedded default model",
         "settings": {
             "drafters": [s for s, _ in drafters], "batch_sizes": sizes, "temperatures": temps,

@@ -38,16 +38,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
-import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import torch
-
-from specserve.evals.common import host, parse_batch_sizes, set_threads, sync, write_json
+from specserve.evals.common import machine, parse_batch_sizes, set_threads, sync, write_json
 from specserve.evals.metrics import SpecCounts
 
 MODES = ("verify", "aware", "forced")
@@ -229,7 +225,6 @@ def _workload(dataset: str, limit: int | None, tokenizer) -> list:
 def run(args: argparse.Namespace) -> int:
     from specserve import LLM
     from specserve.evals.bench_adaptive import parse_temperatures
-    from specserve.kernels import get_threads
 
     drafters = parse_drafters(args.drafters)
     modes = _parse_list(args.modes, MODES, "--modes")
@@ -276,9 +271,7 @@ def run(args: argparse.Namespace) -> int:
                 chunk = prompts[s: s + sizes[-1]]
                 llm.generate([list(p.token_ids) for p in chunk], _params(chunk, t, args.max_tokens, 0))
     result: dict = {
-        "machine": host() | {"threads": get_threads(), "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
-                             "torch": torch.__version__, "python": platform.python_version(),
-                             "device": str(plain.device), "dtype": str(plain.dtype)},
+        "machine": machine(plain),
         "model": args.model or "embedded default model",
         "settings": {
             "dataset": args.dataset, "drafters": drafters, "modes": modes, "speculation": speculation,

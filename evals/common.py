@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import platform
 import sys
 import tempfile
@@ -39,6 +40,17 @@ def write_json(result: dict, path: str | None) -> None:
 def host() -> dict:
     """The platform string and processor of this machine."""
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine()}
+
+
+def machine(llm) -> dict:
+    """What a benchmark ran on: the host, thread counts and versions, and `llm`'s device and dtype."""
+    import torch
+
+    from specserve.kernels import get_threads
+
+    return host() | {"threads": get_threads(), "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+                     "torch": torch.__version__, "python": platform.python_version(),
+                     "device": str(llm.device), "dtype": str(llm.dtype)}
 
 
 @contextlib.contextmanager
