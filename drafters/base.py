@@ -82,6 +82,13 @@ class Drafter(ABC):
     Capability flags (class attributes) tell the engine what to hand over:
       needs_hidden_states: the verify forward must return target hidden states of `hidden_layers`.
       gives_probs:         trees carry `probs`, so stochastic verification uses them as q.
+      catches_up:          before drafting, the drafter feeds every token committed since it last
+                           drafted through its own model (draft model, EAGLE): drafting after a pause
+                           costs in proportion to the pause. The adaptive policy prices that backlog
+                           only for such drafters.
+      drafts_by_level:     each tree level costs one drafter forward (draft model, EAGLE), so the
+                           adaptive policy chooses a depth; others draft their whole tree at once
+                           (n-gram, suffix, Medusa's heads) and are always asked for all of it.
     `max_budget` is the most nodes one tree may have; the engine's budgets never exceed it.
     """
 
@@ -89,6 +96,8 @@ class Drafter(ABC):
     needs_hidden_states: ClassVar[bool] = False
     hidden_layers: tuple[int, ...] = ()
     gives_probs: ClassVar[bool] = False
+    catches_up: ClassVar[bool] = False
+    drafts_by_level: ClassVar[bool] = False
     max_budget: int = 0
     # Cache slots past a request's root that the drafter's own model writes while drafting (its tree
     # levels); the engine reserves them at admission.

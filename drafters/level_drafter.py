@@ -47,6 +47,9 @@ class LevelWork:
 class LevelDrafter(Drafter):
     """Shared propose loop; subclasses set depth/topk/width/max_budget/seed and implement the hooks."""
 
+    catches_up = True  # `_catch_up` feeds what was committed since the last draft
+    drafts_by_level = True  # one drafter forward per level
+
     depth: int
     topk: int
     width: int

@@ -147,16 +147,33 @@ class Engine:
                     self._forward_scratch(seq, context, rows)
                     return time.perf_counter() - t0
 
-                self.budget_policy.calibrate(time_forward, max_rows)
+                def time_tree(nodes: int) -> float:
+                    """A verify step of one chain of `nodes` draft tokens: the forward with its tree mask, then
+                    greedy tree acceptance (`time_forward(nodes + 1)` is the same rows as a plain forward)."""
+                    tree = DraftTree.chain(((np.arange(1, nodes + 1) * 7919) % vocab).tolist())
+                    t0 = time.perf_counter()
+                    logits = self._forward_scratch(seq, context, nodes + 1, tree)
+                    packed = pack_trees([tree], logits.device)
+                    accept_trees([tree], packed, np.ones(1, dtype=np.bool_), _argmax(logits), None,
+                                 np.full(packed.num_rows, -1, dtype=np.int64), np.zeros(0))
+                    return time.perf_counter() - t0
+
+                self.budget_policy.calibrate(time_forward, max_rows, time_tree)
                 self.warmup_s, self.calibration_s = t1 - t0, time.perf_counter() - t1
         finally:
             self.allocator.free(seq)
 
-    def _forward_scratch(self, seq: str, start: int, rows: int) -> None:
+    def _forward_scratch(self, seq: str, start: int, rows: int, tree: DraftTree | None = None) -> torch.Tensor:
+        """A forward of `rows` new tokens of the scratch sequence at `start` (a tree's verify rows, root
+        first, when `tree` is given); returns float[rows, vocab] logits."""
         builder = StepBatchBuilder(self.allocator)
-        builder.add(seq, start, (np.arange(start, start + rows, dtype=np.int64) * 7919) % self.model.config.vocab_size,
-                    logits="all")
-        self.model.forward(builder.build(), self.cache, self._hidden_layers)
+        tokens = (np.arange(start, start + rows, dtype=np.int64) * 7919) % self.model.config.vocab_size
+        positions = mask = None
+        if tree is not None:
+            positions = start + np.concatenate([[0], tree.depths.numpy()])
+            mask = tree.ancestor_mask.numpy()
+        builder.add(seq, start, tokens, positions, mask, logits="all")
+        return self.model.forward(builder.build(), self.cache, self._hidden_layers).logits
 
     @property
     def waiting(self):

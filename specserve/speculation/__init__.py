@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from specserve.budget import StaticBudget
 from specserve.speculation.adaptive import AdaptiveBudget
+from specserve.speculation.cost_model import DraftCost
 
 SPECULATION_MODES = ("adaptive", "static")
 
@@ -29,4 +30,6 @@ def make_budget_policy(mode: str, drafter):
     budget = drafter.max_budget if drafter is not None else 0
     if mode == "static" or not budget:
         return StaticBudget(budget)
-    return AdaptiveBudget(max_budget=budget, max_depth=max(1, int(getattr(drafter, "depth", 1) or 1)))
+    return AdaptiveBudget(max_budget=budget, max_depth=max(1, int(getattr(drafter, "depth", 1) or 1)),
+                          whole_trees=not drafter.drafts_by_level,
+                          draft_cost=DraftCost(levels=drafter.drafts_by_level, backlog=drafter.catches_up))

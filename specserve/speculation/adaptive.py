@@ -28,7 +28,7 @@ import numpy as np
 
 from specserve.budget import DraftPlan, StepRecord
 from specserve.request import Request
-from specserve.speculation.cost_model import DraftCost, VerifyCost, calibrate_verify_cost
+from specserve.speculation.cost_model import DraftCost, VerifyCost, calibrate_tree_cost, calibrate_verify_cost
 from specserve.speculation.node_values import NodeValueModel, fallback_scores, own_terms, path_products
 from specserve.verify import DraftTree
 
@@ -36,10 +36,12 @@ from specserve.verify import DraftTree
 # decoding plainly since its last probe is PROBE_SHARE⁻¹ times what the probe is predicted to cost (a
 # probe pays the drafter's catch-up over everything committed since it last drafted — the whole prompt
 # the first time): probing costs at most ~1.5 % of a plain-decoding request's time. Each probe that does
-# not bring speculation back doubles the minimum wait, up to PROBE_MAX.
+# not bring speculation back doubles the minimum wait, up to PROBE_MAX. A probe drafts the drafter's
+# whole tree (so the next plan prices the long chains a predictable text offers, not just the nodes
+# verified) and verifies the cut of it, at least its PROBE_NODES best nodes (so it always learns).
 PROBE_FIRST = 32
 PROBE_MAX = 128
-PROBE_BUDGET = 2
+PROBE_NODES = 2
 PROBE_SHARE = 0.015
 # The full plan (every depth priced) runs every REPLAN steps or when a request without a decision
 # arrives; in between the last decision stands (the cut still adapts every drafting step). Pricing
@@ -50,20 +52,22 @@ REPLAN = 8
 # cores) would otherwise cost a few percent of plain decoding.
 REPLAN_PLAIN = 32
 CLEAR_LOSS = 0.9
-# Weight of the newest step in a request's accuracy factor (realised / predicted accepted tokens).
+# A request's accuracy factor scales its calibrated conditional rates; each verified tree moves it by
+# FACTOR_RATE × the relative error of its prediction (accepted vs predicted tokens), within FACTOR_RANGE.
 FACTOR_RATE = 0.2
+FACTOR_RANGE = (0.1, 4.0)
 # A request that resumes drafting first pays its drafter's catch-up over everything committed since it
 # last drafted (its backlog); the plan spreads that over this many steps of drafting, so short pauses
 # are cheap to end and a long-idle request resumes only for a clear gain (hysteresis, measured).
 AMORTIZE_STEPS = 4
+# The per-tree overhead is calibrated on a chain this long.
+TREE_CALIBRATION_NODES = 8
 
 
 @dataclass
 class _RequestState:
-    values: np.ndarray | None = None  # calibrated values of its latest drafted tree (before its factor)
-    depths: np.ndarray | None = None
-    realised: float = 1.0  # EMAs of accepted tokens and of predicted ones: factor = realised / predicted
-    predicted: float = 1.0
+    tree: tuple | None = None  # (conditional, parents, depths) of its latest drafted tree, before its factor
+    factor: float = 1.0
     idle: int = 0
     backlog: int | None = None  # tokens committed since its drafter last drafted (None: never seen)
     probe_every: int = PROBE_FIRST
@@ -71,10 +75,6 @@ class _RequestState:
     decided: bool = False  # has a full plan included or excluded it yet
     drafting: bool = False  # the last full plan's decision
     pending: tuple | None = None  # (scores, parents, sampled, predicted) of the nodes verified this step
-
-    @property
-    def factor(self) -> float:
-        return float(np.clip(self.realised / max(self.predicted, 1e-6), 0.1, 3.0))
 
 
 @dataclass
@@ -84,13 +84,16 @@ class AdaptiveBudget:
 
     max_budget: int
     max_depth: int
+    # The drafter drafts its whole tree at once (n-gram, suffix, Medusa): depth costs it nothing, so it
+    # is always asked for all of it and the cut alone sizes the tree. Otherwise (level drafters) the
+    # plan chooses a depth.
+    whole_trees: bool = False
     verify_cost: VerifyCost | None = None
     draft_cost: DraftCost = field(default_factory=DraftCost)
     node_values: NodeValueModel = field(default_factory=NodeValueModel)
     overhead_s: float = 0.0  # per-step time outside drafting and verify (scheduling, commit, streaming)
-    # What a verified tree costs beyond its rows' share of the forward: packing, tree acceptance instead
-    # of a plain argmax, KV moves, and whatever the row cost model misses for tree rows. Learned from
-    # the steps that verified trees (what they took beyond the plain-step model), per tree.
+    # What a verified tree costs beyond its rows: the tree-masked attention, packing, tree acceptance
+    # instead of a plain argmax. Calibrated at start, warm (`calibrate_tree_cost`).
     tree_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -100,11 +103,14 @@ class AdaptiveBudget:
         self._plan_depth = 0  # the last full plan's depth
         self._since_plan = REPLAN
         self._replan_every = REPLAN
-        self._tree_steps_seen = 0
 
-    def calibrate(self, time_forward, max_rows: int) -> None:
-        """Measure the target forward at a few row counts (the engine's `time_forward(rows) -> s`)."""
+    def calibrate(self, time_forward, max_rows: int, time_tree=None) -> None:
+        """Measure the target forward at a few row counts (the engine's `time_forward(rows) -> s`) and,
+        given `time_tree(nodes) -> s` (a verify step of one chain of draft nodes), what a tree adds."""
         self.verify_cost = calibrate_verify_cost(time_forward, max_rows)
+        if time_tree is not None:
+            nodes = min(self.max_budget, TREE_CALIBRATION_NODES, max_rows - 1)
+            self.tree_s = calibrate_tree_cost(time_forward, time_tree, nodes)
 
     # ---- before drafting ------------------------------------------------------------------------
 
@@ -139,7 +145,7 @@ class AdaptiveBudget:
         backlogs = np.array([s.backlog for s in states], dtype=np.float64) / AMORTIZE_STEPS
         plain_rate = len(requests) / self._seconds(0.0, fixed_rows)
         best_depth, best_rate, best_kept, best_spec_rate = 0, plain_rate, None, 0.0
-        for depth in range(1, self.max_depth + 1):
+        for depth in [self.max_depth] if self.whole_trees else range(1, self.max_depth + 1):
             values = [v[d <= depth] for v, d in predicted]
             has = np.array([len(v) > 0 for v in values])
             cost = self.draft_cost(depth, int(has.sum()), backlogs[has].sum())
@@ -173,11 +179,17 @@ class AdaptiveBudget:
             # (whether a probe pays is priced every 8th step only: it is the common plain-decoding path)
             if probes and s.idle >= s.probe_every and s.idle % 8 == 0 and self._probe_pays(s, fixed_rows, len(states)):
                 s.idle, s.probe_every, s.probing = 0, min(2 * s.probe_every, PROBE_MAX), True
-                budgets.append(min(PROBE_BUDGET, self.max_budget))
+                budgets.append(self.max_budget)
             else:
                 budgets.append(0)
         if depth == 0 and any(budgets):
-            depth = min(2, self.max_depth)  # a probe alone: a shallow tree
+            depth = self.max_depth  # probes alone: their whole trees
+        elif 0 < depth < self.max_depth and self._since_plan == self._replan_every - 1:
+            # Explore: the step before a full plan drafts one level deeper than planned, so the plan
+            # prices that level from a tree actually drafted (a plan sees only the depths its last
+            # trees had; without this a depth, once lowered, never grew back). The cut still keeps
+            # only what pays; the cost is one drafter level every REPLAN steps.
+            depth += 1
         self._depth = depth
         return DraftPlan(budgets, depth)
 
@@ -185,9 +197,8 @@ class AdaptiveBudget:
         """Whether this request's share of the plain steps since its last probe covers a probe's predicted
         cost (the whole batch waits for a probe: with n requests each probing, the probes' share of the
         time stays under PROBE_SHARE when each waits n times longer than it would alone)."""
-        depth = min(2, self.max_depth)
-        cost = self.draft_cost(depth, 1, state.backlog or 0)
-        cost += self.verify_cost(fixed_rows + PROBE_BUDGET) - self.verify_cost(fixed_rows)
+        cost = self.draft_cost(self.max_depth, 1, state.backlog or 0) + self.tree_s
+        cost += self.verify_cost(fixed_rows + PROBE_NODES) - self.verify_cost(fixed_rows)
         return state.idle * self._seconds(0.0, fixed_rows) / requests * PROBE_SHARE >= cost
 
     # ---- after drafting -------------------------------------------------------------------------
@@ -207,12 +218,8 @@ class AdaptiveBudget:
             terms = own_terms(scores, parents)
             conditional = self.node_values.conditional(terms, r.params.temperature > 0)
             state = self._state(r.request_id)
-            calibrated = path_products(conditional, parents, depths)
-            state.values, state.depths = calibrated, depths
-            self._typical = (calibrated, depths)
-            # The request's own accuracy factor scales each conditional rate; values stay products, so a
-            # child is never worth more than its parent and the cut stays ancestor-closed.
-            v = path_products(np.minimum(conditional * state.factor, 1.0), parents, depths)
+            state.tree = self._typical = (conditional, parents, depths)
+            v = _factored(state.tree, state.factor)
             if self._depth:
                 v = np.where(depths <= self._depth, v, -1.0)
             values.append(v)
@@ -232,8 +239,8 @@ class AdaptiveBudget:
                     state.pending = None
                 continue
             k = int(kept[i])
-            if k == 0 and state.probing:
-                k = 1  # a probe verifies at least its best node, or it learns nothing
+            if state.probing:
+                k = max(k, min(PROBE_NODES, int((v >= 0).sum())))  # or it might learn nothing
             if not k:
                 out.append(DraftTree.empty())
                 predictions.append(None)
@@ -278,17 +285,14 @@ class AdaptiveBudget:
 
     def observe(self, record: StepRecord) -> None:
         trees = sum(rec.drafted > 0 for rec in record.requests)
-        if self.verify_cost is not None and record.num_tokens:
-            if not trees:  # plain steps teach the row cost; tree steps what trees add beyond it
-                self.verify_cost.observe(record.num_tokens, record.verify_s)
-            elif record.step_s and self._tree_steps_seen:  # the first tree step (first calls) teaches nothing
-                beyond = record.step_s - self.overhead_s - record.draft_s - self.verify_cost(record.num_tokens)
-                per_tree = max(beyond / trees, 0.0)
-                if self._tree_steps_seen > 1:
-                    per_tree = min(per_tree, 3 * self.tree_s + 1e-4)
-                self.tree_s += (0.1 if self._tree_steps_seen > 1 else 1.0) * (per_tree - self.tree_s)
-            if trees:
-                self._tree_steps_seen += 1
+        if self.verify_cost is not None and record.num_tokens and not (trees and self._probes_only(record)):
+            # Every step teaches the row cost at its rows, a drafting step net of its trees' calibrated
+            # overhead: calibration alone was off by up to 0.5 ms at the row counts only trees reach
+            # (7 rows at batch 1), and learning a per-tree overhead from what steps took beyond the
+            # row model instead folded that error into every tree, whatever its size. Steps whose only
+            # trees were probes teach nothing: a probe is a lone tree step amid plain ones and runs
+            # the tree path cold (1-2 ms more than in steady drafting, measured).
+            self.verify_cost.observe(record.num_tokens, record.verify_s - trees * self.tree_s)
         drafted = {rec.request_id for rec in record.requests if rec.budget > 0}
         if drafted:  # probes too: the backlog term carries their catch-up
             backlog = sum(self._requests[i].backlog or 0 for i in drafted if i in self._requests)
@@ -309,8 +313,14 @@ class AdaptiveBudget:
             accepted = np.zeros(len(scores), dtype=bool)
             accepted[list(rec.accepted_nodes)] = True
             self.node_values.observe(own_terms(scores, parents), parents, accepted, sampled)
-            state.realised += FACTOR_RATE * (rec.accepted - state.realised)
-            state.predicted += FACTOR_RATE * (predicted - state.predicted)
+            # Multiplicative, so the factor settles where predictions made with it match what is accepted.
+            step = FACTOR_RATE * (rec.accepted - predicted) / max(predicted, 1.0)
+            state.factor = float(np.clip(state.factor * (1.0 + step), *FACTOR_RANGE))
+
+    def _probes_only(self, record: StepRecord) -> bool:
+        """Whether every tree verified in this step was a probe."""
+        states = [self._requests.get(rec.request_id) for rec in record.requests if rec.drafted > 0]
+        return all(s is not None and s.probing for s in states)
 
     def release(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
@@ -325,8 +335,16 @@ class AdaptiveBudget:
 
     def _predicted(self, state: _RequestState) -> tuple[np.ndarray, np.ndarray]:
         """This request's expected node values for its next tree (and their depths)."""
-        values, depths = (state.values, state.depths) if state.values is not None else self._typical
-        return np.minimum(values * state.factor, 1.0), depths
+        tree = state.tree if state.tree is not None else self._typical
+        return _factored(tree, state.factor), tree[2]
+
+
+def _factored(tree: tuple, factor: float) -> np.ndarray:
+    """Node values of a (conditional, parents, depths) tree under a request's accuracy factor. The factor
+    scales each conditional rate and values stay products, so a child is never worth more than its
+    parent and every cut by value is ancestor-closed."""
+    conditional, parents, depths = tree
+    return path_products(np.minimum(conditional * factor, 1.0), parents, depths)
 
 
 def _top(values: np.ndarray, k: int) -> np.ndarray:

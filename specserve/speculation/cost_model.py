@@ -82,13 +82,28 @@ def calibrate_verify_cost(time_forward: Callable[[int], float], max_rows: int) -
     return VerifyCost(knots, [min(time_forward(k) for _ in range(3 if k <= 16 else 2)) for k in knots])
 
 
+def calibrate_tree_cost(time_forward: Callable[[int], float], time_tree: Callable[[int], float], nodes: int) -> float:
+    """What verifying one tree costs beyond its rows: a chain of `nodes` draft tokens verified (tree
+    mask, tree acceptance) against a plain forward of as many rows (best of 3 each, after a warm-up
+    of the tree path). Measured at start because learning it only online never started: a request
+    that decodes plainly verifies trees only in its rare probes, which run the tree path cold
+    (1.3-3.5 ms per tree measured, against 0.6-0.8 ms in steady drafting), and a cost learned from
+    them kept speculation off where it paid 2.8x (suffix drafting on repetitive text)."""
+    nodes = max(1, nodes)
+    time_tree(nodes)
+    time_tree(nodes)
+    tree = min(time_tree(nodes) for _ in range(3))
+    rows = min(time_forward(nodes + 1) for _ in range(3))
+    return max(tree - rows, 0.0)
+
+
 class DraftCost:
     """Seconds of drafting one step, linear in what the drafter does:
 
         draft_s ≈ a · levels + b · levels · requests + c · backlog
 
-    levels: tree levels drafted (one drafter forward each for level drafters); requests: requests
-    drafting; backlog: tokens the drafting requests committed since they last drafted, which a drafter
+    levels: tree levels drafted (one drafter forward each for level drafters; 1 for drafters that draft
+    a whole tree at once, `levels=False`); requests: requests drafting; backlog: tokens the drafting requests committed since they last drafted, which a drafter
     with its own model or features must feed before it can draft (its catch-up). Fitted online by
     recursive least squares with forgetting; with nothing measured it predicts 0, so the first steps
     draft and measure (exploration, not a guess).
@@ -96,15 +111,21 @@ class DraftCost:
 
     FORGET = 0.98  # weight of older steps per new step (~50 steps of memory)
 
-    def __init__(self) -> None:
+    def __init__(self, levels: bool = True, backlog: bool = True) -> None:
+        # backlog=False (drafters without a catch-up: n-gram, suffix, Medusa): the term is left out —
+        # with the few drafting steps a mostly-plain request gives, least squares otherwise pinned
+        # drafting time on it (~38 µs per token from 3 probes of an n-gram drafter that has no catch-up),
+        # which priced every probe out.
+        self.backlog = backlog
+        self.levels = levels
         self.theta = np.zeros(3)
         self.cov = np.eye(3) * 1e4
         self.seen = 0
         self.warmed = False  # the first drafting step (first calls, compiling) teaches nothing
 
-    @staticmethod
-    def _features(levels: int, requests: int, backlog: int) -> np.ndarray:
-        return np.array([levels, levels * requests, backlog], dtype=np.float64)
+    def _features(self, levels: int, requests: int, backlog: int) -> np.ndarray:
+        levels = levels if self.levels else 1
+        return np.array([levels, levels * requests, backlog if self.backlog else 0], dtype=np.float64)
 
     def __call__(self, levels: int, requests: int, backlog: int = 0) -> float:
         if levels <= 0 or requests <= 0 or not self.seen:

@@ -14,8 +14,8 @@ from adaptive_policy import FixedVerifyCost, FreeDrafting
 from specserve import LLM, SamplingParams
 from specserve.budget import RequestStepRecord, StepRecord
 from specserve.speculation import AdaptiveBudget
-from specserve.speculation.adaptive import PROBE_FIRST
-from specserve.speculation.cost_model import DraftCost, VerifyCost
+from specserve.speculation.adaptive import PROBE_FIRST, PROBE_NODES, REPLAN
+from specserve.speculation.cost_model import DraftCost, VerifyCost, calibrate_tree_cost
 from specserve.speculation.node_values import NodeValueModel, fallback_scores, path_products
 from specserve.verify import DraftTree
 
@@ -162,10 +162,102 @@ def test_probing_revives_a_plain_request():
         trees = [_chain_tree(6) if b else DraftTree.empty() for b in plan.budgets]
         cut, _ = policy.cut(requests, trees, plan.budgets, 1, 0.0)
         _observe(policy, requests, cut, accepted=6)
-        if plan.budgets[0] == policy.max_budget:
+        if policy._requests["a"].drafting:  # a full plan decided to draft again (a probe alone is not it)
             revived_at = step
             break
     assert revived_at is not None
+
+
+def test_a_probe_drafts_the_whole_tree_so_the_plan_sees_long_chains():
+    """A probe verifies few nodes but drafts the drafter's whole tree: the plan that follows prices the
+    long chain a predictable text offers, not the two nodes verified (which alone would not pay here)."""
+    policy = AdaptiveBudget(max_budget=8, max_depth=8, verify_cost=_cost(per_row=0.3), draft_cost=FreeDrafting(),
+                            tree_s=0.5)
+    requests = [_Req("a")]
+    _run(policy, requests, accepted=0, steps=20, depth=8)
+    assert policy.plan(requests, 1).budgets == [0]
+    for _ in range(4 * PROBE_FIRST):
+        plan = policy.plan(requests, 1)
+        if plan.budgets[0]:
+            break
+    assert plan.budgets == [8] and plan.depth == 8 and policy._requests["a"].probing
+    cut, _ = policy.cut(requests, [_chain_tree(8)], plan.budgets, 1, 0.0)
+    assert cut[0].num_nodes >= PROBE_NODES
+    assert len(policy._predicted(policy._requests["a"])[0]) == 8  # the next plan prices all 8 nodes
+
+
+def test_a_level_drafter_explores_one_level_deeper_before_each_plan():
+    """A plan sees only the depths its last trees had: the step before each full plan drafts one level
+    more than planned, so a depth that was lowered can grow back."""
+    policy = AdaptiveBudget(max_budget=6, max_depth=6, verify_cost=_cost(per_row=0.3), draft_cost=FreeDrafting())
+    requests = [_Req("a")]
+    _run(policy, requests, accepted=1, steps=30, depth=6)  # little accepted: a shallow plan
+    planned = policy._plan_depth
+    assert 0 < planned < 6
+    depths = [policy.plan(requests, 1).depth for _ in range(REPLAN)]
+    assert planned + 1 in depths and depths.count(planned) == REPLAN - 1
+    whole = AdaptiveBudget(max_budget=6, max_depth=6, verify_cost=_cost(per_row=0.3), draft_cost=FreeDrafting(),
+                           whole_trees=True)
+    _run(whole, requests, accepted=1, steps=30, depth=6)
+    assert whole._plan_depth == 6  # drafting every level at once costs nothing more: the cut sizes it
+
+
+def test_accuracy_factor_settles_where_predictions_match_acceptance():
+    """A request whose drafter is better than the batch-wide calibration says: its factor rises until
+    what the policy predicts for its trees is what they get accepted (then stays)."""
+    policy = AdaptiveBudget(max_budget=4, max_depth=4, verify_cost=_cost(per_row=0.01), draft_cost=FreeDrafting())
+    requests = [_Req("a")]
+    predictions = []
+    for _ in range(200):
+        plan = policy.plan(requests, 1)
+        tree = _chain_tree(4, [-2.0, -4.0, -6.0, -8.0]) if plan.budgets[0] else DraftTree.empty()
+        cut, predicted = policy.cut(requests, [tree], plan.budgets, 1, 0.0)
+        if cut[0].num_nodes:  # the first node is always accepted, the others never
+            predictions.append(predicted[0])
+        _observe(policy, requests, cut, accepted=1)
+        policy.node_values = NodeValueModel()  # keep the calibration at its prior: the factor must do it
+    assert np.mean(predictions[-20:]) == pytest.approx(1.0, abs=0.15)
+
+
+def test_draft_cost_without_levels_or_backlog():
+    """Drafters that draft a whole tree at once and have no catch-up (n-gram, suffix, Medusa): depth and
+    backlog are no part of their cost, and least squares is not given them to misattribute time to."""
+    cost = DraftCost(levels=False, backlog=False)
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        requests = int(rng.integers(1, 9))
+        cost.observe(int(rng.integers(1, 9)), requests, int(rng.integers(0, 500)), 1e-4 + 5e-5 * requests)
+    assert cost(8, 2, 400) == pytest.approx(cost(1, 2, 0)) == pytest.approx(2e-4, rel=0.05)
+
+
+def test_tree_overhead_is_calibrated_from_tree_and_plain_forwards():
+    calls = []
+
+    def time_forward(rows):
+        calls.append(("plain", rows))
+        return 1e-3 * rows
+
+    def time_tree(nodes):
+        calls.append(("tree", nodes))
+        return 1e-3 * (nodes + 1) + 4e-4
+
+    assert calibrate_tree_cost(time_forward, time_tree, 8) == pytest.approx(4e-4)
+    assert ("plain", 9) in calls and calls[:2] == [("tree", 8), ("tree", 8)]  # warmed up first
+
+
+def test_drafting_steps_teach_row_cost_net_of_tree_overhead_but_probes_do_not():
+    cost = VerifyCost([1, 8], [1e-3, 8e-3])
+    policy = AdaptiveBudget(max_budget=6, max_depth=6, verify_cost=cost, draft_cost=FreeDrafting(), tree_s=1e-3)
+    requests = [_Req("a")]
+    policy._state("a").probing = True
+    record = StepRecord(requests=(RequestStepRecord("a", 6, 6, 6, 0, ()),), num_tokens=7, num_prefill_tokens=0,
+                        draft_s=0.0, verify_s=20e-3)
+    policy.observe(record)
+    assert cost(7) == pytest.approx(7e-3)  # a probe: nothing learned
+    policy._state("a").probing = False
+    for _ in range(300):
+        policy.observe(record)
+    assert cost(7) == pytest.approx(19e-3, rel=0.02)  # 20 ms measured, 1 ms of it the tree's
 
 
 def test_no_request_starves_and_output_is_plain_greedy(llama_dir):
