@@ -23,6 +23,11 @@ tokens/s in the cell. Noise: the larger of the spread of plain decoding's aggreg
 cell's rounds, (max − min) / median, and the control's distance from plain, |1 − control / plain|. A goal (adaptive ≥ 0.97 × max(plain, best static); adaptive ≥ 1.00 × plain) is
 missed beyond noise when the ratio is below goal × (1 − noise).
 
+`--workload editing` asks for an edit instead: each prompt is a held-out prefix, plain decoding's own
+greedy continuation of it (--max-tokens tokens) and the prefix again — a file handed back to be
+rewritten, where the answer mostly copies the prompt (the case prompt-lookup and suffix drafters are
+for; the default drafters become ngram,suffix).
+
 At T = 0 every configuration's tokens must equal plain decoding's in every round; a mismatch is a
 bug: it is reported loudly and the command exits 1 after writing its JSON and plot.
 """
@@ -41,6 +46,8 @@ from specserve.evals.common import machine, parse_batch_sizes, set_threads, sync
 from specserve.evals.metrics import SpecCounts
 
 DEFAULT_DRAFTERS = "eagle,draft,medusa,ngram"
+EDITING_DRAFTERS = "ngram,suffix"
+WORKLOADS = ("heldout", "editing")
 GOAL_VS_BEST = 0.97
 GOAL_VS_PLAIN = 1.00
 # (max_budget, depth) settings swept besides each drafter's default (chain-ish budgets: about one node
@@ -59,12 +66,18 @@ FALLBACK_SWEEP = ((1, 1), (2, 2), (4, 4))  # a drafter without an entry above
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model directory (default: the embedded model)")
-    p.add_argument("--drafters", default=DEFAULT_DRAFTERS,
-                   help="comma-separated drafter specs, NAME or NAME:PATH (default %(default)s)")
+    p.add_argument("--drafters", default=None,
+                   help=f"comma-separated drafter specs, NAME or NAME:PATH (default {DEFAULT_DRAFTERS}; "
+                        f"{EDITING_DRAFTERS} with --workload editing)")
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64", help="comma-separated batch sizes (default %(default)s)")
     p.add_argument("--temperatures", default="0,1", help="comma-separated temperatures, 0 = greedy (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (default %(default)s)")
-    p.add_argument("--prompt-chars", type=int, default=400, help="characters per held-out prompt (default %(default)s)")
+    p.add_argument("--prompt-chars", type=int, default=None,
+                   help="characters per held-out prompt (default 400; 200 with --workload editing, whose prompts hold "
+                        "a prefix twice and a continuation)")
+    p.add_argument("--workload", choices=WORKLOADS, default="heldout",
+                   help="heldout: held-out code prefixes; editing: a prefix, its continuation and the prefix again, "
+                        "to be continued (default drafters then ngram,suffix) (default %(default)s)")
     p.add_argument("--repeats", type=int, default=3, help="rounds per cell (default %(default)s)")
     p.add_argument("--sweep", action="append", default=None, metavar="[DRAFTER=]BxD[,BxD...]",
                    help="static settings swept besides the default, as max_budget x depth (e.g. 'ngram=4x4,8x8'; "
@@ -147,6 +160,15 @@ def parse_sweep(items: list[str] | None, names: list[str]) -> dict[str, list[tup
     return {n: list(dict.fromkeys(named[n] if n in named else
                                   (common if common is not None else DEFAULT_SWEEP.get(n, FALLBACK_SWEEP))))
             for n in names}
+
+
+def editing_prompts(plain, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Each prompt followed by plain greedy decoding's continuation of it and the prompt again: asked to
+    go on, the model mostly repeats what it wrote (an edit of a file it was handed)."""
+    from specserve import SamplingParams
+
+    outs = plain.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    return [p + list(o.token_ids) + p for p, o in zip(prompts, outs)]
 
 
 def _check_output(path: str | None, flag: str) -> None:
@@ -272,10 +294,12 @@ def run(args: argparse.Namespace) -> int:
     from specserve import LLM
     from specserve.evals.datasets import heldout_prompts
 
-    drafters = parse_drafters(args.drafters)
+    drafters = parse_drafters(args.drafters or (EDITING_DRAFTERS if args.workload == "editing" else DEFAULT_DRAFTERS))
     sizes = parse_batch_sizes(args.batch_sizes)
     temps = parse_temperatures(args.temperatures)
     sweep = parse_sweep(args.sweep, list(dict.fromkeys(n for _, n in drafters)))
+    if args.prompt_chars is None:
+        args.prompt_chars = 200 if args.workload == "editing" else 400
     for name in ("repeats", "max_tokens", "prompt_chars"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -295,6 +319,8 @@ def run(args: argparse.Namespace) -> int:
     control, _ = build(None, "static")
     texts = heldout_prompts(max_batch, args.prompt_chars)
     encoded = [plain.encode(t) for t in texts]
+    if args.workload == "editing":
+        encoded = editing_prompts(plain, encoded, args.max_tokens)
     prompts = [encoded[i % len(encoded)] for i in range(max_batch)]
     window = plain.engine.config.max_model_len
     longest = max(len(p) for p in encoded)
@@ -313,6 +339,7 @@ def run(args: argparse.Namespace) -> int:
         "model": args.model or "embedded default model",
         "settings": {
             "drafters": [s for s, _ in drafters], "batch_sizes": sizes, "temperatures": temps,
+            "workload": args.workload,
             "max_tokens": args.max_tokens, "prompt_chars": args.prompt_chars, "repeats": args.repeats,
             "prompts": {"unique": len(encoded), "tokens_min": min(map(len, encoded)), "tokens_max": longest},
             "sweep": {n: [list(s) for s in v] for n, v in sweep.items()},
@@ -417,7 +444,7 @@ def _verdict(cell: dict) -> str:
 def _print_tables(result: dict) -> None:
     s = result["settings"]
     m = result["machine"]
-    print(f"adaptive vs static speculation: {s['max_tokens']} new tokens, {s['repeats']} rounds per cell, "
+    print(f"adaptive vs static speculation, {s.get('workload', 'heldout')} workload: {s['max_tokens']} new tokens, {s['repeats']} rounds per cell, "
           f"{m['device']}, {m['threads']} threads; x = tokens/s / plain's; ad/max = adaptive / max(plain, best static)")
     print("req p50 = per-request tokens/s (new tokens / end-to-end time), p50 over the batch, median over rounds")
     print(f"goals: ad/max >= {GOAL_VS_BEST:.2f} and adaptive >= {GOAL_VS_PLAIN:.2f}x plain; noise = plain's (max-min)/median "

@@ -67,6 +67,7 @@ TREE_CALIBRATION_NODES = 8
 @dataclass
 class _RequestState:
     tree: tuple | None = None  # (conditional, parents, depths) of its latest drafted tree, before its factor
+    sampled: bool = False  # temperature > 0
     factor: float = 1.0
     idle: int = 0
     backlog: int | None = None  # tokens committed since its drafter last drafted (None: never seen)
@@ -98,7 +99,10 @@ class AdaptiveBudget:
 
     def __post_init__(self) -> None:
         self._requests: dict[str, _RequestState] = {}
-        self._typical: tuple[np.ndarray, np.ndarray] | None = None  # latest tree of any request
+        # The latest drafted tree of any greedy (False) / sampled (True) request: what a request that has
+        # not drafted yet is predicted to get. Kept per kind: acceptance differs a lot between them, and a
+        # sampled request that borrowed a greedy request's tree drafted where it could not pay.
+        self._typical: dict[bool, tuple] = {}
         self._depth = 0  # this step's plan depth
         self._plan_depth = 0  # the last full plan's depth
         self._since_plan = REPLAN
@@ -122,8 +126,9 @@ class AdaptiveBudget:
         for s, r in zip(states, requests):
             if s.backlog is None:
                 s.backlog = len(r.token_ids)
+                s.sampled = r.params.temperature > 0
         plain_shape = fixed_rows == len(requests)
-        if self.verify_cost is None or self._typical is None:
+        if self.verify_cost is None or not self._typical:
             if not plain_shape:  # explore in a decode-only step, where what is measured is typical
                 self._depth = 0
                 return DraftPlan([0] * len(requests), 0)
@@ -218,7 +223,7 @@ class AdaptiveBudget:
             terms = own_terms(scores, parents)
             conditional = self.node_values.conditional(terms, r.params.temperature > 0)
             state = self._state(r.request_id)
-            state.tree = self._typical = (conditional, parents, depths)
+            state.tree = self._typical[r.params.temperature > 0] = (conditional, parents, depths)
             v = _factored(state.tree, state.factor)
             if self._depth:
                 v = np.where(depths <= self._depth, v, -1.0)
@@ -335,7 +340,7 @@ class AdaptiveBudget:
 
     def _predicted(self, state: _RequestState) -> tuple[np.ndarray, np.ndarray]:
         """This request's expected node values for its next tree (and their depths)."""
-        tree = state.tree if state.tree is not None else self._typical
+        tree = state.tree or self._typical.get(state.sampled) or next(iter(self._typical.values()))
         return _factored(tree, state.factor), tree[2]
 
 

@@ -140,7 +140,7 @@ def test_bigger_batch_means_fewer_nodes_per_request():
 def test_cut_keeps_an_ancestor_closed_prefix_of_siblings():
     policy = AdaptiveBudget(max_budget=32, max_depth=4, verify_cost=_cost(per_row=0.2), draft_cost=FreeDrafting())
     requests = [_Req("s", temperature=1.0)]
-    policy._typical = (np.ones(1), np.ones(1, dtype=np.int64))  # skip exploring
+    policy._typical[True] = (np.ones(1), np.full(1, -1), np.ones(1, dtype=np.int64))  # skip exploring
     tree = _fan(4)
     cut, predicted = policy.cut(requests, [tree], [32], 1, 0.0)
     kept = cut[0]
@@ -278,3 +278,16 @@ def test_calibration_is_short_on_the_embedded_model():
     assert isinstance(llm.engine.budget_policy, AdaptiveBudget)
     assert llm.engine.calibration_s < 1.0
     assert llm.engine.budget_policy.verify_cost(1) > 0
+
+
+def test_a_new_request_borrows_the_latest_tree_of_its_own_kind():
+    """Greedy and sampled acceptance differ a lot: a sampled request that has not drafted yet is priced
+    from the latest sampled request's tree, not a greedy one's."""
+    policy = AdaptiveBudget(max_budget=4, max_depth=4, verify_cost=_cost(per_row=0.3), draft_cost=FreeDrafting())
+    greedy, sampled = _Req("g"), _Req("s", temperature=1.0)
+    for req, depth in ((greedy, 4), (sampled, 1)):
+        policy.plan([req], 1)
+        policy.cut([req], [_chain_tree(depth)], [4], 1, 0.0)
+    newcomer = _Req("n", temperature=1.0)
+    policy.plan([newcomer], 1)
+    assert len(policy._predicted(policy._requests["n"])[0]) == 1
