@@ -22,6 +22,7 @@ values this step drew: the policy changes how much is verified, never what is em
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,6 +41,7 @@ from specserve.verify import DraftTree
 # whole tree (so the next plan prices the long chains a predictable text offers, not just the nodes
 # verified) and verifies the cut of it, at least its PROBE_NODES best nodes (so it always learns).
 PROBE_FIRST = 32
+NO_LIMIT_HORIZON = 256  # a request without max_tokens is priced as this long for its first probe
 PROBE_MAX = 128
 PROBE_NODES = 2
 PROBE_SHARE = 0.015
@@ -60,16 +62,28 @@ FACTOR_RANGE = (0.1, 4.0)
 # last drafted (its backlog); the plan spreads that over this many steps of drafting, so short pauses
 # are cheap to end and a long-idle request resumes only for a clear gain (hysteresis, measured).
 AMORTIZE_STEPS = 4
+# A plan predicts a request's next tree from its last TREE_HISTORY trees (their expected best-k values,
+# k = 1, 2, ...): from the last tree alone, an n-gram or suffix request whose latest step found no match
+# was switched to plain decoding for the rest of an answer that kept paying 1.5 tokens a step.
+TREE_HISTORY = 4
 # The per-tree overhead is calibrated on a chain this long.
 TREE_CALIBRATION_NODES = 8
 
 
 @dataclass
 class _RequestState:
-    tree: tuple | None = None  # (conditional, parents, depths) of its latest drafted tree, before its factor
+    # (conditional, parents, depths) of its latest TREE_HISTORY drafted trees (empty ones included: a
+    # step where the drafter found nothing is evidence too), before its factor.
+    trees: deque = field(default_factory=lambda: deque(maxlen=TREE_HISTORY))
     sampled: bool = False  # temperature > 0
     factor: float = 1.0
     idle: int = 0
+    # A new request's first plain step probes when its expected length covers the probe (PROBE_SHARE of
+    # it, see `_probe_pays`), so it is judged on a tree of its own: a request that only borrowed the
+    # latest tree of another (a prompt with nothing to copy) never drafted in 64 tokens on an editing
+    # workload where its own text paid 2.6 tokens a step.
+    fresh: bool = True
+    horizon: int = 0  # tokens it may still generate (its max_tokens, or NO_LIMIT_HORIZON)
     backlog: int | None = None  # tokens committed since its drafter last drafted (None: never seen)
     probe_every: int = PROBE_FIRST
     probing: bool = False
@@ -127,6 +141,7 @@ class AdaptiveBudget:
             if s.backlog is None:
                 s.backlog = len(r.token_ids)
                 s.sampled = r.params.temperature > 0
+                s.horizon = r.params.max_tokens or NO_LIMIT_HORIZON
         plain_shape = fixed_rows == len(requests)
         if self.verify_cost is None or not self._typical:
             if not plain_shape:  # explore in a decode-only step, where what is measured is typical
@@ -146,12 +161,12 @@ class AdaptiveBudget:
             drafting = [s.drafting for s in states]
             return self._budgets(states, drafting, self._plan_depth, fixed_rows)
         self._since_plan = 0
-        predicted = [self._predicted(s) for s in states]
+        histories = [self._predicted(s) for s in states]
         backlogs = np.array([s.backlog for s in states], dtype=np.float64) / AMORTIZE_STEPS
         plain_rate = len(requests) / self._seconds(0.0, fixed_rows)
         best_depth, best_rate, best_kept, best_spec_rate = 0, plain_rate, None, 0.0
         for depth in [self.max_depth] if self.whole_trees else range(1, self.max_depth + 1):
-            values = [v[d <= depth] for v, d in predicted]
+            values = [_expected_best(history, depth) for history in histories]
             has = np.array([len(v) > 0 for v in values])
             cost = self.draft_cost(depth, int(has.sum()), backlogs[has].sum())
             kept, rate = self._best_cut(values, fixed_rows, cost)
@@ -177,13 +192,15 @@ class AdaptiveBudget:
         for s, d in zip(states, drafting):
             s.probing = False
             if d:
-                s.idle, s.probe_every = 0, PROBE_FIRST
+                s.idle, s.probe_every, s.fresh = 0, PROBE_FIRST, False
                 budgets.append(self.max_budget)
                 continue
             s.idle += 1
             # (whether a probe pays is priced every 8th step only: it is the common plain-decoding path)
-            if probes and s.idle >= s.probe_every and s.idle % 8 == 0 and self._probe_pays(s, fixed_rows, len(states)):
+            due = s.fresh or (s.idle >= s.probe_every and s.idle % 8 == 0)
+            if probes and due and self._probe_pays(s, fixed_rows, len(states)):
                 s.idle, s.probe_every, s.probing = 0, min(2 * s.probe_every, PROBE_MAX), True
+                self._since_plan = self._replan_every  # the next step plans with what the probe drafted
                 budgets.append(self.max_budget)
             else:
                 budgets.append(0)
@@ -204,7 +221,10 @@ class AdaptiveBudget:
         time stays under PROBE_SHARE when each waits n times longer than it would alone)."""
         cost = self.draft_cost(self.max_depth, 1, state.backlog or 0) + self.tree_s
         cost += self.verify_cost(fixed_rows + PROBE_NODES) - self.verify_cost(fixed_rows)
-        return state.idle * self._seconds(0.0, fixed_rows) / requests * PROBE_SHARE >= cost
+        steps = state.idle
+        if state.fresh:  # its first: priced against the steps it may still run
+            state.fresh, steps = False, state.horizon
+        return steps * self._seconds(0.0, fixed_rows) / requests * PROBE_SHARE >= cost
 
     # ---- after drafting -------------------------------------------------------------------------
 
@@ -215,6 +235,8 @@ class AdaptiveBudget:
         values, scores_of = [], []
         for r, tree, budget in zip(requests, trees, budgets):
             if not budget or not tree.num_nodes:
+                if budget:
+                    self._state(r.request_id).trees.append(_EMPTY_TREE)
                 values.append(np.zeros(0))
                 scores_of.append(None)
                 continue
@@ -223,8 +245,9 @@ class AdaptiveBudget:
             terms = own_terms(scores, parents)
             conditional = self.node_values.conditional(terms, r.params.temperature > 0)
             state = self._state(r.request_id)
-            state.tree = self._typical[r.params.temperature > 0] = (conditional, parents, depths)
-            v = _factored(state.tree, state.factor)
+            latest = self._typical[r.params.temperature > 0] = (conditional, parents, depths)
+            state.trees.append(latest)
+            v = _factored(latest, state.factor)
             if self._depth:
                 v = np.where(depths <= self._depth, v, -1.0)
             values.append(v)
@@ -338,10 +361,25 @@ class AdaptiveBudget:
             state = self._requests[request_id] = _RequestState()
         return state
 
-    def _predicted(self, state: _RequestState) -> tuple[np.ndarray, np.ndarray]:
-        """This request's expected node values for its next tree (and their depths)."""
-        tree = state.tree or self._typical.get(state.sampled) or next(iter(self._typical.values()))
-        return _factored(tree, state.factor), tree[2]
+    def _predicted(self, state: _RequestState) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(node values, depths) of this request's recent trees under its factor (a request that has
+        drafted none borrows the latest tree of a request of its kind)."""
+        trees = state.trees or [self._typical.get(state.sampled) or next(iter(self._typical.values()))]
+        return [(_factored(tree, state.factor), tree[2]) for tree in trees]
+
+
+def _expected_best(history: list[tuple[np.ndarray, np.ndarray]], depth: int) -> np.ndarray:
+    """Expected values of a request's next tree, best first, cut to `depth`: element k is the mean over
+    its recent trees of their (k+1)-th best node value (0 where a tree had fewer nodes). Keeping the k
+    best is ancestor-closed in every tree, so a cut of k here prices a real cut of each."""
+    best = [np.sort(v[d <= depth])[::-1] for v, d in history]
+    out = np.zeros(max(len(b) for b in best))
+    for b in best:
+        out[:len(b)] += b
+    return out / len(best)
+
+
+_EMPTY_TREE = (np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
 
 
 def _factored(tree: tuple, factor: float) -> np.ndarray:

@@ -183,7 +183,7 @@ def test_a_probe_drafts_the_whole_tree_so_the_plan_sees_long_chains():
     assert plan.budgets == [8] and plan.depth == 8 and policy._requests["a"].probing
     cut, _ = policy.cut(requests, [_chain_tree(8)], plan.budgets, 1, 0.0)
     assert cut[0].num_nodes >= PROBE_NODES
-    assert len(policy._predicted(policy._requests["a"])[0]) == 8  # the next plan prices all 8 nodes
+    assert len(policy._predicted(policy._requests["a"])[-1][0]) == 8  # the next plan prices all 8 nodes
 
 
 def test_a_level_drafter_explores_one_level_deeper_before_each_plan():
@@ -290,4 +290,35 @@ def test_a_new_request_borrows_the_latest_tree_of_its_own_kind():
         policy.cut([req], [_chain_tree(depth)], [4], 1, 0.0)
     newcomer = _Req("n", temperature=1.0)
     policy.plan([newcomer], 1)
-    assert len(policy._predicted(policy._requests["n"])[0]) == 1
+    assert [len(v) for v, _ in policy._predicted(policy._requests["n"])] == [1]
+
+
+def test_a_new_request_probes_a_tree_of_its_own_first():
+    """Another request's latest tree says drafting does not pay; a new request is still probed on its
+    first plain step (its expected length covers the probe), then judged on its own tree."""
+    policy = AdaptiveBudget(max_budget=6, max_depth=6, verify_cost=_cost(per_row=0.3), draft_cost=FreeDrafting())
+    _run(policy, [_Req("old")], accepted=0, steps=20)
+    assert policy.plan([_Req("old")], 1).budgets == [0]
+    newcomer = _Req("new")
+    newcomer.params = SamplingParams(temperature=0.0, max_tokens=64)
+    plan = policy.plan([newcomer], 1)
+    assert plan.budgets == [6] and policy._requests["new"].probing
+    cut, _ = policy.cut([newcomer], [_chain_tree(6)], plan.budgets, 1, 0.0)
+    _observe(policy, [newcomer], cut, accepted=cut[0].num_nodes)  # its own text is predictable
+    assert policy.plan([newcomer], 1).budgets == [6] and policy._requests["new"].drafting  # planned right after
+    assert not policy._requests["new"].fresh
+
+
+def test_plan_predicts_from_recent_trees_not_only_the_last():
+    """An n-gram request whose latest step found no match, after three that did, keeps drafting: the plan
+    prices the expected best nodes of its last trees, not the empty one alone."""
+    policy = AdaptiveBudget(max_budget=6, max_depth=6, verify_cost=_cost(per_row=0.05), draft_cost=FreeDrafting(),
+                            whole_trees=True)
+    requests = [_Req("a")]
+    for tree in [_chain_tree(6)] * 3 + [DraftTree.empty()]:
+        plan = policy.plan(requests, 1)
+        cut, _ = policy.cut(requests, [tree], [6], 1, 0.0)
+        _observe(policy, requests, cut, accepted=cut[0].num_nodes)
+    policy._since_plan = REPLAN  # a full plan now
+    assert policy.plan(requests, 1).budgets == [6]
+    assert len(policy._requests["a"].trees) == 4
