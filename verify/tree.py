@@ -190,7 +190,7 @@ class DraftTree:
     @cached_property
     def depths(self) -> torch.Tensor:
         """int64[N]: depth of each node; children of the root have depth 1."""
-        return self.ancestor_mask[1:].sum(dim=1) - 1
+        return torch.from_numpy(kernels.depths(self.parents.numpy()))
 
     def positions(self, committed_len: int) -> torch.Tensor:
         """int64[N+1]: absolute positions of the verify rows; the root sits at ``committed_len``."""

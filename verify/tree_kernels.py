@@ -25,6 +25,16 @@ def ancestor_mask(parents: np.ndarray) -> np.ndarray:
 
 
 @numba.njit(cache=True, nogil=True)
+def depths(parents: np.ndarray) -> np.ndarray:
+    """int64[N]: each node's depth (children of the root: 1)."""
+    out = np.ones(parents.shape[0], dtype=np.int64)
+    for i in range(parents.shape[0]):
+        if parents[i] >= 0:
+            out[i] = out[parents[i]] + 1
+    return out
+
+
+@numba.njit(cache=True, nogil=True)
 def first_child_next_sibling(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(first_child int64[N+1] per row, next_sibling int64[N] per node), -1 where none."""
     n = parents.shape[0]

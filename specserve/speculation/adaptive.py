@@ -29,6 +29,7 @@ import numpy as np
 
 from specserve.budget import DraftPlan, StepRecord
 from specserve.request import Request
+from specserve.speculation.cut import best_cut
 from specserve.speculation.cost_model import DraftCost, VerifyCost, calibrate_tree_cost, calibrate_verify_cost
 from specserve.speculation.node_values import NodeValueModel, fallback_scores, own_terms, path_products
 from specserve.verify import DraftTree
@@ -89,7 +90,7 @@ class _RequestState:
     probing: bool = False
     decided: bool = False  # has a full plan included or excluded it yet
     drafting: bool = False  # the last full plan's decision
-    pending: tuple | None = None  # (scores, parents, sampled, predicted) of the nodes verified this step
+    pending: tuple | None = None  # (own terms, parents, sampled, predicted) of the nodes verified this step
 
 
 @dataclass
@@ -232,13 +233,13 @@ class AdaptiveBudget:
             draft_s: float) -> tuple[list[DraftTree], list[float | None]]:
         if not any(budgets):  # a plain step (the common case when speculation does not pay): keep it lean
             return trees, [None] * len(trees)
-        values, scores_of = [], []
+        values, terms_of = [], []
         for r, tree, budget in zip(requests, trees, budgets):
             if not budget or not tree.num_nodes:
                 if budget:
                     self._state(r.request_id).trees.append(_EMPTY_TREE)
                 values.append(np.zeros(0))
-                scores_of.append(None)
+                terms_of.append(None)
                 continue
             depths, parents = tree.depths.numpy(), tree.parents.numpy()
             scores = tree.scores.numpy() if tree.scores is not None else fallback_scores(parents)
@@ -251,7 +252,7 @@ class AdaptiveBudget:
             if self._depth:
                 v = np.where(depths <= self._depth, v, -1.0)
             values.append(v)
-            scores_of.append(scores)
+            terms_of.append(terms)
         if self.verify_cost is None:
             kept = np.array([int((v >= 0).sum()) for v in values])
         else:
@@ -260,7 +261,7 @@ class AdaptiveBudget:
         for i, (r, tree) in enumerate(zip(requests, trees)):
             v = values[i]
             state = self._requests.get(r.request_id)
-            if scores_of[i] is None:
+            if terms_of[i] is None:
                 out.append(tree)
                 predictions.append(None)
                 if state is not None:
@@ -279,32 +280,21 @@ class AdaptiveBudget:
             predicted = float(v[keep].sum())
             out.append(kept_tree)
             predictions.append(predicted)
-            state.pending = (scores_of[i][keep], kept_tree.parents.numpy(), r.params.temperature > 0, predicted)
+            # (a kept node's own term is unchanged: the cut is ancestor-closed, its parent kept too)
+            state.pending = (terms_of[i][keep], kept_tree.parents.numpy(), r.params.temperature > 0, predicted)
         return out, predictions
 
     def _best_cut(self, values: list[np.ndarray], fixed_rows: int, fixed_s: float) -> tuple[np.ndarray, float]:
         """Nodes kept per request and the tokens per second of the best cut. values: per request, its
-        candidate nodes' values (any order). Nodes are taken best first across requests."""
-        n = len(values)
-        counts = np.array([len(v) for v in values])
-        kept = np.zeros(n, dtype=np.int64)
-        base = n / self._seconds(fixed_s, fixed_rows)
-        if not counts.sum():
-            return kept, base
-        flat = np.concatenate(values)
-        owner = np.repeat(np.arange(n), counts)
-        order = np.argsort(-flat, kind="stable")
-        gains = np.cumsum(flat[order])
-        rows = fixed_rows + np.arange(1, len(flat) + 1)
-        first = np.zeros(len(flat))
-        first[np.unique(owner[order], return_index=True)[1]] = 1.0  # a request's first kept node adds a tree
-        trees = np.cumsum(first)
-        rates = (n + gains) / (self.overhead_s + fixed_s + self.verify_cost(rows) + self.tree_s * trees)
-        k = int(np.argmax(rates))
-        if rates[k] <= base:
-            return kept, base
-        np.add.at(kept, owner[order[:k + 1]], 1)
-        return kept, float(rates[k])
+        candidate nodes' values (any order). Nodes are taken best first across requests (`cut.best_cut`)."""
+        counts = [len(v) for v in values]
+        total = sum(counts)
+        if not total:
+            return np.zeros(len(values), dtype=np.int64), len(values) / self._seconds(fixed_s, fixed_rows)
+        flat = np.concatenate(values).astype(np.float64, copy=False)
+        owner = np.repeat(np.arange(len(values), dtype=np.int64), counts)
+        seconds = self.verify_cost(fixed_rows + np.arange(total + 1))
+        return best_cut(flat, owner, len(values), seconds, self.overhead_s + fixed_s, self.tree_s)
 
     def _seconds(self, fixed_s: float, rows: int) -> float:
         return self.overhead_s + fixed_s + self.verify_cost(rows)
@@ -336,14 +326,14 @@ class AdaptiveBudget:
                 state.backlog = rec.accepted + 1 + (0 if rec.request_id in drafted else state.backlog)
             if state.pending is None:
                 continue
-            scores, parents, sampled, predicted = state.pending
+            terms, parents, sampled, predicted = state.pending
             state.pending = None
-            accepted = np.zeros(len(scores), dtype=bool)
+            accepted = np.zeros(len(terms), dtype=bool)
             accepted[list(rec.accepted_nodes)] = True
-            self.node_values.observe(own_terms(scores, parents), parents, accepted, sampled)
+            self.node_values.observe(terms, parents, accepted, sampled)
             # Multiplicative, so the factor settles where predictions made with it match what is accepted.
             step = FACTOR_RATE * (rec.accepted - predicted) / max(predicted, 1.0)
-            state.factor = float(np.clip(state.factor * (1.0 + step), *FACTOR_RANGE))
+            state.factor = min(max(state.factor * (1.0 + step), FACTOR_RANGE[0]), FACTOR_RANGE[1])
 
     def _probes_only(self, record: StepRecord) -> bool:
         """Whether every tree verified in this step was a probe."""
@@ -386,8 +376,8 @@ def _factored(tree: tuple, factor: float) -> np.ndarray:
     """Node values of a (conditional, parents, depths) tree under a request's accuracy factor. The factor
     scales each conditional rate and values stay products, so a child is never worth more than its
     parent and every cut by value is ancestor-closed."""
-    conditional, parents, depths = tree
-    return path_products(np.minimum(conditional * factor, 1.0), parents, depths)
+    conditional, parents, _ = tree
+    return path_products(np.minimum(conditional * factor, 1.0), parents)
 
 
 def _top(values: np.ndarray, k: int) -> np.ndarray:

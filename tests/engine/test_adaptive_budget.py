@@ -96,7 +96,7 @@ def test_node_values_are_calibrated_conditionally_and_monotone():
     conditional = model.conditional(terms, sampled=False)
     assert conditional[0] == pytest.approx(0.5, abs=0.06)  # depth 1 and depth 2 feed one bin
     assert conditional[0] >= conditional[2]
-    values = path_products(conditional, parents, np.array([1, 2, 1]))
+    values = path_products(conditional, parents)
     assert values[1] == pytest.approx(values[0] * conditional[1])
     assert model.conditional(terms, sampled=True)[0] > 0.8  # sampled requests keep their own table (prior here)
 
