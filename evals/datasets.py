@@ -12,6 +12,11 @@ Built-in ``builtin:heldout-code``: code prefixes from the embedded default model
 (never trained on), each ending just after a top-level ``def`` line, category = the module name.
 They are completion prompts: never wrapped in a chat template.
 
+Built-in ``builtin:editing-code``: multi-turn code editing — each record is one held-out prefix asked
+three times, each turn a small edit of the last (the function renamed, then a comment line added), so
+from the second turn on most of the answer is already in the conversation (the workload prompt-lookup
+and suffix drafters are for). Category ``editing``.
+
 Constrained output: a line may carry one constraint beside ``turns`` — ``json_schema`` (an object, or
 its JSON text), ``regex`` (a string), ``grammar`` (a Lark grammar string) or ``choice`` (a list of
 strings), and with ``json_schema`` optionally ``json_whitespace`` ("compact", the default, or
@@ -24,6 +29,7 @@ compile is malformed (its line number and the reason are named). Built-in ``buil
 from __future__ import annotations
 
 import json
+import re
 import sys
 import sysconfig
 from dataclasses import dataclass
@@ -201,6 +207,25 @@ def _heldout_code(limit: int | None) -> list[Record]:
             for i, (module, text) in enumerate(heldout_code_prefixes(limit))]
 
 
+def _editing_code(limit: int | None) -> list[Record]:
+    records = []
+    # 160 characters: three turns and two answers fit the embedded model's 512-token window with room to answer
+    for i, (_, text) in enumerate(heldout_code_prefixes(limit, chars=160)):
+        records.append(Record(f"editing-{i}", "editing", code_edits(text)))
+    return records
+
+
+def code_edits(text: str) -> tuple[str, str, str]:
+    """A code prefix ending in a ``def`` line, then the same with that function renamed (every use of
+    the name), then that with a comment line above the ``def``: three turns of a user editing a file."""
+    head, _, last = text.rstrip("\n").rpartition("\n")
+    name = last.removeprefix("def ").split("(", 1)[0].strip() or "f"
+    renamed = re.sub(rf"\b{re.escape(name)}\b", name + "_v2", text)
+    body, _, def_line = renamed.rstrip("\n").rpartition("\n")
+    commented = (body + "\n" if body else "") + f"# {name}_v2: edited\n" + def_line + "\n"
+    return text, renamed, commented
+
+
 def _structured_code(limit: int | None) -> list[Record]:
     from specserve.evals.structured import structured_code_records
 
@@ -208,6 +233,7 @@ def _structured_code(limit: int | None) -> list[Record]:
 
 
 BUILTINS: dict[str, Callable[[int | None], list[Record]]] = {"heldout-code": _heldout_code,
+                                                              "editing-code": _editing_code,
                                                               "structured-code": _structured_code}
 
 

@@ -55,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "option sets: --drafter eagle#chain --drafter-option eagle#chain:topk=1")
     p.add_argument("--dataset", required=True,
                    help="Spec-Bench JSONL file (lines may carry json_schema / regex / grammar / choice), "
-                        "builtin:heldout-code or builtin:structured-code")
+                        "builtin:heldout-code, builtin:editing-code (multi-turn code edits) or builtin:structured-code")
     p.add_argument("--max-prompts", type=int, default=None, help="at most N prompts (each turn of a record is one)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens every system generates per prompt")
     p.add_argument("--temperature", type=float, default=0.0)

@@ -10,6 +10,7 @@ from specserve.evals.datasets import (
     EvalPrompt,
     Record,
     batch_groups,
+    code_edits,
     build_prompts,
     load_dataset,
     parse_spec_bench,
@@ -67,6 +68,22 @@ def test_builtin_heldout_code_is_code_prefixes_by_module():
         assert not r.chat and len(r.turns) == 1
         assert r.turns[0].rstrip("\n").split("\n")[-1].startswith("def ")  # cut just after a def line
         assert r.category and not r.category.endswith(".py")  # the module name
+
+
+def test_builtin_editing_code_is_three_edits_of_one_prefix():
+    recs = load_dataset("builtin:editing-code", limit=2)
+    assert len(recs) == 2
+    for r in recs:
+        first, renamed, commented = r.turns
+        assert r.category == "editing" and r.chat
+        name = first.rstrip("\n").split("\n")[-1].removeprefix("def ").split("(")[0]
+        assert f"def {name}_v2(" in renamed and f"def {name}(" not in renamed  # every use renamed
+        assert commented.rstrip("\n").split("\n")[-2] == f"# {name}_v2: edited"
+        assert commented.replace(f"# {name}_v2: edited\n", "") == renamed  # the comment is the only change
+
+
+def test_code_edits_of_a_bare_def():
+    assert code_edits("def f(x):\n") == ("def f(x):\n", "def f_v2(x):\n", "# f_v2: edited\ndef f_v2(x):\n")
 
 
 @pytest.fixture(scope="module")
