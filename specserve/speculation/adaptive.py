@@ -63,10 +63,10 @@ FACTOR_RANGE = (0.1, 4.0)
 # last drafted (its backlog); the plan spreads that over this many steps of drafting, so short pauses
 # are cheap to end and a long-idle request resumes only for a clear gain (hysteresis, measured).
 AMORTIZE_STEPS = 4
-# A plan predicts a request's next tree from its last TREE_HISTORY trees (their expected best-k values,
-# k = 1, 2, ...): from the last tree alone, an n-gram or suffix request whose latest step found no match
-# was switched to plain decoding for the rest of an answer that kept paying 1.5 tokens a step.
-TREE_HISTORY = 4
+# A plan predicts a request's next tree from its trees since the previous plan (their expected best-k
+# values, k = 1, 2, ...): from the last tree alone, an n-gram or suffix request whose latest step found
+# no match was switched to plain decoding for the rest of an answer that kept paying 1.5 tokens a step.
+TREE_HISTORY = REPLAN
 # The per-tree overhead is calibrated on a chain this long.
 TREE_CALIBRATION_NODES = 8
 
