@@ -184,7 +184,13 @@ class OpenAIApi:
     async def _stream(self, request: web.Request, req: CompletionRequest, stream: _Stream, shapes: Shapes):
         self.server.track_stream(asyncio.current_task())
         sse = EventSourceResponse(sep="\n", ping_interval=15, allow_all_methods=True)  # POST, as OpenAI streams
-        await sse.prepare(request)
+        try:
+            await sse.prepare(request)
+        except ConnectionError:
+            # The client left before the headers went out (it sent its request and closed). Not a server error:
+            # raised out of the handler it was logged as one, with a traceback. aiohttp finishes the response
+            # quietly; _handle's finally cancels the request.
+            return sse
         sent_tokens = 0
         try:
             if shapes.chat:

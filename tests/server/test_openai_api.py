@@ -204,6 +204,26 @@ def test_disconnect_mid_stream_frees_kv_within_a_step(make_server, noeos_dir):
     assert srv.server.worker.steps - steps_before < 50
 
 
+def test_a_client_gone_before_the_stream_starts_is_not_a_server_error(server, caplog):
+    """A streaming request sent with the end of the connection right behind it (found by `bench soak`): the
+    stream's headers cannot be written, which was logged as an unhandled server error with a traceback."""
+    import socket
+
+    body = json.dumps({"prompt": "def f(x):", "max_tokens": 8, "stream": True}).encode()
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    with caplog.at_level("ERROR"):
+        for _ in range(5):
+            with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+                sock.sendall(request)
+                sock.shutdown(socket.SHUT_WR)  # request and end of stream arrive together
+                while sock.recv(65536):
+                    pass
+        assert wait_until(lambda: server.server.in_flight == 0 and kv_blocks(server)[0] == kv_blocks(server)[1])
+    assert [r for r in caplog.records if r.levelno >= 40] == []
+    assert raw_request(server.port, "POST", "/v1/completions", {"prompt": "def f(x):", "max_tokens": 4})[0] == 200
+
+
 # ---- the wire format, as curl sees it ------------------------------------------------------------
 
 
