@@ -44,6 +44,10 @@ class ModelConfig:
         return v * h * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + h
 
 
+_POSITIVE_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                   "num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
 def load_config(model_dir: str | Path) -> ModelConfig:
     """Read and validate ``model_dir/config.json``; raise with what is wrong and what is supported."""
     model_dir = Path(model_dir)
@@ -58,12 +62,21 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         raw = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{str(path)!r} is not readable JSON: {exc}") from exc
+    if not isinstance(raw, dict):  # valid JSON but not an object ("[1, 2]") crashed on .get with a traceback
+        raise ValueError(f"{str(path)!r} is not a config: expected a JSON object, got {type(raw).__name__}")
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"unsupported architecture: model_type={model_type!r} in {str(path)!r}; "
             f"specserve supports {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+
+    # Sizes are checked here, before transformers sees them: a negative or zero size crashed later with a
+    # traceback (torch: "negative dimension") or a division by zero, and transformers warns about it on stderr.
+    for key in _POSITIVE_SIZES:
+        value = raw.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{key}={value!r} in {str(path)!r} must be a positive integer")
 
     from transformers import AutoConfig
 
