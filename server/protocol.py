@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,11 +80,32 @@ MIN_TOP_P = 1e-6
 MAX_TOP_K = 2**31 - 1
 
 
+# Client-facing messages carry no traceback and no server file path: a message built from a deep
+# exception's text (the engine's, a grammar library's, torch's) can embed either, and both tell a stranger
+# how the server is laid out. Every error event and HTTP error body is made from a ProtocolError, so this
+# is the one place to enforce it.
+_TRACEBACK = re.compile(r"Traceback \(most recent call last\).*", re.S)
+_FRAME = re.compile(r"""\s*File "[^"]*", line \d+(?:, in \S+)?""")
+_PATH = re.compile(
+    r"""(?<![^\s'"(\[<,;=])[^\s'"()<>,;]*[/\\][^\s'"()<>,;]*\.(?:py[cdiox]?|so|dylib|dll|rs|c|cc|cpp|h|hpp|cu|cuh)\b(?::\d+)*"""
+    r"""|(?:/[^\s'"()<>,;]+)*/(?:site|dist)-packages(?:/[^\s'"()<>,;]+)*"""
+)
+
+
+def client_safe(message: str) -> str:
+    """``message`` without tracebacks, ``File "...", line N`` frames or server file paths."""
+    message = _TRACEBACK.sub("", message)
+    message = _FRAME.sub("", message)
+    message = _PATH.sub("<internal>", message)
+    return message.strip() or "the request failed"
+
+
 class ProtocolError(Exception):
     """A client mistake or a limit: becomes one ``error`` event; the session carries on."""
 
     def __init__(self, code: str, message: str, param: str | None = None, event_id: str | None = None) -> None:
         assert code in ERROR_CODES, code
+        message = client_safe(message)
         super().__init__(message)
         self.code = code
         self.type = ERROR_CODES[code]
