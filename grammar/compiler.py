@@ -46,6 +46,18 @@ class GrammarCompiler:
             template = LLMatcher(self.tokenizer, constraint.llguidance_grammar(), log_level=0)
             if template.is_error():
                 raise ValueError(f"invalid {constraint.kind}: {one_line(template.get_error())}")
+            # A grammar can compile and still fail at its first step: "start: start" allows nothing at
+            # all, 'start: "a"{99999}' passes llguidance's work limit when it computes forced tokens.
+            # Such requests used to fail mid-engine as an internal_error carrying llguidance's whole
+            # state dump. Taking that first step once, on a copy, refuses them here like any other
+            # invalid grammar (both found by the websocket fuzzer).
+            probe = template.deep_copy()
+            probe.compute_logit_bias()
+            if not probe.is_error():
+                probe.compute_ff_tokens()
+            if probe.is_error():
+                reason = one_line(probe.get_error().split("<state>")[0]) or "no output can match it"
+                raise ValueError(f"invalid {constraint.kind}: it fails at its first token ({reason})")
             self._templates[constraint] = template
             if len(self._templates) > self.CACHE_SIZE:
                 self._templates.popitem(last=False)

@@ -52,7 +52,9 @@ class GrammarState:
 
     @property
     def error(self) -> str:
-        return self.matcher.get_error()
+        # llguidance appends its whole parser state and the grammar ("<state>...</state><grammar>...");
+        # the reason comes first, and it is what reaches clients and logs.
+        return self.matcher.get_error().split("<state>")[0].strip()
 
     @property
     def stopped(self) -> bool:

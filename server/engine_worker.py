@@ -45,6 +45,9 @@ class Summary:
     error: str | None = None
     drafted: int = 0  # draft tokens proposed over the request's verify steps
     accepted: int = 0  # of which the target accepted (bonus tokens not counted)
+    # reason "error" because the request's own grammar matcher gave up (llguidance's work limits on a
+    # pathological constraint): the client's constraint is at fault, not the server (invalid_grammar).
+    constraint_failed: bool = False
 
 
 @dataclass(frozen=True)
@@ -232,6 +235,7 @@ class EngineWorker:
             error=req.error,
             drafted=stats.num_drafted,
             accepted=stats.num_emitted - stats.num_steps,  # each verify step emits its accepted tokens + 1 bonus
+            constraint_failed=req.grammar is not None and req.grammar.failed,
         )
 
     def _deliver(self, out: list[tuple[Sink, Update]]) -> None:

@@ -33,7 +33,7 @@ from specserve.server.openai_protocol import (
 )
 from specserve.server.pacing import Pacer, split_text, token_weights
 from specserve.server.protocol import ProtocolError
-from specserve.server.submit import final_status, fitted, make_params, prepare, refusal
+from specserve.server.submit import engine_failure, final_status, fitted, make_params, prepare, refusal
 
 API = "openai"
 FINISH_REASONS = {"stop": "stop", "length": "length"}
@@ -273,7 +273,7 @@ def _failure(summary: Summary, req: CompletionRequest) -> ProtocolError | None:
     if summary.reason == "rejected":
         return refusal(summary, req.constraint)
     if summary.reason == "error":
-        return ProtocolError("internal_error", summary.error or "the engine failed")
+        return engine_failure(summary, req.constraint)
     if summary.reason == "cancelled":
         return ProtocolError("internal_error", "the request was cancelled (the server is stopping)")
     return None

@@ -34,7 +34,7 @@ from specserve.server.protocol import (
     parse_event,
     with_event_id,
 )
-from specserve.server.submit import final_status, fitted, make_params, needs_thread, refusal
+from specserve.server.submit import engine_failure, final_status, fitted, make_params, needs_thread, refusal
 
 log = logging.getLogger("specserve.server")
 
@@ -289,7 +289,7 @@ class Session:
             self.outbox.send(error_event(error))
         else:
             body["status"] = "failed"
-            error = ProtocolError("internal_error", summary.error or "the engine failed")
+            error = engine_failure(summary, resp.constraint)
         if error is not None:
             body["error"] = error.to_error()
         total = summary.input_tokens + summary.output_tokens

@@ -61,6 +61,17 @@ def refusal(summary, constraint: ConstraintSpec | None = None) -> ProtocolError:
     return ProtocolError("request_rejected", message)
 
 
+def engine_failure(summary, constraint: ConstraintSpec | None = None) -> ProtocolError:
+    """The error for a request that ended with reason "error". A constraint whose matcher gave up part-way
+    (found by the websocket fuzzer: 'start: "a"{99999}' passes llguidance's work limit after one token)
+    is the client's ``invalid_grammar``, naming the field; only the engine's own failures are
+    ``internal_error`` (a server error, HTTP 500)."""
+    message = summary.error or "the engine failed"
+    if constraint is not None and summary.constraint_failed:
+        return grammar_error(message, constraint.param)
+    return ProtocolError("internal_error", message)
+
+
 def fitted(params: SamplingParams, prompt: Prompt) -> SamplingParams:
     """``params`` with max_tokens set to what fits the window (the engine refuses anything past it)."""
     return params if params.max_tokens == prompt.max_tokens else dataclasses.replace(params, max_tokens=prompt.max_tokens)
