@@ -1,6 +1,6 @@
 """Start-up refusals (issue 19): a checkpoint that fails to load, or a drafter that does not fit the target,
-is refused at start with one line on stderr and exit code 2 — by `specserve generate` (a real subprocess)
-and `specserve serve` (the same main() in process, which never gets as far as listening)."""
+is refused at start with one line on stderr and exit code 2 — by `specserve generate` and `specserve serve`
+(which never gets as far as listening): in process for speed, and a few as real subprocesses."""
 
 from __future__ import annotations
 
@@ -66,17 +66,33 @@ def assert_one_line(returncode: int, stderr: str, needle: str) -> None:
     assert needle in lines[0] and "Traceback" not in stderr, stderr
 
 
+def in_process(capsys, *args: str) -> tuple[int, str]:
+    """The same main() the console script runs, without a subprocess's few seconds of start-up."""
+    from specserve.cli import main
+
+    code = main(list(args))
+    return code, capsys.readouterr().err
+
+
 @pytest.mark.parametrize("name", list(BROKEN))
-def test_generate_refuses_a_broken_checkpoint(checkpoints, name):
+def test_generate_refuses_a_broken_checkpoint(capsys, checkpoints, name):
+    code, err = in_process(capsys, "generate", "--model", str(checkpoints / name), "--prompt", "x", "--max-tokens", "2")
+    assert_one_line(code, err, NEEDLES[name])
+
+
+@pytest.mark.parametrize("name", ["config_is_a_list", "negative_vocab", "truncated_weights"])
+def test_a_real_process_prints_only_that_line(checkpoints, name):
+    """Nothing else reaches stderr either: no library warning (transformers warned about a negative
+    vocab_size before it crashed), no progress bar."""
     res = run("generate", "--model", str(checkpoints / name), "--prompt", "x", "--max-tokens", "2")
     assert_one_line(res.returncode, res.stderr, NEEDLES[name])
 
 
 @pytest.mark.parametrize("name", ["config_is_a_list", "negative_vocab", "truncated_weights"])
-def test_generate_refuses_a_broken_draft_checkpoint(checkpoints, name):
-    res = run("generate", "--model", str(checkpoints / "good"), "--drafter", f"draft:{checkpoints / name}",
-              "--prompt", "x", "--max-tokens", "2")
-    assert_one_line(res.returncode, res.stderr, NEEDLES[name])
+def test_generate_refuses_a_broken_draft_checkpoint(capsys, checkpoints, name):
+    code, err = in_process(capsys, "generate", "--model", str(checkpoints / "good"), "--drafter",
+                           f"draft:{checkpoints / name}", "--prompt", "x", "--max-tokens", "2")
+    assert_one_line(code, err, NEEDLES[name])
 
 
 def test_generate_refuses_a_drafter_that_does_not_fit_the_target(checkpoints):
@@ -93,7 +109,5 @@ def test_generate_refuses_a_drafter_that_does_not_fit_the_target(checkpoints):
     (["--model", "{root}/good", "--drafter", "draft:{root}/no_such_drafter"], "no_such_drafter"),
 ])
 def test_serve_refuses_at_start_with_one_line(capsys, checkpoints, args, needle):
-    from specserve.cli import main
-
-    code = main(["serve", "--port", "0", *[a.replace("{root}", str(checkpoints)) for a in args]])
-    assert_one_line(code, capsys.readouterr().err, needle)
+    code, err = in_process(capsys, "serve", "--port", "0", *[a.replace("{root}", str(checkpoints)) for a in args])
+    assert_one_line(code, err, needle)
