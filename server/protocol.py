@@ -84,7 +84,7 @@ MAX_TOP_K = 2**31 - 1
 # exception's text (the engine's, a grammar library's, torch's) can embed either, and both tell a stranger
 # how the server is laid out. Every error event and HTTP error body is made from a ProtocolError, so this
 # is the one place to enforce it.
-_TRACEBACK = re.compile(r"Traceback \(most recent call last\).*", re.S)
+_TRACEBACK = re.compile(r"Traceback \(most recent call last\).*", re.DOTALL)
 _FRAME = re.compile(r"""\s*File "[^"]*", line \d+(?:, in \S+)?""")
 _PATH = re.compile(
     r"""(?<![^\s'"(\[<,;=])[^\s'"()<>,;]*[/\\][^\s'"()<>,;]*\.(?:py[cdiox]?|so|dylib|dll|rs|c|cc|cpp|h|hpp|cu|cuh)\b(?::\d+)*"""

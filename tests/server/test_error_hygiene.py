@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from specserve.server import ProtocolError
-from specserve.server.protocol import client_safe, error_event
 from specserve.server.openai_protocol import error_body
+from specserve.server.protocol import client_safe, error_event
 
 TRACEBACK = ('the engine failed: Traceback (most recent call last):\n  File "/work/main/specserve/engine.py", line 531, '
              'in step\n    r.error = x\nRuntimeError: boom')

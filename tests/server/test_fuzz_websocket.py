@@ -208,5 +208,5 @@ def test_a_text_frame_that_is_not_utf8_closes_with_1007(server):
 def test_non_finite_numbers_never_reach_the_engine(conn):
     """Python's json.loads accepts bare NaN and Infinity; the server's parser must not pass them on."""
     for token in ("NaN", "Infinity", "-Infinity"):
-        err = conn.expect_error('{"type": "response.create", "response": {"input": "x", "top_p": %s}}' % token)
+        err = conn.expect_error('{"type": "response.create", "response": {"input": "x", "top_p": ' + token + '}}')
         assert err["error"]["code"] == "invalid_json"
