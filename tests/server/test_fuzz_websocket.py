@@ -4,7 +4,8 @@ invalid and pathological constraints), binary and oversized frames at one real s
 
 Every frame gets exactly one reply before the next sync; an error carries a documented code and a message
 with no traceback and no server file path; afterwards the engine is alive and a greedy request still
-equals plain decoding. (test_bad_input.py checks each hand-picked case's exact code and param.)"""
+equals plain decoding. (test_bad_input.py checks each hand-picked case's exact code and param; this is
+the one fuzz test of the websocket door.)"""
 
 from __future__ import annotations
 
@@ -55,11 +56,13 @@ regexes = (st.sampled_from(["(a|aa)*b", "a{0,100000}", "(((((a*)*)*)*)*)", "[\\d
 grammars = (st.sampled_from(['start: "a"', "start: start", "start: a\na: b\nb: a", "start: /[a-/", "%import x",
                              'start: "a"{99999}']) | st.text(max_size=40)
             | st.just(2000).map(lambda n: "start: " + " | ".join(f'"{i}"' for i in range(n))))
-schemas = st.sampled_from([{"type": "object", "properties": {"a": {"$ref": "#"}}}, {"$ref": "#/nope"},
+schemas = st.sampled_from([{}, {"type": "integer"}, {"type": "array", "items": {"type": "boolean"}},
+                           {"type": "object", "properties": {"a": {"$ref": "#"}}}, {"$ref": "#/nope"},
                            {"type": "string", "pattern": "("}, {"type": "integer", "minimum": 5, "maximum": 1},
                            {"enum": []}, {"type": "array", "minItems": 10**9}, {"anyOf": []}, {"not": {}},
                            {"type": "string", "format": "bogus"}, {"properties": 5}]) | json_values
 formats = st.one_of(
+    st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
     st.fixed_dictionaries({"type": st.just("json_schema"), "schema": schemas}, optional={"strict": wrong(st.booleans())}),
     st.fixed_dictionaries({"type": st.just("grammar"), "definition": wrong(grammars)},
                           optional={"syntax": wrong(st.sampled_from(["lark", "regex"]))}),
@@ -80,6 +83,11 @@ response_objects = st.fixed_dictionaries(
     {"input": wrong(st.text(min_size=1, max_size=20) | st.lists(st.integers(-5, 2**40), min_size=1, max_size=5))},
     optional={**sampling, "text": wrong(st.fixed_dictionaries({"format": formats})),
               "json_whitespace": wrong(st.sampled_from(["compact", "flexible"]))})
+# The chat form of a prompt: messages, some with roles or contents that are wrong.
+messages = wrong(st.lists(st.fixed_dictionaries({"role": wrong(st.sampled_from(["user", "system", "assistant", "robot"])),
+                                                 "content": wrong(st.text(max_size=30))}), min_size=1, max_size=3))
+chat_objects = st.fixed_dictionaries({"messages": messages},
+                                     optional={**sampling, "text": wrong(st.fixed_dictionaries({"format": formats}))})
 # A plain prompt and a short reply with a constraint: what reaches the grammar compiler and the engine.
 constrained = st.builds(lambda fmt: {"type": "response.create", "response": {"input": "x", "max_output_tokens": 3,
                                                                             "text": {"format": fmt}}}, formats)
@@ -87,11 +95,14 @@ events = st.one_of(
     st.builds(lambda r, top: {"type": "response.create", **top, "response": r}, response_objects,
               st.fixed_dictionaries({}, optional={"event_id": wrong(st.text(min_size=1, max_size=8)),
                                                   "extra": json_values})),
+    st.builds(lambda r: {"type": "response.create", "response": r}, chat_objects),
     constrained,
     constrained,
     st.fixed_dictionaries({"type": st.just("session.update"), "session": wrong(st.fixed_dictionaries({}, optional={
-        "drafter": json_values, "defaults": wrong(st.fixed_dictionaries({}, optional=sampling))}))}),
-    st.fixed_dictionaries({"type": st.just("response.cancel")}, optional={"response_id": json_values}),
+        "drafter": wrong(st.sampled_from(["ngram", "none", "eagle"]) | st.none()),
+        "defaults": wrong(st.fixed_dictionaries({}, optional=sampling))}))}),
+    st.fixed_dictionaries({"type": st.just("response.cancel")},
+                          optional={"response_id": wrong(st.text(max_size=10)), "event_id": json_values}),
     st.fixed_dictionaries({"type": json_values}, optional={"response": json_values, "session": json_values}),
 )
 
@@ -170,6 +181,9 @@ def test_every_fuzzed_frame_gets_one_clean_reply(conn, frame):
             assert [e["error"] for e in refusal] in ([err], []), (frame, refusal)
             replies = replies[:1]
     assert len(replies) == 1, (frame, replies)
+    for logged in c.log:
+        assert logged["type"] in ("error", "response.created", "session.updated", "response.output_text.delta",
+                                  "response.done", "session.created")
     c.log.clear()
 
 
