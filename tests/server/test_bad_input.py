@@ -3,7 +3,6 @@ response carry on. Hand-picked cases, then hypothesis-fuzzed frames on one long-
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
