@@ -162,27 +162,30 @@ class WsConn:
                 if not fut.done():
                     fut.set_result(None)  # None: the connection closed before the reply
 
+    def _open_response(self, rid, where: str, after_done: str) -> "WsResponse | None":
+        """The response an output event belongs to, or None (a terminal-event violation counted) when it
+        was never created or has already ended (`after_done` words that case)."""
+        resp = self.responses.get(rid)
+        if resp is None:
+            self.tally.violation("terminal", f"{where} for a response never created")
+        elif resp.done is not None:
+            self.tally.violation("terminal", f"{where}{after_done} {resp.id}")
+            return None
+        return resp
+
     def _file(self, event: dict, now: float) -> None:
         kind = event.get("type")
         eid = event.get("event_id")
         where = f"{self.label}: {kind}"
         if kind == "response.output_text.delta":
-            resp = self.responses.get(event.get("response_id"))
-            if resp is None:
-                self.tally.violation("terminal", f"{where} for a response never created")
-            elif resp.done is not None:
-                self.tally.violation("terminal", f"{where} after response.done of {resp.id}")
-            else:
+            resp = self._open_response(event.get("response_id"), where, " after response.done of")
+            if resp is not None:
                 resp.seen.add(now, event["delta"], event["tokens"])
             return
         if kind == "response.done":
             body = event.get("response", {})
-            resp = self.responses.get(body.get("id"))
-            if resp is None:
-                self.tally.violation("terminal", f"{where} for a response never created")
-            elif resp.done is not None:
-                self.tally.violation("terminal", f"{where}: a second one for {resp.id}")
-            else:
+            resp = self._open_response(body.get("id"), where, ": a second one for")
+            if resp is not None:
                 resp.done = body
                 resp.finished.set()
                 self.tally.terminals[f"websocket {body.get('status')}"] += 1
