@@ -42,10 +42,10 @@ from specserve.verify import DraftTree
 # whole tree (so the next plan prices the long chains a predictable text offers, not just the nodes
 # verified) and verifies the cut of it, at least its PROBE_NODES best nodes (so it always learns).
 PROBE_FIRST = 32
-NO_LIMIT_HORIZON = 256  # a request without max_tokens is priced as this long for its first probe
 PROBE_MAX = 128
 PROBE_NODES = 2
 PROBE_SHARE = 0.015
+NO_LIMIT_HORIZON = 256  # a request without max_tokens is priced as this long for its first probe
 # The full plan (every depth priced) runs every REPLAN steps or when a request without a decision
 # arrives; in between the last decision stands (the cut still adapts every drafting step). Pricing
 # every depth each step cost ~0.3 ms — 15 % of a plain step on the embedded model.
@@ -197,9 +197,13 @@ class AdaptiveBudget:
                 budgets.append(self.max_budget)
                 continue
             s.idle += 1
-            # (whether a probe pays is priced every 8th step only: it is the common plain-decoding path)
-            due = s.fresh or (s.idle >= s.probe_every and s.idle % 8 == 0)
-            if probes and due and self._probe_pays(s, fixed_rows, len(states)):
+            # A new request's first chance is priced against the steps it may still run, later ones against
+            # the plain steps since its last probe — every 8th step only: it is the common plain path.
+            due, steps = (True, s.horizon) if s.fresh else (s.idle >= s.probe_every and s.idle % 8 == 0, s.idle)
+            pays = probes and due and self._probe_pays(s, steps, fixed_rows, len(states))
+            if probes and due:
+                s.fresh = False
+            if pays:
                 s.idle, s.probe_every, s.probing = 0, min(2 * s.probe_every, PROBE_MAX), True
                 self._since_plan = self._replan_every  # the next step plans with what the probe drafted
                 budgets.append(self.max_budget)
@@ -216,15 +220,12 @@ class AdaptiveBudget:
         self._depth = depth
         return DraftPlan(budgets, depth)
 
-    def _probe_pays(self, state: _RequestState, fixed_rows: int, requests: int) -> bool:
-        """Whether this request's share of the plain steps since its last probe covers a probe's predicted
-        cost (the whole batch waits for a probe: with n requests each probing, the probes' share of the
-        time stays under PROBE_SHARE when each waits n times longer than it would alone)."""
+    def _probe_pays(self, state: _RequestState, steps: int, fixed_rows: int, requests: int) -> bool:
+        """Whether this request's share of `steps` plain steps covers a probe's predicted cost (the whole
+        batch waits for a probe: with n requests each probing, the probes' share of the time stays under
+        PROBE_SHARE when each waits n times longer than it would alone)."""
         cost = self.draft_cost(self.max_depth, 1, state.backlog or 0) + self.tree_s
         cost += self.verify_cost(fixed_rows + PROBE_NODES) - self.verify_cost(fixed_rows)
-        steps = state.idle
-        if state.fresh:  # its first: priced against the steps it may still run
-            state.fresh, steps = False, state.horizon
         return steps * self._seconds(0.0, fixed_rows) / requests * PROBE_SHARE >= cost
 
     # ---- after drafting -------------------------------------------------------------------------
