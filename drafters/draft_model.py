@@ -91,7 +91,6 @@ class DraftModelDrafter(LevelDrafter):
                 "a draft model must share the target's tokenizer"
             )
         _check_same_tokenizer(self.path, target.model_dir)
-        self.max_positions = cfg.max_position_embeddings
         self.vocab = cfg.vocab_size
         self.device = target.device
         self.cache = None  # made by `attach_kv` on the engine's allocator
@@ -116,9 +115,6 @@ class DraftModelDrafter(LevelDrafter):
 
     def _prepare(self, req: DraftRequest) -> _RequestState:
         return self._state.setdefault(req.request_id, _RequestState())
-
-    def _max_levels(self, req: DraftRequest) -> int:
-        return self.max_positions - len(req.token_ids) + 1  # level d feeds position len + d - 2
 
     def _catch_up(self, work: list[LevelWork]) -> torch.Tensor:
         """Feed each request's uncached tokens (through its root); return the root rows' logits [A, V]."""

@@ -93,7 +93,6 @@ class EagleDrafter(LevelDrafter):
         self.feature_layers = self.head.cfg.feature_layers
         self.hidden_layers = tuple(sorted(set(self.feature_layers)))
         self.device = target.device
-        self.max_positions = self.head.mc.max_position_embeddings
         self.cache = None  # the head's KV cache, made by `attach_kv` on the engine's allocator
         self._state: dict[str, _State] = {}
         self._prev: torch.Tensor | None = None  # output features of the last feed, [A, W, H]
@@ -131,9 +130,6 @@ class EagleDrafter(LevelDrafter):
         dtype = torch.float32 if self.head.kernels is not None else self.head.fc.dtype
         layers = [torch.cat([q[i] for q in queued]).to(self.device, dtype) for i in range(len(self.feature_layers))]
         return self.head.fuse(layers)
-
-    def _max_levels(self, req: DraftRequest) -> int:
-        return self.max_positions - len(req.token_ids) + 2  # level d feeds position len + d - 3
 
     @torch.inference_mode()
     def _catch_up(self, work: list[LevelWork]) -> torch.Tensor:

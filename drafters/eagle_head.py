@@ -228,6 +228,7 @@ class EagleHead(nn.Module):
         x, attn_input = self._inputs(tokens, feats)
         d = batch.device_arrays(cache.device)
         meta = self.backend.prepare(batch, cache)
+        self.rope.cover(batch.num_positions)
         return self.layer(0, x, d.positions, self.rope, self.backend, meta, cache, attn_input)
 
     # ---- training: every position at once, unrolled on the head's own outputs --------------------
@@ -244,6 +245,7 @@ class EagleHead(nn.Module):
         """
         t = tokens.shape[1]
         positions = torch.arange(t, device=tokens.device)
+        self.rope.cover(t)
         i = positions[:, None]
         keys, values, outs = [], [], []
         x_in = feats
@@ -284,8 +286,7 @@ class _HeadKernels:
         else:
             self.lm_head = target_kernels.lm_head  # the target's own packed LM head, shared
             self.norm = None
-        rope = RotaryTable(head.mc, torch.device("cpu"), torch.float32)  # fp32 tables whatever the weights' dtype
-        self.cos, self.sin = rope.cos.numpy(), rope.sin.numpy()
+        self.rope = RotaryTable(head.mc, torch.device("cpu"), torch.float32)  # fp32 tables whatever the weights' dtype
         self.embed = head.embed.float().numpy()
         self.input_norm = head.input_norm.detach().float().numpy() if head.input_norm is not None else None
         self.hidden_norm = head.hidden_norm.detach().float().numpy() if head.hidden_norm is not None else None
@@ -317,7 +318,8 @@ class _HeadKernels:
             x = np.array(self.fc(torch.from_numpy(np.concatenate([e, f], axis=1))).numpy())
             attn = None if head.layer.input_norm is not None else x.copy()
         k, v = cache.layer_arrays()[0]
-        self.layer(x, batch, k, v, self.cos, self.sin, 0, attn)
+        cos, sin = (t.numpy() for t in self.rope.for_batch(batch.num_positions))
+        self.layer(x, batch, k, v, cos, sin, 0, attn)
         return torch.from_numpy(x)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:

@@ -67,7 +67,7 @@ class LevelDrafter(Drafter):
                 raise ValueError(f"budget for request {req.request_id!r} must be >= 0, got {budget}")
             state = self._prepare(req)
             cap = min(budget, self.max_budget)
-            levels = min(self.depth if depth is None else depth, cap, self._max_levels(req))
+            levels = min(self.depth if depth is None else depth, cap)
             if cap > 0 and levels >= 1:
                 work.append(LevelWork(i, req, cap, levels, state))
         if not work:
@@ -137,10 +137,6 @@ class LevelDrafter(Drafter):
     def _prepare(self, req: DraftRequest) -> object:
         """Take what the engine handed over (features, ...) for every request, drafting or not; return
         the request's state object."""
-
-    @abstractmethod
-    def _max_levels(self, req: DraftRequest) -> int:
-        """How many levels fit the drafter's own context window for this request."""
 
     @abstractmethod
     def _catch_up(self, work: list[LevelWork]) -> torch.Tensor:

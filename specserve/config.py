@@ -14,6 +14,11 @@ from typing import Any
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
+# "longrope" switches every position's frequencies once a sequence passes the original context, so a
+# cached key would need re-rotating: not supported. "dynamic" is per position (see specserve/rope.py).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2 fields)."""
@@ -111,10 +116,9 @@ def config_from_hf(hf: Any) -> ModelConfig:
         attention_bias = o_proj_bias = bool(getattr(hf, "attention_bias", False))
 
     rope = _rope_parameters(hf)
-    if rope.get("rope_type", "default") in ("dynamic", "longrope"):
+    if rope.get("rope_type", "default") not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
-            f"rope_type {rope['rope_type']!r} changes with sequence length and is not supported; "
-            "supported: default, linear, llama3, yarn"
+            f"rope_type {rope['rope_type']!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
 
     return ModelConfig(
@@ -136,6 +140,21 @@ def config_from_hf(hf: Any) -> ModelConfig:
         hidden_act=hf.hidden_act,
         hf_config=hf,
     )
+
+
+def context_limit(cfg: ModelConfig) -> int | None:
+    """The longest context a model may run: its ``max_position_embeddings``, except under dynamic NTK
+    rope, which exists to run past it (None: no limit but memory). Default context: `default_context`."""
+    return None if _rope_parameters(cfg.hf_config).get("rope_type") == "dynamic" else cfg.max_position_embeddings
+
+
+def default_context(cfg: ModelConfig) -> int:
+    """The context an engine gets when none is asked for: the trained length, times the scaling factor
+    under dynamic NTK (the length its factor was chosen for)."""
+    params = _rope_parameters(cfg.hf_config)
+    if params.get("rope_type") == "dynamic":
+        return int(cfg.max_position_embeddings * float(params.get("factor", 1.0)))
+    return cfg.max_position_embeddings
 
 
 def _rope_parameters(hf: Any) -> dict:

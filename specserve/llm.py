@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from specserve.config import load_config
+from specserve.config import context_limit, default_context, load_config
 from specserve.device import checkpoint_dtype, resolve_device, resolve_dtype
 from specserve.kernels import kernels_unsupported
 from specserve.drafters import TargetInfo, create_drafter
@@ -89,9 +89,10 @@ class LLM:
         self.model_dir = str(model_dir)
         self.tokenizer = _load_tokenizer(model_dir)
         if max_model_len is None:
-            max_model_len = cfg.max_position_embeddings
-        if not 1 < max_model_len <= cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len must be in [2, {cfg.max_position_embeddings}], got {max_model_len}")
+            max_model_len = default_context(cfg)
+        limit = context_limit(cfg)
+        if max_model_len < 2 or (limit is not None and max_model_len > limit):
+            raise ValueError(f"max_model_len must be in [2, {limit if limit is not None else 'memory'}], got {max_model_len}")
         if drafter == "auto":
             from specserve.training.bundle_paths import default_drafter
 

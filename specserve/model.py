@@ -180,6 +180,7 @@ class LlamaModel(nn.Module):
             return self.kernels.forward(batch, cache, hidden_layers)
         d = batch.device_arrays(self.device)
         meta = self.backend.prepare(batch, cache)
+        self.rope.cover(batch.num_positions)
         x = self.embed[d.input_ids]  # [T, hidden]
         hidden: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):

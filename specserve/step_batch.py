@@ -72,6 +72,11 @@ class StepBatch:
         return int(np.max(np.diff(self.cu_query_lens))) if self.num_seqs else 0
 
     @property
+    def num_positions(self) -> int:
+        """1 + the highest RoPE position of any new token (0 for an empty batch): the rotary rows needed."""
+        return int(self.positions.max()) + 1 if self.positions.size else 0
+
+    @property
     def max_context_len(self) -> int:
         return int(self.context_lens.max()) if self.num_seqs else 0
 

@@ -114,8 +114,7 @@ class ModelKernels:
         self.norm = _np(model.norm)
         self.lm_head = PackedLinear(model.lm_head, None, self.storage)
         self.layers = [LayerKernels(layer, self.storage) for layer in model.layers]
-        rope = RotaryTable(cfg, torch.device("cpu"), torch.float32)  # fp32 tables whatever the weights' dtype
-        self.cos, self.sin = rope.cos.numpy(), rope.sin.numpy()
+        self.rope = RotaryTable(cfg, torch.device("cpu"), torch.float32)  # fp32 tables whatever the weights' dtype
         self.window = int(cfg.sliding_window or 0)
         self.eps = np.float32(cfg.rms_norm_eps)
         self._arena = move_to_arena([self.lm_head, *(p for layer in self.layers for p in layer.products())])
@@ -131,10 +130,11 @@ class ModelKernels:
         x = self.embed[batch.input_ids]  # float32[T, H], a fresh copy: the residual stream
         hidden: dict[int, torch.Tensor] = {}
         kv = cache.layer_arrays()
+        cos, sin = (t.numpy() for t in self.rope.for_batch(batch.num_positions))  # the kernels never bounds-check
         for i, layer in enumerate(self.layers):
             if i in hidden_layers:
                 hidden[i] = torch.from_numpy(x[batch.hidden_rows])
-            layer(x, batch, kv[i][0], kv[i][1], self.cos, self.sin, self.window)
+            layer(x, batch, kv[i][0], kv[i][1], cos, sin, self.window)
         num_layers = self.config.num_layers
         if num_layers in hidden_layers:
             hidden[num_layers] = torch.from_numpy(self.final_norm(x[batch.hidden_rows]))

@@ -305,12 +305,41 @@ def test_budgets_cap_trees_and_batching_does_not_change_them(small_vocab_dir, he
         assert tree.tokens.tolist() == ref.tokens.tolist() and tree.parents.tolist() == ref.parents.tolist()
 
 
-def test_requests_at_the_context_end_get_shallow_trees(small_vocab_dir, heads):
-    drafter = EagleDrafter(target_info(small_vocab_dir), str(heads["eagle1"]), depth=4, topk=1)
-    limit = drafter.max_positions
-    ctx = [1 + (i % 7) for i in range(limit)]  # level d feeds position len + d - 3: only depths 1..2 fit
+@pytest.mark.parametrize("mode", ["eagle1", "eagle3"])
+def test_requests_past_the_heads_trained_length_get_whole_trees(small_vocab_dir, heads, mode):
+    """The head's max_position_embeddings is its training length, not a limit: its rotary table grows."""
+    drafter = EagleDrafter(target_info(small_vocab_dir), str(heads[mode]), depth=4, topk=1)
+    trained = drafter.head.mc.max_position_embeddings
+    ctx = [1 + (i % 7) for i in range(trained + 40)]
     (tree,) = _propose(drafter, [_request("e", ctx, small_vocab_dir, drafter)], [4])
-    assert tree.num_nodes == 2
+    assert tree.num_nodes == 4
+    executor = drafter.head.kernels or drafter.head  # the compiled path keeps its own fp32 table
+    assert executor.rope.num_positions >= len(ctx) + 2
+
+
+def test_a_long_repetitive_context_is_drafted_past_the_heads_trained_length(tmp_path):
+    """Issue 17: a published EAGLE-3 head for Llama-3 says 2048 positions; past them it used to stop
+    drafting (tau 2.00 -> 1.04). The bundle's trained head, told it was trained on 64 positions, keeps
+    drafting a 300-token repetitive prompt well past them — and stays lossless."""
+    import shutil
+
+    from specserve.training.bundle_paths import default_drafters, default_model_dir
+
+    target, head_dir = default_model_dir(), default_drafters().get("eagle")
+    if target is None or head_dir is None:
+        pytest.skip("the embedded bundle is not installed")
+    short = tmp_path / "eagle"
+    shutil.copytree(head_dir, short)
+    config = json.loads((short / "eagle_config.json").read_text())
+    config["layer"]["max_position_embeddings"] = 64
+    (short / "eagle_config.json").write_text(json.dumps(config))
+    prompt = "def add(a, b):\n    return a + b\n\n" * 20
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    spec = LLM(target, drafter=f"eagle:{short}", speculation="static").generate([prompt], params)[0]
+    plain = LLM(target, drafter=None).generate([prompt], params)[0]
+    assert len(spec.prompt_token_ids) > 64 + 100
+    assert spec.token_ids == plain.token_ids
+    assert spec.spec.mean_accepted_length > 1.5
 
 
 def test_release_drops_state(small_vocab_dir, heads):
