@@ -125,6 +125,19 @@ class Drafter(ABC):
     def release(self, request_id: str) -> None:
         """The request finished or was cancelled: drop its state. Default: stateless."""
 
+    def describe(self) -> dict[str, Any]:
+        """What `specserve info --drafter` prints: what was loaded and how it drafts. Drafters that read
+        checkpoints add what they detected (format, version, vocabulary mapping, ...). JSON-able values."""
+        out: dict[str, Any] = {"drafter": self.name}
+        if getattr(self, "path", None) is not None:
+            out["path"] = str(self.path)
+        for option in ("depth", "topk", "width", "max_budget"):
+            if isinstance(getattr(self, option, None), int):
+                out[option] = getattr(self, option)
+        out["needs_target_features"] = list(self.hidden_layers) if self.needs_hidden_states else False
+        out["gives_probs"] = self.gives_probs
+        return out
+
 
 def check_int_option(drafter: str, name: str, value: object, low: int, high: int | None = None) -> int:
     """A drafter option that must be an integer in [low, high] (no upper bound when high is None)."""

@@ -208,6 +208,11 @@ def constraint_kwargs(args: argparse.Namespace) -> dict:
 
 def add_info_arguments(info: argparse.ArgumentParser) -> None:
     info.add_argument("--json", action="store_true")
+    info.add_argument("--drafter", default=None, metavar="KIND[:PATH]",
+                      help="load this drafter for --model and print what was detected (format, version, layers, "
+                           "vocabulary mapping, feature layers, embedding, positions)")
+    info.add_argument("--model", default=None, help="the target for --drafter (default: the embedded model)")
+    info.add_argument("--device", default="auto")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -265,12 +270,37 @@ def cmd_info(args: argparse.Namespace) -> int:
         "speculation_modes": ["adaptive", "static"],
         "default_speculation": "adaptive",
     }
+    if args.drafter is not None or args.model is not None:
+        info = _describe_target_and_drafter(args)
     if args.json:
         print(json.dumps(info))
     else:
         for key, value in info.items():
-            print(f"{key}: {value}")
+            if isinstance(value, dict):
+                print(f"{key}:")
+                for inner, v in value.items():
+                    print(f"  {inner}: {v}")
+            else:
+                print(f"{key}: {value}")
     return 0
+
+
+def _describe_target_and_drafter(args: argparse.Namespace) -> dict:
+    """`info --model/--drafter`: load them as `generate` would and report what was detected."""
+    from specserve import LLM
+    from specserve.config import _rope_parameters
+
+    drafter = args.drafter if args.drafter is not None else "none"
+    llm = LLM(args.model, drafter=drafter, device=args.device)
+    cfg = llm.model.config
+    rope = _rope_parameters(cfg.hf_config)
+    out = {"model": llm.model_dir, "model_type": cfg.model_type, "layers": cfg.num_layers,
+           "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
+           "rope": rope.get("rope_type", "default"), "trained_positions": cfg.max_position_embeddings,
+           "max_model_len": llm.engine.config.max_model_len}
+    if llm.engine.drafter is not None:
+        out["drafter"] = llm.engine.drafter.describe()
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
