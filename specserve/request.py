@@ -33,6 +33,8 @@ class SpecStats:
     predicted_accepted / accepted_when_predicted / num_predicted: over the steps where the adaptive
                             policy predicted its tree's accepted length — what it predicted and what
                             was accepted (predicted_tau vs realised_tau).
+    accepted_by_drafter:    accepted draft tokens by the drafter that proposed them, for trees that say
+                            (a hybrid drafter's parts; "a+b" when both proposed the token).
     """
 
     num_steps: int = 0
@@ -45,6 +47,7 @@ class SpecStats:
     predicted_accepted: float = 0.0
     accepted_when_predicted: int = 0
     num_predicted: int = 0
+    accepted_by_drafter: dict[str, int] = field(default_factory=dict)
 
     @property
     def mean_accepted_length(self) -> float:
@@ -85,6 +88,9 @@ class SpecStats:
             self.accepted_per_position[d] += 1
         _grow(self.accepted_length_counts, result.num_accepted + 1)
         self.accepted_length_counts[result.num_accepted] += 1
+        if tree.sources is not None:
+            for node in result.accepted_nodes:
+                self.accepted_by_drafter[tree.sources[node]] = self.accepted_by_drafter.get(tree.sources[node], 0) + 1
 
     def to_dict(self) -> dict:
         return {
@@ -97,6 +103,7 @@ class SpecStats:
             "mean_budget": self.mean_budget,
             "predicted_tau": self.predicted_tau,
             "realised_tau": self.realised_tau,
+            **({"accepted_by_drafter": dict(self.accepted_by_drafter)} if self.accepted_by_drafter else {}),
         }
 
 

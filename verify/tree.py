@@ -48,6 +48,8 @@ class DraftTree:
              parent's (EAGLE-2's cumulative draft log-probabilities; for sampled requests a guess from
              sibling ranks only, never from drawn values). The adaptive policy calibrates them against
              what is accepted and cuts trees by them; None: the policy ranks nodes by depth.
+    sources: tuple[str, ...] or None — which drafter proposed each node (a hybrid drafter's parts, e.g.
+             "suffix", "eagle" or "suffix+eagle" when both did); request stats count accepted tokens by it.
     """
 
     tokens: torch.Tensor
@@ -56,6 +58,7 @@ class DraftTree:
     q_ids: torch.Tensor | None = None
     q_probs: torch.Tensor | None = None
     scores: torch.Tensor | None = None
+    sources: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         tokens, parents = self.tokens, self.parents
@@ -86,6 +89,8 @@ class DraftTree:
                                  f"{tuple(self.q_ids.shape)} and {tuple(self.q_probs.shape)}")
         if self.scores is not None and tuple(self.scores.shape) != (n,):
             raise ValueError(f"DraftTree.scores must be [N={n}], got {tuple(self.scores.shape)}")
+        if self.sources is not None and len(self.sources) != n:
+            raise ValueError(f"DraftTree.sources must name N={n} nodes, got {len(self.sources)}")
 
     @property
     def has_q(self) -> bool:
@@ -169,8 +174,9 @@ class DraftTree:
         def pick(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t[rows.to(t.device)]
 
+        sources = None if self.sources is None else tuple(self.sources[i] for i in keep)
         return DraftTree(self.tokens[rows], torch.from_numpy(new_parents), pick(self.probs), pick(self.q_ids),
-                         pick(self.q_probs), pick(self.scores))
+                         pick(self.q_probs), pick(self.scores), sources)
 
     # ---- derived structure ----------------------------------------------------------------------
 

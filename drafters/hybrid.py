@@ -1,0 +1,252 @@
+"""The ``hybrid`` drafter: several drafters propose into one tree per request.
+
+``--drafter hybrid:suffix+eagle`` (parts are drafter specs joined by ``+``; a part may name its
+directory: ``hybrid:suffix+eagle:DIR``). Each step every part drafts its own tree for the request with
+the request's budget; the trees are merged into one trie (a token path proposed by several parts is one
+node, its children the union of theirs), each node is valued, and the best ``budget`` nodes are kept.
+
+Values. A part's tree carries ``scores``, its guess at log P(node accepted) (cumulative along the path;
+none for n-gram: a fixed per-level guess). From them each node gets the part's *conditional* guess
+``c = P(accepted | parent accepted) = exp(score - parent's score)``. Parts are calibrated against what
+the verifier accepts: a per-part factor ``f = (accepted + 1) / (guessed + 1)`` (decayed sums over the
+children of accepted nodes, the nodes whose outcome is observed whatever the engine cut), so the
+EAGLE head's overconfident log-probabilities and a suffix index's frequencies end up on one scale. A
+node's value is its parent's value times ``max over its parts of min(1, f * c)``: never above its
+parent's, so keeping the ``budget`` best (ties: lower index, parents come first) is closed under
+ancestors. The value's log is the merged tree's ``scores``, which the adaptive policy calibrates and
+cuts again like any drafter's.
+
+Lossless. Greedy requests: any set of paths is. Sampled requests: sampled siblings must be the first
+draws of one draft distribution, each carrying q given its earlier siblings (`verify/tree.py`). So a
+sampled request takes the sampled nodes of ONE part that samples (the first listed) and the
+deterministic proposals of the one-hot parts (n-gram, suffix) — never a second sampling part's. The
+sampling part's nodes come first among their siblings; a deterministic proposal equal to a sampled
+sibling merges into it (a deterministic proposal's presence may depend on earlier draws; its q, one-hot,
+stays exactly the distribution it was proposed from), else it is appended with a one-hot q. Values are
+monotone in sibling rank for a sampling part (its scores depend on rank only), so the cut keeps a
+sampled node's earlier siblings.
+
+Stats: the merged tree names each node's part(s) (`DraftTree.sources`), and a request's ``spec`` stats
+count accepted tokens by drafter (``accepted_by_drafter``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specserve.drafters.base import (CommitInfo, DraftRequest, Drafter, TargetInfo, check_int_option, create_drafter,
+                                     parse_drafter_spec, register)
+from specserve.verify import DraftTree, VerifyResult
+
+# A part without scores (n-gram): its guess that a node is accepted given its parent was.
+UNSCORED_GUESS = 0.5
+# Calibration memory: sums decay by this per observed node (about the last 500 observations count).
+CALIBRATION_DECAY = 0.998
+MIN_VALUE = 1e-9
+
+
+@dataclass
+class _Proposal:
+    """The merged tree last proposed for a request, for calibration when its outcome comes back.
+
+    tokens/parents: the merged tree before the cut (its nodes carry every part's guesses); guesses:
+    float[N, P] each part's conditional guess (0 where the part did not propose the node).
+    """
+
+    tokens: np.ndarray
+    parents: np.ndarray
+    guesses: np.ndarray
+
+
+@register("hybrid")
+class HybridDrafter(Drafter):
+    """Several drafters' trees merged per request (see the module docstring).
+
+    Options:
+      max_budget: most nodes per merged tree, >= 1 (default: the sum of the parts' own).
+    """
+
+    def __init__(self, target: TargetInfo, path: str | None = None, *, max_budget: int | None = None) -> None:
+        if not path:
+            raise ValueError("the hybrid drafter needs its parts: 'hybrid:suffix+eagle' (drafter specs joined by '+')")
+        specs = [spec.strip() for spec in path.split("+")]
+        names = [parse_drafter_spec(spec)[0] for spec in specs]
+        if len(specs) < 2:
+            raise ValueError(f"a hybrid drafter merges two or more drafters, got {path!r}")
+        if len(set(names)) != len(names) or "hybrid" in names:
+            raise ValueError(f"hybrid drafter parts must be distinct drafters other than hybrid, got {names}")
+        self.parts: list[Drafter] = [create_drafter(spec, target) for spec in specs]
+        self.names = tuple(names)
+        parts = self.parts
+        self.needs_hidden_states = any(p.needs_hidden_states for p in parts)
+        self.hidden_layers = tuple(sorted({layer for p in parts if p.needs_hidden_states for layer in p.hidden_layers}))
+        self.gives_probs = any(p.gives_probs for p in parts)
+        self.catches_up = any(p.catches_up for p in parts)
+        self.drafts_by_level = any(p.drafts_by_level for p in parts)
+        self.depth = max(int(getattr(p, "depth", 1) or 1) for p in parts)
+        full = sum(p.max_budget for p in parts)
+        self.max_budget = full if max_budget is None else min(check_int_option("hybrid", "max_budget", max_budget, 1), full)
+        self.kv_slots_past_root = max(p.kv_slots_past_root for p in parts)
+        # The first part that samples drafts a sampled request's sampled nodes; the others sit out.
+        self._sampler = next((i for i, p in enumerate(parts) if p.gives_probs), None)
+        self._guessed = np.zeros(len(parts))
+        self._accepted = np.zeros(len(parts))
+        self._last: dict[str, _Proposal] = {}
+
+    # ---- the protocol: forwarded to every part ---------------------------------------------------
+
+    def kv_bytes_per_slot(self) -> int:
+        return sum(p.kv_bytes_per_slot() for p in self.parts)
+
+    def attach_kv(self, allocator) -> None:
+        for p in self.parts:
+            p.attach_kv(allocator)
+
+    def release(self, request_id: str) -> None:
+        self._last.pop(request_id, None)
+        for p in self.parts:
+            p.release(request_id)
+
+    def describe(self) -> dict:
+        out = super().describe()
+        out["parts"] = {name: part.describe() for name, part in zip(self.names, self.parts)}
+        out["calibration_factors"] = dict(zip(self.names, np.round(self.factors, 3).tolist()))
+        return out
+
+    @property
+    def factors(self) -> np.ndarray:
+        """float[P]: each part's calibration factor (accepted / guessed, with one of each as a prior)."""
+        return (self._accepted + 1.0) / (self._guessed + 1.0)
+
+    # ---- drafting -------------------------------------------------------------------------------
+
+    def propose(self, requests: list[DraftRequest], budgets: list[int], depth: int | None = None) -> list[DraftTree]:
+        budgets = [int(b) for b in budgets]
+        sampled = [r.temperature > 0 for r in requests]
+        part_trees = []
+        for k, part in enumerate(self.parts):
+            # A sampling part other than the sampler still sees sampled requests (it may queue their
+            # features), with budget 0.
+            sits_out = [s and part.gives_probs and k != self._sampler for s in sampled]
+            part_budgets = [0 if out else min(b, part.max_budget) for b, out in zip(budgets, sits_out)]
+            part_trees.append(part.propose(requests, part_budgets, depth))
+        factors = self.factors
+        out = []
+        for i, req in enumerate(requests):
+            trees = [part_trees[k][i] for k in range(len(self.parts))]
+            merged, proposal = self._merge(trees, sampled[i], factors, budgets[i])
+            if proposal is not None:
+                self._last[req.request_id] = proposal
+            out.append(merged)
+        return out
+
+    def _merge(self, trees: list[DraftTree], sampled: bool, factors: np.ndarray,
+               budget: int) -> tuple[DraftTree, _Proposal | None]:
+        """One request's part trees → the merged tree cut to ``budget`` nodes, and what calibration needs."""
+        order = list(range(len(trees)))
+        if sampled and self._sampler is not None:  # the sampling part's nodes first among siblings
+            order.remove(self._sampler)
+            order.insert(0, self._sampler)
+        tokens: list[int] = []
+        parents: list[int] = []
+        guesses: list[np.ndarray] = []
+        q_rows: list[tuple[np.ndarray, np.ndarray] | None] = []
+        index: dict[tuple[int, int], int] = {}
+        for k in order:
+            tree = trees[k]
+            if not tree.num_nodes:
+                continue
+            cond = _conditional_guesses(tree)
+            q = tree.compact_q if sampled else None
+            local = np.empty(tree.num_nodes, dtype=np.int64)
+            for n, (tok, par) in enumerate(zip(tree.tokens.tolist(), tree.parents.tolist())):
+                parent = -1 if par < 0 else int(local[par])
+                key = (parent, tok)
+                node = index.get(key)
+                if node is None:
+                    node = index[key] = len(tokens)
+                    tokens.append(tok)
+                    parents.append(parent)
+                    guesses.append(np.zeros(len(trees)))
+                    q_rows.append(None if q is None else (q[0][n].cpu().numpy(), q[1][n].float().cpu().numpy()))
+                guesses[node][k] = max(guesses[node][k], cond[n])
+                local[n] = node
+        if not tokens:
+            return DraftTree.empty(), None
+        tok_arr, par_arr = np.asarray(tokens, dtype=np.int64), np.asarray(parents, dtype=np.int64)
+        guess_arr = np.stack(guesses)  # [N, P]
+        values = np.empty(len(tokens))
+        last_sampled: dict[int, float] = {}  # parent -> value of its latest sampled child
+        for n, par in enumerate(parents):  # parents come first, siblings in order
+            own = float(np.max(np.minimum(1.0, guess_arr[n] * factors)))
+            values[n] = max(own, MIN_VALUE) * (values[par] if par >= 0 else 1.0)
+            if q_rows[n] is not None:  # a sampled node never outranks an earlier sampled sibling
+                values[n] = last_sampled[par] = min(values[n], last_sampled.get(par, np.inf))
+        keep = np.sort(np.lexsort((np.arange(len(tokens)), -values))[:budget])
+        sources = tuple("+".join(self.names[k] for k in range(len(trees)) if guess_arr[n, k] > 0) for n in keep)
+        q_ids = q_probs = None
+        if sampled and any(row is not None for row in q_rows):
+            width = max(len(row[0]) for row in q_rows if row is not None)
+            q_ids = np.full((len(keep), width), -1, dtype=np.int64)
+            q_probs = np.zeros((len(keep), width), dtype=np.float32)
+            for j, n in enumerate(keep):
+                if q_rows[n] is None:  # a deterministic proposal: one-hot q
+                    q_ids[j, 0], q_probs[j, 0] = tokens[n], 1.0
+                else:
+                    q_ids[j, :len(q_rows[n][0])], q_probs[j, :len(q_rows[n][1])] = q_rows[n]
+        remap = np.full(len(tokens), -1, dtype=np.int64)
+        remap[keep] = np.arange(len(keep))
+        kept_parents = np.where(par_arr[keep] >= 0, remap[np.maximum(par_arr[keep], 0)], -1)
+        tree = DraftTree(torch.from_numpy(tok_arr[keep]), torch.from_numpy(kept_parents),
+                         q_ids=None if q_ids is None else torch.from_numpy(q_ids),
+                         q_probs=None if q_probs is None else torch.from_numpy(q_probs),
+                         scores=torch.from_numpy(np.log(values[keep]).astype(np.float32)), sources=sources)
+        return tree, _Proposal(tok_arr, par_arr, guess_arr)
+
+    # ---- commits: calibration, and each part's own view of what was kept -------------------------
+
+    def on_commit(self, commits: list[CommitInfo]) -> None:
+        for c in commits:
+            proposal = self._last.pop(c.request_id, None)
+            if proposal is not None:
+                self._calibrate(proposal, c.result)
+        for part in self.parts:
+            part.on_commit(commits)
+
+    def _calibrate(self, proposal: _Proposal, result: VerifyResult) -> None:
+        """Score each part's guesses on the children of the accepted path's nodes (root included): the
+        nodes whose fate is known. The walk follows tokens, so the engine's own cut does not matter."""
+        children: dict[int, list[int]] = {}
+        for n, par in enumerate(proposal.parents.tolist()):
+            children.setdefault(par, []).append(n)
+        parent = -1
+        accepted_tokens = list(result.accepted_tokens)
+        for depth in range(len(accepted_tokens) + 1):
+            level = children.get(parent, [])
+            if not level:
+                break
+            nxt = accepted_tokens[depth] if depth < len(accepted_tokens) else None
+            hit = next((n for n in level if int(proposal.tokens[n]) == nxt), None)
+            guesses = proposal.guesses[level]  # [siblings, P]
+            self._guessed *= CALIBRATION_DECAY ** len(level)
+            self._accepted *= CALIBRATION_DECAY ** len(level)
+            self._guessed += guesses.sum(axis=0)
+            if hit is not None:
+                self._accepted += proposal.guesses[hit] > 0
+            if hit is None:
+                break
+            parent = hit
+
+
+def _conditional_guesses(tree: DraftTree) -> np.ndarray:
+    """float[N]: a part's guess that each node is accepted given its parent was, from its scores."""
+    if tree.scores is None:
+        return np.full(tree.num_nodes, UNSCORED_GUESS)
+    scores = tree.scores.float().cpu().numpy().astype(np.float64)
+    parents = tree.parents.numpy()
+    parent_scores = np.where(parents >= 0, scores[np.maximum(parents, 0)], 0.0)
+    return np.clip(np.exp(scores - parent_scores), MIN_VALUE, 1.0)
+
