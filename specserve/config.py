@@ -1,7 +1,7 @@
 """The target model's architecture, read from a Hugging Face `config.json` through transformers.
 
 We own the forward pass (tree attention, paged KV), but not config parsing: transformers knows every
-field spelling of Llama, Mistral and Qwen2 configs, including RoPE scaling variants.
+field spelling of Llama, Mistral, Qwen2 and Qwen3 configs, including RoPE scaling variants.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 # "longrope" switches every position's frequencies once a sequence passes the original context, so a
@@ -21,7 +21,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2 fields)."""
+    """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3 fields)."""
 
     model_type: str
     vocab_size: int
@@ -39,13 +39,14 @@ class ModelConfig:
     mlp_bias: bool
     sliding_window: int | None  # Mistral: a query sees keys at most `sliding_window - 1` positions back
     hidden_act: str
+    qk_norm: bool  # Qwen3: per-head RMSNorm (weights [head_dim]) on q and k after projection, before rotary
     hf_config: Any  # the transformers config object, for RoPE parameter functions
 
     @property
     def num_params(self) -> int:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         attn = h * self.head_dim * (self.num_heads * 2 + self.num_kv_heads * 2)
-        per_layer = attn + 3 * h * i + 2 * h
+        per_layer = attn + 3 * h * i + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
         return v * h * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + h
 
 
@@ -107,12 +108,12 @@ def config_from_hf(hf: Any) -> ModelConfig:
     sliding_window = None
     if model_type == "mistral":
         sliding_window = getattr(hf, "sliding_window", None)
-    elif model_type == "qwen2" and getattr(hf, "use_sliding_window", False):
-        raise ValueError("Qwen2 configs with use_sliding_window=true (per-layer windows) are not supported")
+    elif model_type in ("qwen2", "qwen3") and getattr(hf, "use_sliding_window", False):
+        raise ValueError(f"{model_type.capitalize()} configs with use_sliding_window=true (per-layer windows) are not supported")
 
     if model_type == "qwen2":
         attention_bias, o_proj_bias = True, False
-    else:
+    else:  # Llama, Mistral and Qwen3: `attention_bias` covers q/k/v and o_proj alike
         attention_bias = o_proj_bias = bool(getattr(hf, "attention_bias", False))
 
     rope = _rope_parameters(hf)
@@ -138,6 +139,7 @@ def config_from_hf(hf: Any) -> ModelConfig:
         mlp_bias=bool(getattr(hf, "mlp_bias", False)),
         sliding_window=sliding_window,
         hidden_act=hf.hidden_act,
+        qk_norm=model_type == "qwen3",
         hf_config=hf,
     )
 

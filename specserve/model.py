@@ -45,7 +45,9 @@ class DecoderLayer(nn.Module):
     Weights are stored fused ([q | k | v, in] and [gate | up, hidden]) so a layer is four products.
     attn_in: width of the attention input (hidden_size for a target layer; an EAGLE-3 head feeds the
     concatenation of two normed vectors, 2 * hidden). input_norm: whether the layer normalises its
-    own attention input (False when the caller hands over an already normed input).
+    own attention input (False when the caller hands over an already normed input). With
+    `cfg.qk_norm` (Qwen3) each q and k head is RMS-normed over head_dim (weights [head_dim], shared
+    by all heads) before rotary.
     """
 
     def __init__(self, cfg: ModelConfig, attn_in: int | None = None, input_norm: bool = True) -> None:
@@ -59,6 +61,8 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = _param(h)
         self.qkv = _param(self.q_size + 2 * self.kv_size, attn_in or h)  # [q | k | v, in]
         self.qkv_bias = _param(self.q_size + 2 * self.kv_size) if cfg.attention_bias else None
+        self.q_norm = _param(hd) if cfg.qk_norm else None
+        self.k_norm = _param(hd) if cfg.qk_norm else None
         self.o_proj = _param(h, self.q_size)
         self.o_bias = _param(h) if cfg.o_proj_bias else None
         self.gate_up = _param(2 * inter, h)  # [gate | up, hidden]
@@ -83,6 +87,9 @@ class DecoderLayer(nn.Module):
         q = q.unflatten(-1, (self.num_heads, self.head_dim))
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        if self.q_norm is not None:  # Qwen3: per-head norm, then rotary (transformers' order)
+            q = F.rms_norm(q, (self.head_dim,), self.q_norm, self.eps)
+            k = F.rms_norm(k, (self.head_dim,), self.k_norm, self.eps)
         q, k = rope.apply(q, k, positions)
         return q, k, v
 
@@ -145,6 +152,9 @@ class LlamaModel(nn.Module):
             layer.qkv.data = torch.cat([state[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
             if layer.qkv_bias is not None:
                 layer.qkv_bias.data = torch.cat([state[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
+            if layer.q_norm is not None:
+                layer.q_norm.data = state[p + "self_attn.q_norm.weight"]
+                layer.k_norm.data = state[p + "self_attn.k_norm.weight"]
             layer.o_proj.data = state[p + "self_attn.o_proj.weight"]
             if layer.o_bias is not None:
                 layer.o_bias.data = state[p + "self_attn.o_proj.bias"]

@@ -52,9 +52,10 @@ def build_model(
     init_std: float = 0.02,
     **extra,
 ) -> Path:
-    """Write a random-weight model of `arch` (llama | mistral | qwen2) to `out_dir`; return the path."""
+    """Write a random-weight model of `arch` (llama | mistral | qwen2 | qwen3) to `out_dir`; return the path."""
     from transformers import (
         LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+        Qwen3Config, Qwen3ForCausalLM,
     )
 
     out_dir = Path(out_dir)
@@ -66,7 +67,10 @@ def build_model(
         "llama": (LlamaConfig, LlamaForCausalLM),
         "mistral": (MistralConfig, MistralForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     }[arch]
+    if arch == "qwen3":  # Qwen3Config's head_dim defaults to 128 whatever the width: keep tiny heads tiny
+        extra.setdefault("head_dim", hidden_size // heads)
     eos = tok.eos_token_id if tok is not None else vocab_size - 1
     config = config_cls(
         vocab_size=vocab_size,
@@ -84,6 +88,12 @@ def build_model(
     )
     torch.manual_seed(seed)
     model = model_cls(config).eval()
+    if arch == "qwen3":
+        # Per-head q/k norms start as ones, which would hide a norm that is skipped or swapped: randomise.
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                    norm.weight.copy_(1.0 + 0.5 * torch.randn_like(norm.weight))
     model.save_pretrained(str(out_dir))
     (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
     return out_dir

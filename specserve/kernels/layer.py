@@ -1,5 +1,5 @@
-"""A whole Llama decoder layer as one compiled call on the CPU: norm, QKV, rotary, KV write, paged tree
-attention, output projection + residual, norm, gate/up, SiLU, down + residual.
+"""A whole Llama decoder layer as one compiled call on the CPU: norm, QKV, (Qwen3's per-head q/k norms,)
+rotary, KV write, paged tree attention, output projection + residual, norm, gate/up, SiLU, down + residual.
 
 One call per layer instead of dozens of torch ops: on a small model a plain step was mostly per-op
 overhead. Every piece computes a row from that row alone, in a fixed order (`linear_rows`,
@@ -30,6 +30,23 @@ def rms_norm_rows(x, weight, eps, out):
         inv = np.float32(1.0) / np.float32(math.sqrt(total / np.float32(dim) + eps))
         for i in range(dim):
             out[t, i] = (x[t, i] * inv) * weight[i]
+
+
+@numba.njit(inline="always")
+def head_norms(qkv, q_norm, k_norm, eps, num_heads, num_kv, head_dim):
+    """Qwen3's per-head RMSNorm, in place on qkv [T, (heads + 2 kv) * d]: every q head scaled by
+    q_norm [d], every k head by k_norm [d], v untouched; each head summed in index order."""
+    rows = qkv.shape[0]
+    for t in range(rows):
+        for h in range(num_heads + num_kv):  # the k heads follow the q heads in the fused row
+            weight = q_norm if h < num_heads else k_norm
+            start = h * head_dim
+            total = np.float32(0.0)
+            for i in range(head_dim):
+                total += qkv[t, start + i] * qkv[t, start + i]
+            inv = np.float32(1.0) / np.float32(math.sqrt(total / np.float32(head_dim) + eps))
+            for i in range(head_dim):
+                qkv[t, start + i] = (qkv[t, start + i] * inv) * weight[i]
 
 
 @numba.njit(inline="always")
@@ -79,7 +96,7 @@ def silu_mul(gate_up, out):
 
 
 @numba.njit(boundscheck=False, cache=True)
-def decoder_layer(x, attn_input, input_norm, post_norm, eps,
+def decoder_layer(x, attn_input, input_norm, post_norm, q_norm, k_norm, eps,
                   qkv_w, qkv_b, o_w, o_b, gate_up_w, gate_up_b, down_w, down_b, inter,
                   num_heads, num_kv, head_dim, cos, sin, k_cache, v_cache, window,
                   positions, slot_mapping, token_seq, cu_query_lens, context_lens, block_tables,
@@ -88,6 +105,7 @@ def decoder_layer(x, attn_input, input_norm, post_norm, eps,
 
     attn_input: float32[T, in] what attention reads; pass an empty [0, 0] array to use
                 rms_norm(x, input_norm) (a target layer); an EAGLE-3 head passes its own.
+    q_norm, k_norm: float32[head_dim] per-head norms applied before rotary (Qwen3), or both empty [0].
     *_w:        `PackedLinear.weight`s; *_b their float32 biases; inter: intermediate size.
     cos, sin:   float32[max_positions, head_dim] rotary tables; k_cache, v_cache: this layer's cache.
     The rest: the StepBatch arrays of the same names (window 0 = no sliding window).
@@ -98,6 +116,8 @@ def decoder_layer(x, attn_input, input_norm, post_norm, eps,
         rms_norm_rows(x, input_norm, eps, attn_input)
     qkv = np.empty((rows, (num_heads + 2 * num_kv) * head_dim), dtype=np.float32)
     linear_rows(attn_input, qkv_w, qkv_b, qkv, False)
+    if q_norm.shape[0] > 0:
+        head_norms(qkv, q_norm, k_norm, eps, num_heads, num_kv, head_dim)
     q = np.empty((rows, num_heads, head_dim), dtype=np.float32)
     rope_and_write_cache(qkv, cos, sin, positions, slot_mapping, num_heads, num_kv, head_dim, q, k_cache, v_cache)
     attn = np.empty((rows, num_heads, head_dim), dtype=np.float32)

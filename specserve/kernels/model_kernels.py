@@ -66,6 +66,7 @@ class LayerKernels:
     def __init__(self, layer, storage: str) -> None:
         self.input_norm = _np(layer.input_norm)
         self.post_norm = _np(layer.post_attn_norm)
+        self.q_norm, self.k_norm = _np(layer.q_norm), _np(layer.k_norm)  # float32[head_dim], or [0]: none
         self.eps = np.float32(layer.eps)
         self.qkv = PackedLinear(layer.qkv, layer.qkv_bias, storage)
         self.o_proj = PackedLinear(layer.o_proj, layer.o_bias, storage)
@@ -79,13 +80,15 @@ class LayerKernels:
 
     @property
     def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.products()) + 2 * self.post_norm.nbytes
+        return (sum(p.nbytes for p in self.products()) + 2 * self.post_norm.nbytes
+                + self.q_norm.nbytes + self.k_norm.nbytes)
 
     def __call__(self, x: np.ndarray, batch: StepBatch, k_cache: np.ndarray, v_cache: np.ndarray,
                  cos: np.ndarray, sin: np.ndarray, window: int, attn_input: np.ndarray | None = None) -> None:
         """Run the layer on x float32[T, hidden] in place (attn_input: see `decoder_layer`)."""
         decoder_layer(
-            x, _NO_INPUT if attn_input is None else attn_input, self.input_norm, self.post_norm, self.eps,
+            x, _NO_INPUT if attn_input is None else attn_input, self.input_norm, self.post_norm,
+            self.q_norm, self.k_norm, self.eps,
             self.qkv.weight, self.qkv.bias, self.o_proj.weight, self.o_proj.bias,
             self.gate_up.weight, self.gate_up.bias, self.down.weight, self.down.bias, self.inter,
             self.num_heads, self.num_kv, self.head_dim, cos, sin, k_cache, v_cache, window,

@@ -106,6 +106,24 @@ def test_unexpected_tensor(model_copy):
         LLM(model_copy)
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_per_layer_sliding_windows_are_refused(model_copy, arch):
+    cfg = json.loads((model_copy / "config.json").read_text())
+    cfg.update(model_type=arch, use_sliding_window=True, sliding_window=8)
+    (model_copy / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=f"{arch.capitalize()} configs with use_sliding_window=true"):
+        LLM(model_copy)
+
+
+def test_qwen3_checkpoint_without_its_qk_norms(model_copy):
+    # A Llama checkpoint relabelled qwen3: the per-head q/k norm weights are named as missing.
+    cfg = json.loads((model_copy / "config.json").read_text())
+    cfg.update(model_type="qwen3", head_dim=cfg["hidden_size"] // cfg["num_attention_heads"])
+    (model_copy / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"missing 4 tensor.*self_attn\.k_norm\.weight.*self_attn\.q_norm\.weight"):
+        LLM(model_copy)
+
+
 def test_missing_shard(tmp_path):
     from transformers import AutoModelForCausalLM
 

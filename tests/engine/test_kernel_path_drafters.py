@@ -46,14 +46,14 @@ def _randomise(module: torch.nn.Module, seed: int, std: float) -> None:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
 
 
-@pytest.fixture(scope="module")
-def artifacts(small_vocab_dir, tmp_path_factory):
-    """Drafter paths for the 16-token target: a random draft model, random EAGLE-1/3 heads, random Medusa heads."""
-    out = {"draft": build_model(tmp_path_factory.mktemp("draft"), "llama", vocab_size=16, tokenizer=False,
+def _build_artifacts(target_dir, tmp_path_factory, draft_arch: str = "llama") -> dict:
+    """Drafter paths for a 16-token, 64-wide target: a random draft model of `draft_arch`, random
+    EAGLE-1/3 heads, random Medusa heads."""
+    out = {"draft": build_model(tmp_path_factory.mktemp("draft"), draft_arch, vocab_size=16, tokenizer=False,
                                 hidden_size=32, layers=1, heads=2, kv_heads=1, seed=3, init_std=0.3)}
-    target = LlamaModel.from_pretrained(small_vocab_dir, torch.device("cpu"), torch.float32)
+    target = LlamaModel.from_pretrained(target_dir, torch.device("cpu"), torch.float32)
     for mode in ("eagle1", "eagle3"):
-        cfg = new_head_config(small_vocab_dir, mode, len(EAGLE3_IDS) if mode == "eagle3" else None)
+        cfg = new_head_config(target_dir, mode, len(EAGLE3_IDS) if mode == "eagle3" else None)
         head = EagleHead(cfg, target.embed, target.lm_head)
         _randomise(head, 1, 0.1)
         if mode == "eagle3":
@@ -62,15 +62,24 @@ def artifacts(small_vocab_dir, tmp_path_factory):
     medusa = MedusaHeads(64, 16, 3, 1, "own")
     _randomise(medusa, 2, 0.4)
     out["medusa"] = tmp_path_factory.mktemp("medusa")
-    save_heads(medusa, out["medusa"], small_vocab_dir)
+    save_heads(medusa, out["medusa"], target_dir)
     return out
+
+
+def _references(target_dir) -> dict[str, list[list[int]]]:
+    """Plain greedy output of every prompt, per weight storage (bf16 weights give other logits)."""
+    return {s: [o.token_ids for o in LLM(target_dir, device="cpu", dtype=s, drafter=None).generate(PROMPTS, GREEDY)]
+            for s in STORAGES}
+
+
+@pytest.fixture(scope="module")
+def artifacts(small_vocab_dir, tmp_path_factory):
+    return _build_artifacts(small_vocab_dir, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def references(small_vocab_dir):
-    """Plain greedy output of every prompt, per weight storage (bf16 weights give other logits)."""
-    return {s: [o.token_ids for o in LLM(small_vocab_dir, device="cpu", dtype=s, drafter=None).generate(PROMPTS, GREEDY)]
-            for s in STORAGES}
+    return _references(small_vocab_dir)
 
 
 @pytest.fixture
@@ -137,3 +146,42 @@ def test_every_drafter_gets_drafts_accepted(small_vocab_dir, artifacts, referenc
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == references["float32"]
     assert sum(sum(o.spec.accepted_per_position) for o in outs) > 0
+
+
+# ---- a Qwen3 target ---------------------------------------------------------------------------------
+
+QWEN3_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    """A 16-token Qwen3 target: per-head q/k norms before rotary, head_dim 32 (hidden / heads is 16), YaRN."""
+    return build_model(tmp_path_factory.mktemp("qwen3"), "qwen3", vocab_size=16, tokenizer=False, init_std=0.3,
+                       head_dim=32, max_positions=64, rope_scaling=QWEN3_YARN)
+
+
+@pytest.fixture(scope="module")
+def qwen3_artifacts(qwen3_dir, tmp_path_factory):
+    # The draft model is a Qwen3 too (its own q/k norms); EAGLE heads are Llama-style layers shaped
+    # like the target's (head_dim 32, YaRN), as public EAGLE-3 heads for Qwen3 are.
+    return _build_artifacts(qwen3_dir, tmp_path_factory, draft_arch="qwen3")
+
+
+@pytest.fixture(scope="module")
+def qwen3_references(qwen3_dir):
+    return _references(qwen3_dir)
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_every_drafter_is_lossless_greedy_with_a_qwen3_target(qwen3_dir, qwen3_artifacts, qwen3_references, drafter,
+                                                              storage):
+    spec, options = _spec(drafter, qwen3_artifacts, qwen3_references, storage, 3, 2, 8)
+    llm = LLM(qwen3_dir, drafter=spec, drafter_options=options, device="cpu", dtype=storage, max_prefill_tokens=5,
+              speculation="static")
+    assert _runs_on_kernels(llm, drafter)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == qwen3_references[storage]
+    assert sum(sum(o.spec.accepted_per_position) for o in outs) > 0  # the equality is not vacuous
+    alloc = llm.engine.allocator
+    assert alloc.num_free_blocks == alloc.num_blocks

@@ -20,6 +20,7 @@ from tiny_models import build_model
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
+YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
 ARCHS = {
     "llama-gqa-llama3-rope": ("llama", dict(rope_scaling=LLAMA3_ROPE, rope_theta=50000.0)),
     "llama-mha-bias": ("llama", dict(kv_heads=4, attention_bias=True, mlp_bias=True)),
@@ -27,6 +28,10 @@ ARCHS = {
     "mistral-sliding-window": ("mistral", dict(sliding_window=7, head_dim=24)),  # head_dim 24: the torch path
     "mistral-sliding-window-hd16": ("mistral", dict(sliding_window=5, head_dim=16)),
     "qwen2-bias-tied": ("qwen2", dict(tie_word_embeddings=True, rms_norm_eps=1e-5)),
+    # Qwen3: per-head q/k norms before rotary; head_dim 32 != hidden / heads (q is 128 wide, hidden 64).
+    "qwen3-hd32": ("qwen3", dict(head_dim=32)),
+    "qwen3-yarn-bias-tied": ("qwen3", dict(head_dim=16, attention_bias=True, tie_word_embeddings=True,
+                                           rope_scaling=YARN_ROPE, rope_theta=1000.0, max_positions=64)),
 }
 
 
@@ -98,9 +103,12 @@ def test_greedy_tokens_match_transformers_generate(arch_dir, executor):
             # forward once the window is exceeded; the full forward (above) is the reference there.
             continue
         ids = torch.tensor([prompt])
+        # ignore_eos means EOS is an ordinary token: generate must neither stop at it nor ban it (its
+        # min_new_tokens would suppress EOS, which diverges as soon as EOS is the argmax).
+        hf.generation_config.eos_token_id = None
         with torch.no_grad():
-            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, min_new_tokens=24,
-                              do_sample=False, pad_token_id=0)
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                              pad_token_id=0)
         assert out.token_ids == ref[0, len(prompt):].tolist()
 
 

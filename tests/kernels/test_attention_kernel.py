@@ -197,6 +197,9 @@ MODELS = {  # arch, build_model keyword arguments: GQA ratios, head_dim 16/32, b
     "mistral-window5-hd16": ("mistral", dict(hidden_size=64, heads=4, kv_heads=2, sliding_window=5)),
     "qwen2-hd32-linear-rope": ("qwen2", dict(hidden_size=64, heads=2, kv_heads=1,
                                              rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "qwen3-hd32-qk-norm-yarn-rope": ("qwen3", dict(hidden_size=64, heads=4, kv_heads=2, head_dim=32, max_positions=64,
+                                                   rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                                 "original_max_position_embeddings": 16})),
 }
 
 

@@ -161,6 +161,7 @@ def test_near_tie_in_attention_needs_keys_in_slot_order(use_threads):
 ARCHS = {
     "llama-gqa": ("llama", {}),
     "qwen2-bias": ("qwen2", {}),
+    "qwen3-qk-norm": ("qwen3", {}),
     "mistral-window4": ("mistral", dict(sliding_window=4)),
 }
 
