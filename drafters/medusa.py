@@ -1,11 +1,12 @@
 """The ``medusa`` drafter: K heads on the target's last feature propose a token tree in one shot.
 
-``medusa:DIR`` loads heads from DIR — our layout (``specserve train medusa``) or the public Medusa
-layout (see `medusa_heads`); a bare ``medusa`` means the bundle's heads when the target is the bundled
-default model. The heads read the target's final normed hidden state (transformers' hidden layer
-``num_layers``, what its LM head reads) at the last committed position, whose next token is the root:
-head 0 proposes the depth-1 nodes (the token after the root), head k the depth-(k+1) nodes. No draft
-forward, no draft KV: one small matmul per step for the whole batch.
+``medusa:DIR`` loads heads from DIR — our layout (``specserve train medusa``) or a public Medusa
+layout (Medusa-1, v2, or a jointly fine-tuned Medusa-2 target; see `medusa_heads`); a bare ``medusa``
+means the target's own heads when its directory holds some (Medusa-2), else the bundle's heads when the
+target is the bundled default model. The heads read the target's final normed hidden state
+(transformers' hidden layer ``num_layers``, what its LM head reads) at the last committed position,
+whose next token is the root: head 0 proposes the depth-1 nodes (the token after the root), head k the
+depth-(k+1) nodes. No draft forward, no draft KV: one small matmul per step for the whole batch.
 
 Trees (``tree=``):
 
@@ -30,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 from specserve.drafters.base import check_int_option, Drafter, DraftRequest, TargetInfo, register
-from specserve.drafters.medusa_heads import load_heads
+from specserve.drafters.medusa_heads import has_heads, load_heads
 from specserve.drafters.medusa_tree import DEFAULT_CHOICES, StaticTree, parse_choices, sample_static_tree
 from specserve.drafters.draft_rng import request_generator
 from specserve.drafters.tree_builder import DRAFT_Q_SUPPORT, TreeBuilder, draw_siblings, mask_level
@@ -77,9 +78,12 @@ class MedusaDrafter(Drafter):
     ) -> None:
         if tree not in TREES:
             raise ValueError(f"medusa drafter option tree must be one of {list(TREES)}, got {tree!r}")
+        if path is None and target.model_dir is not None and has_heads(target.model_dir):
+            path = target.model_dir  # a Medusa-2 target: its own directory holds the heads
         if path is None:
-            raise ValueError("the medusa drafter needs a heads directory: 'medusa:DIR' (a bare 'medusa' only works with "
-                             "the bundled default model when the bundle has Medusa heads)")
+            raise ValueError("the medusa drafter needs a heads directory: 'medusa:DIR' (a bare 'medusa' works with a "
+                             "target whose directory holds Medusa heads, or the bundled default model when the "
+                             "bundle has Medusa heads)")
         if tree == "static" and topk is not None:
             raise ValueError("medusa drafter option topk applies to tree='dynamic' (a static tree's ranks come from choices)")
         if tree == "dynamic" and choices is not None:
@@ -91,6 +95,7 @@ class MedusaDrafter(Drafter):
         heads = loaded.heads
         self.path = str(path)
         self.layout = loaded.layout
+        self.format = loaded.format
         self.num_heads = heads.num_heads
         self.depth = heads.num_heads if depth is None else _check("depth", depth, 1, heads.num_heads)
         self.tree = tree

@@ -1,4 +1,4 @@
-"""Medusa heads: the module, and their checkpoints in two layouts.
+"""Medusa heads: the module, and their checkpoints in our layout and the public ones.
 
 **Ours** (written by ``specserve train medusa``)::
 
@@ -9,11 +9,8 @@
     medusa_heads.safetensors    "weight" [K, L, H, H], "bias" [K, L, H], and with own LM heads
                                 "lm_heads" [K, V, H]
 
-**Public Medusa** (FasterDecoding/Medusa, Medusa-1 heads): ``config.json`` with ``medusa_num_heads``,
-``medusa_num_layers`` and ``base_model_name_or_path``; weights ``medusa_lm_head.safetensors`` (or the
-older ``medusa_lm_head.pt``) holding, for head k and residual block l, ``{k}.{l}.linear.weight`` [H, H]
-and ``{k}.{l}.linear.bias`` [H], and the head's LM head ``{k}.{num_layers}.weight`` [V, H] (the state
-dict of a ModuleList of ``Sequential(ResBlock * num_layers, Linear(H, V, bias=False))``).
+**Public Medusa** (FasterDecoding/Medusa: Medusa-1 heads, v2 heads ending in the target's LM head, and
+Medusa-2 targets fine-tuned jointly with their heads), detected from the files: see `medusa_public`.
 
 The target fingerprint (ours only) is the sha256 of the target's architecture fields, its tokenizer
 fingerprint and its LM head cast to fp16 — equal for an fp32 checkpoint and its fp16 export, different
@@ -29,17 +26,20 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from specserve.drafters.checkpoint_io import read_json as _read_json
 from specserve.drafters.checkpoint_io import read_safetensors
+from specserve.drafters.medusa_public import (
+    PUBLIC_CONFIG,
+    PUBLIC_WEIGHTS,
+    check_shapes,
+    inspect_public,
+)
+from torch import nn
 
 FORMAT = "specserve-medusa"
 VERSION = 1
 CONFIG_FILE = "medusa_config.json"
 WEIGHTS_FILE = "medusa_heads.safetensors"
-PUBLIC_CONFIG = "config.json"
-PUBLIC_WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 LM_HEAD_MODES = ("own", "shared")
 _ARCH_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "intermediate_size", "vocab_size", "tie_word_embeddings")
@@ -100,6 +100,7 @@ class LoadedHeads:
     heads: MedusaHeads
     config: dict  # our medusa_config.json, or the public config.json
     layout: str  # "specserve" | "medusa"
+    format: str = "specserve Medusa heads"  # what `describe_heads` calls the files
 
 
 # ---- the target's fingerprint ----------------------------------------------------------------------
@@ -186,7 +187,7 @@ def load_heads(path: str | Path, *, hidden_size: int, vocab_size: int, model_typ
     if (path / CONFIG_FILE).is_file():
         loaded = _load_ours(path)
     elif (path / PUBLIC_CONFIG).is_file() and "medusa_num_heads" in _read_json(path / PUBLIC_CONFIG, "Medusa config"):
-        loaded = _load_public(path)
+        loaded = _load_public(path, hidden_size, vocab_size)
     else:
         raise ValueError(f"{str(path)!r} holds no Medusa heads: expected {CONFIG_FILE} (specserve train medusa) or a "
                          f"{PUBLIC_CONFIG} with medusa_num_heads and {PUBLIC_WEIGHTS[0]} (FasterDecoding/Medusa)")
@@ -224,68 +225,104 @@ def _load_ours(path: Path) -> LoadedHeads:
         raise ValueError(f"{str(path / CONFIG_FILE)!r} is incomplete or malformed: {exc}") from exc
     state = _read_safetensors(path / WEIGHTS_FILE)
     expected = {name: tuple(p.shape) for name, p in heads.named_parameters()}
-    _check_state(path / WEIGHTS_FILE, state, expected)
+    check_shapes(path / WEIGHTS_FILE, {k: tuple(v.shape) for k, v in state.items()}, expected)
+    for name, tensor in state.items():
+        if not tensor.is_floating_point():
+            raise ValueError(f"medusa weights in {str(path / WEIGHTS_FILE)!r}: {name!r} is not a floating-point tensor")
     heads.load_state_dict({k: v.float() for k, v in state.items()})
     return LoadedHeads(heads, config, "specserve")
 
 
-def _load_public(path: Path) -> LoadedHeads:
-    config = _read_json(path / PUBLIC_CONFIG, "Medusa config")
-    num_heads, num_layers = config.get("medusa_num_heads"), config.get("medusa_num_layers", 1)
-    for name, value, low in (("medusa_num_heads", num_heads, 1), ("medusa_num_layers", num_layers, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{str(path / PUBLIC_CONFIG)!r}: {name} must be an integer >= {low}, got {value!r}")
-    if (path / PUBLIC_WEIGHTS[0]).is_file():
-        state = _read_safetensors(path / PUBLIC_WEIGHTS[0])
-    elif (path / PUBLIC_WEIGHTS[1]).is_file():
-        try:
-            state = torch.load(path / PUBLIC_WEIGHTS[1], map_location="cpu", weights_only=True)
-        except Exception as exc:  # torch raises assorted types for corrupt pickles
-            raise ValueError(f"{str(path / PUBLIC_WEIGHTS[1])!r} is not a readable torch state dict: {exc}") from exc
-        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-            raise ValueError(f"{str(path / PUBLIC_WEIGHTS[1])!r} is not a state dict of tensors")
-    else:
-        raise ValueError(f"{str(path)!r} has a Medusa {PUBLIC_CONFIG} but no {PUBLIC_WEIGHTS[0]} or {PUBLIC_WEIGHTS[1]}")
-    state = {k.removeprefix("medusa_head."): v for k, v in state.items()}
-    head_key = f"0.{num_layers}.weight"
-    if head_key not in state or state[head_key].dim() != 2:
-        raise ValueError(f"{str(path)!r}: Medusa weights lack {head_key!r} (head 0's LM head [vocab, hidden]); "
-                         f"keys look like {sorted(state)[:4]}")
-    vocab, hidden = state[head_key].shape
-    expected = {}
-    for k in range(num_heads):
-        for layer in range(num_layers):
-            expected[f"{k}.{layer}.linear.weight"] = (hidden, hidden)
-            expected[f"{k}.{layer}.linear.bias"] = (hidden,)
-        expected[f"{k}.{num_layers}.weight"] = (vocab, hidden)
-    _check_state(path, state, expected)
-    heads = MedusaHeads(int(hidden), int(vocab), num_heads, num_layers, "own")
+def _load_public(path: Path, hidden_size: int, vocab_size: int) -> LoadedHeads:
+    """hidden_size/vocab_size: the target's, for what the files do not fix (a shared LM head)."""
+    files = inspect_public(path)
+    hidden = files.hidden if files.hidden is not None else hidden_size
+    vocab = files.vocab if files.vocab is not None else vocab_size
+    num_heads, num_layers = files.num_heads, files.num_layers
+    expected = files.expected(hidden, vocab)
+    check_shapes(files.where, files.shapes, expected)
+    state = files.read(sorted(expected))
+    for name, tensor in state.items():
+        if not tensor.is_floating_point():
+            raise ValueError(f"medusa weights in {str(files.where)!r}: {name!r} is not a floating-point tensor")
+    heads = MedusaHeads(int(hidden), int(vocab), num_heads, num_layers, files.lm_head)
     with torch.no_grad():
         for k in range(num_heads):
+            # Upstream builds a head's blocks as ``[ResBlock(H)] * L``: ONE module applied L times, so its
+            # files hold L equal copies; applying each stored block in turn is that same function, and
+            # also right for trainers whose blocks are distinct.
             for layer in range(num_layers):
                 heads.weight[k, layer] = state[f"{k}.{layer}.linear.weight"].float()
                 heads.bias[k, layer] = state[f"{k}.{layer}.linear.bias"].float()
-            heads.lm_heads[k] = state[f"{k}.{num_layers}.weight"].float()
-    return LoadedHeads(heads, config, "medusa")
+            if heads.lm_heads is not None:
+                heads.lm_heads[k] = state[f"{k}.{num_layers}.weight"].float()
+    return LoadedHeads(heads, files.config, "medusa", files.label)
 
 
-def _check_state(where: Path, state: dict[str, torch.Tensor], expected: dict[str, tuple]) -> None:
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing {', '.join(missing[:5])}" + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
-        if unexpected:
-            parts.append(f"unexpected {', '.join(unexpected[:5])}"
-                         + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""))
-        raise ValueError(f"medusa weights in {str(where)!r} do not match their config: {'; '.join(parts)}")
-    for name, shape in expected.items():
-        if tuple(state[name].shape) != shape:
-            raise ValueError(f"medusa weights in {str(where)!r}: {name!r} has shape {tuple(state[name].shape)}, "
-                             f"expected {shape}")
-        if not state[name].is_floating_point():
-            raise ValueError(f"medusa weights in {str(where)!r}: {name!r} is not a floating-point tensor")
+def has_heads(path: str | Path) -> bool:
+    """Whether ``path`` holds Medusa heads in any layout (our config, a public Medusa config.json)."""
+    path = Path(path)
+    if (path / CONFIG_FILE).is_file():
+        return True
+    try:
+        return "medusa_num_heads" in _read_json(path / PUBLIC_CONFIG, "Medusa config")
+    except ValueError:
+        return False
+
+
+# ---- describing -----------------------------------------------------------------------------------
+
+
+def describe_heads(path: str | Path, target: str | Path | None = None) -> dict[str, str]:
+    """What a Medusa heads directory holds, for ``specserve info --drafter medusa:PATH``, read from its
+    config and tensor names and shapes only: format and version, heads (used / in the file), layers per
+    head, LM head (own per head, or the target's), hidden size and vocabulary, and — with ``target`` (a
+    model directory, or anything with a ``model_dir``) — whether they fit it. ValueError as `load_heads`."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"medusa heads directory {str(path)!r} does not exist")
+    target_dir = getattr(target, "model_dir", target)
+    target_cfg = _read_json(Path(target_dir) / "config.json", "target config") if target_dir is not None else None
+    if (path / CONFIG_FILE).is_file():
+        config = _read_json(path / CONFIG_FILE, "medusa config")
+        recorded = config.get("target") if isinstance(config.get("target"), dict) else {}
+        mode = config.get("lm_head")
+        out = {"format": f"specserve Medusa heads ({CONFIG_FILE}, version {config.get('version')})",
+               "heads": str(config.get("num_heads")), "layers per head": str(config.get("num_layers")),
+               "lm head": "own, one per head" if mode == "own" else "shared: the target's",
+               "hidden size": str(config.get("hidden_size")), "vocabulary": str(config.get("vocab_size")),
+               "trained for": str(recorded.get("path"))}
+        hidden, vocab = config.get("hidden_size"), config.get("vocab_size")
+    elif has_heads(path):
+        files = inspect_public(path)
+        fallback = target_cfg or {}
+        check_shapes(files.where, files.shapes, files.expected(files.hidden or fallback.get("hidden_size") or 0,
+                                                              files.vocab or fallback.get("vocab_size") or 0))
+        heads = str(files.num_heads) + (f" (the file holds {files.file_heads}; the config uses the first "
+                                         f"{files.num_heads})" if files.file_heads > files.num_heads else "")
+        hidden, vocab = files.hidden, files.vocab
+        out = {"format": files.label, "version": files.version or "none (Medusa-1 configs carry none)",
+               "weights": str(files.where), "heads": heads, "layers per head": str(files.num_layers),
+               "lm head": ("own, one per head, in the heads file" if files.lm_head == "own" and not files.joint
+                           else "own, one per head, in the model shards" if files.lm_head == "own"
+                           else "shared: the target's own LM head (not stored with the heads)"),
+               "hidden size": str(hidden) if hidden is not None else "the target's",
+               "vocabulary": str(vocab) if vocab is not None else "the target's",
+               "trained for": ("this directory's model (fine-tuned jointly with the heads)" if files.joint
+                               else str(files.config.get("base_model_name_or_path") or "not recorded"))}
+    else:
+        raise ValueError(f"{str(path)!r} holds no Medusa heads: expected {CONFIG_FILE} (specserve train medusa) or a "
+                         f"{PUBLIC_CONFIG} with medusa_num_heads (FasterDecoding/Medusa)")
+    if target_cfg is not None:
+        for key, field in (("hidden size", "hidden_size"), ("vocabulary", "vocab_size")):
+            if out[key] == "the target's":
+                out[key] = f"{target_cfg.get(field)} (the target's)"
+        problems = [f"{name} {mine} vs the target's {theirs}"
+                    for name, mine, theirs in (("hidden size", hidden, target_cfg.get("hidden_size")),
+                                               ("vocabulary", vocab, target_cfg.get("vocab_size")))
+                    if mine is not None and mine != theirs]
+        out["fits the target"] = "yes" if not problems else "no: " + "; ".join(problems)
+    return out
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:

@@ -16,6 +16,9 @@ from specserve.config import ModelConfig
 
 # Buffers some exporters save that carry no weights we need.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# A Medusa-2 target (fine-tuned jointly with its heads) keeps the heads in its own shards under this
+# name; the target is the model without them (the `medusa` drafter reads them from the same directory).
+_IGNORED_PREFIXES = ("medusa_head.",)
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -83,7 +86,7 @@ def load_state_dict(model_dir: str | Path, cfg: ModelConfig, device: torch.devic
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    if name.endswith(_IGNORED_SUFFIXES):
+                    if name.endswith(_IGNORED_SUFFIXES) or name.startswith(_IGNORED_PREFIXES):
                         continue
                     if name not in expected:
                         unexpected.append(name)
