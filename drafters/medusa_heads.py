@@ -186,11 +186,10 @@ def load_heads(path: str | Path, *, hidden_size: int, vocab_size: int, model_typ
         raise ValueError(f"medusa heads path {str(path)!r} is not a directory")
     if (path / CONFIG_FILE).is_file():
         loaded = _load_ours(path)
-    elif (path / PUBLIC_CONFIG).is_file() and "medusa_num_heads" in _read_json(path / PUBLIC_CONFIG, "Medusa config"):
+    elif has_heads(path):
         loaded = _load_public(path, hidden_size, vocab_size)
     else:
-        raise ValueError(f"{str(path)!r} holds no Medusa heads: expected {CONFIG_FILE} (specserve train medusa) or a "
-                         f"{PUBLIC_CONFIG} with medusa_num_heads and {PUBLIC_WEIGHTS[0]} (FasterDecoding/Medusa)")
+        raise _no_heads(path)
     heads = loaded.heads
     if heads.hidden_size != hidden_size:
         raise ValueError(f"medusa heads in {str(path)!r} have hidden size {heads.hidden_size} but the target has "
@@ -270,6 +269,21 @@ def has_heads(path: str | Path) -> bool:
         return False
 
 
+def _no_heads(path: Path) -> ValueError:
+    try:
+        config = _read_json(path / PUBLIC_CONFIG)
+    except ValueError:
+        config = {}
+    if config.get("model_type") == "medusa":
+        # vLLM's own layout (blocks.{k}.layers.{l}, lm_heads.{k}, optional token_map), converted from
+        # FasterDecoding's by a script; its options (bias-free blocks, one shared original_lm_head, a
+        # truncated vocabulary) are not read here, so it is refused rather than half-read.
+        return ValueError(f"{str(path / PUBLIC_CONFIG)!r} is vLLM's converted Medusa layout (model_type 'medusa'), "
+                          "which specserve does not read: use the FasterDecoding heads it was converted from")
+    return ValueError(f"{str(path)!r} holds no Medusa heads: expected {CONFIG_FILE} (specserve train medusa) or a "
+                      f"{PUBLIC_CONFIG} with medusa_num_heads and {PUBLIC_WEIGHTS[0]} (FasterDecoding/Medusa)")
+
+
 # ---- describing -----------------------------------------------------------------------------------
 
 
@@ -311,8 +325,7 @@ def describe_heads(path: str | Path, target: str | Path | None = None) -> dict[s
                "trained for": ("this directory's model (fine-tuned jointly with the heads)" if files.joint
                                else str(files.config.get("base_model_name_or_path") or "not recorded"))}
     else:
-        raise ValueError(f"{str(path)!r} holds no Medusa heads: expected {CONFIG_FILE} (specserve train medusa) or a "
-                         f"{PUBLIC_CONFIG} with medusa_num_heads (FasterDecoding/Medusa)")
+        raise _no_heads(path)
     if target_cfg is not None:
         for key, field in (("hidden size", "hidden_size"), ("vocabulary", "vocab_size")):
             if out[key] == "the target's":

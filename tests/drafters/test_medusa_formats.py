@@ -284,6 +284,12 @@ def test_clear_errors(small_vocab_dir, tmp_path):
         load_heads(bare, hidden_size=H, vocab_size=V)
     with pytest.raises(ValueError, match="needs a heads directory"):
         LLM(small_vocab_dir, drafter="medusa", device="cpu")
+    vllm = tmp_path / "vllm"  # vLLM's converted layout: refused by name, not misread
+    vllm.mkdir()
+    (vllm / "config.json").write_text(json.dumps({"model_type": "medusa", "num_heads": 2, "num_hidden_layers": 1,
+                                                  "hidden_size": H, "vocab_size": V}))
+    with pytest.raises(ValueError, match="vLLM's converted Medusa layout"):
+        load_heads(vllm, hidden_size=H, vocab_size=V)
 
 
 def test_describe_our_heads_and_a_target_that_does_not_fit(small_vocab_dir, tmp_path):
