@@ -57,6 +57,8 @@ class DraftRequest:
                allowed after the root + `path`. A drafter that samples must mask its distribution with
                it (q is then the masked one); the engine drops forbidden nodes of trees without q.
                Read-only for drafters: they must leave the matcher as they found it.
+    parts:     the names of a hybrid drafter's parts this request drafts with (None: all; the
+               request's choice on the page or in the API). Other drafters ignore it.
     """
 
     request_id: str
@@ -65,6 +67,7 @@ class DraftRequest:
     hidden_states: dict[int, torch.Tensor] | None = None
     seed: int | None = None
     grammar: Any = None
+    parts: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -90,8 +90,6 @@ class HybridDrafter(Drafter):
         full = sum(p.max_budget for p in parts)
         self.max_budget = full if max_budget is None else min(check_int_option("hybrid", "max_budget", max_budget, 1), full)
         self.kv_slots_past_root = max(p.kv_slots_past_root for p in parts)
-        # The first part that samples drafts a sampled request's sampled nodes; the others sit out.
-        self._sampler = next((i for i, p in enumerate(parts) if p.gives_probs), None)
         self._guessed = np.zeros(len(parts))
         self._accepted = np.zeros(len(parts))
         self._last: dict[str, _Proposal] = {}
@@ -125,31 +123,36 @@ class HybridDrafter(Drafter):
 
     def propose(self, requests: list[DraftRequest], budgets: list[int], depth: int | None = None) -> list[DraftTree]:
         budgets = [int(b) for b in budgets]
-        sampled = [r.temperature > 0 for r in requests]
+        chosen = [[r.parts is None or name in r.parts for name in self.names] for r in requests]  # [A][P]
+        # A sampled request's sampled nodes come from ONE part: the first sampling part it uses.
+        samplers = [next((k for k, p in enumerate(self.parts) if p.gives_probs and use[k]), None) if r.temperature > 0
+                    else None for r, use in zip(requests, chosen)]
         part_trees = []
         for k, part in enumerate(self.parts):
-            # A sampling part other than the sampler still sees sampled requests (it may queue their
-            # features), with budget 0.
-            sits_out = [s and part.gives_probs and k != self._sampler for s in sampled]
+            # A part that sits a request out (not chosen; a second sampling part for a sampled request)
+            # still sees it, with budget 0: it may have features to queue.
+            sits_out = [not use[k] or (r.temperature > 0 and part.gives_probs and k != sampler)
+                        for r, use, sampler in zip(requests, chosen, samplers)]
             part_budgets = [0 if out else min(b, part.max_budget) for b, out in zip(budgets, sits_out)]
             part_trees.append(part.propose(requests, part_budgets, depth))
         factors = self.factors
         out = []
         for i, req in enumerate(requests):
             trees = [part_trees[k][i] for k in range(len(self.parts))]
-            merged, proposal = self._merge(trees, sampled[i], factors, budgets[i])
+            merged, proposal = self._merge(trees, req.temperature > 0, samplers[i], factors, budgets[i])
             if proposal is not None:
                 self._last[req.request_id] = proposal
             out.append(merged)
         return out
 
-    def _merge(self, trees: list[DraftTree], sampled: bool, factors: np.ndarray,
+    def _merge(self, trees: list[DraftTree], sampled: bool, sampler: int | None, factors: np.ndarray,
                budget: int) -> tuple[DraftTree, _Proposal | None]:
-        """One request's part trees → the merged tree cut to ``budget`` nodes, and what calibration needs."""
+        """One request's part trees → the merged tree cut to ``budget`` nodes, and what calibration needs.
+        sampler: the part whose sampled nodes a sampled request takes (they come first among siblings)."""
         order = list(range(len(trees)))
-        if sampled and self._sampler is not None:  # the sampling part's nodes first among siblings
-            order.remove(self._sampler)
-            order.insert(0, self._sampler)
+        if sampler is not None:
+            order.remove(sampler)
+            order.insert(0, sampler)
         tokens: list[int] = []
         parents: list[int] = []
         guesses: list[np.ndarray] = []

@@ -118,6 +118,8 @@ class SpecServer:
         self.model_name = "specserve-default" if default else (Path(llm.model_dir).name or str(llm.model_dir))
         self.drafter_spec: str | None = llm.drafter_spec if engine.drafter is not None else None
         self.drafter_name = engine.drafter.name if engine.drafter is not None else None
+        # A hybrid drafter's parts: each may also be chosen alone, per session or per request.
+        self.drafter_parts: tuple[str, ...] = tuple(getattr(engine.drafter, "names", ())) if engine.drafter else ()
         self.speculation = getattr(llm, "speculation", "static") if engine.drafter is not None else None
         self.default_sampling = {
             "max_output_tokens": min(self.config.default_max_output_tokens, self.context_length - 1),
@@ -162,11 +164,33 @@ class SpecServer:
         if self.in_flight >= self.max_in_flight:
             raise ProtocolError("server_busy", f"the server has {self.in_flight} responses in flight; try again shortly")
 
-    def submit(self, rid: str, ids: list[int], params, speculate: bool, received: float, sink) -> None:
-        """Hand a request to the engine thread; ``finish`` must follow once its summary has arrived."""
+    def available_drafters(self) -> list[str]:
+        """What a client may choose: the server's drafter, each part of a hybrid one alone, or "none"."""
+        return ([self.drafter_spec, *self.drafter_parts] if self.drafter_spec else []) + ["none"]
+
+    def choose_drafter(self, name: str | None, field: str) -> str | None:
+        """A client's drafter choice → what its requests draft with: the server's drafter spec, one of its
+        parts, or None (plain decoding). name None: the server's drafter. ProtocolError otherwise."""
+        if name is None:
+            return self.drafter_spec
+        if name == "none":
+            return None
+        if self.drafter_spec is not None and name in (self.drafter_spec, self.drafter_name):
+            return self.drafter_spec
+        if name in self.drafter_parts:
+            return name
+        loaded = f"drafter {self.drafter_spec!r}" if self.drafter_spec else "no drafter"
+        allowed = ", ".join(repr(d) for d in self.available_drafters())
+        raise ProtocolError("drafter_unavailable",
+                            f"drafter {name[:64]!r} is not loaded: this server loaded {loaded}; choose one of {allowed}", field)
+
+    def submit(self, rid: str, ids: list[int], params, drafter: str | None, received: float, sink) -> None:
+        """Hand a request to the engine thread; ``finish`` must follow once its summary has arrived.
+        drafter: what `choose_drafter` returned (None: decode plainly)."""
         self.in_flight += 1
-        self._drafter_of[rid] = self.drafter_spec if speculate else None
-        self.worker.submit(rid, ids, params, speculate, received, sink)
+        self._drafter_of[rid] = drafter
+        parts = (drafter,) if drafter in self.drafter_parts else None
+        self.worker.submit(rid, ids, params, drafter is not None, received, sink, parts)
 
     def finish(self, rid: str, api: str, client: str, status: str, summary) -> None:
         """A submitted request has ended: free its place, count it, log it."""

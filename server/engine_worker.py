@@ -100,8 +100,8 @@ class EngineWorker:
         self._thread.start()
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, speculate: bool,
-               received: float, sink: Sink) -> None:
-        self._commands.put(("submit", request_id, prompt_ids, params, speculate, received, sink))
+               received: float, sink: Sink, drafter_parts: tuple[str, ...] | None = None) -> None:
+        self._commands.put(("submit", request_id, prompt_ids, params, speculate, received, sink, drafter_parts))
 
     def cancel(self, request_id: str) -> None:
         self._commands.put(("cancel", request_id))
@@ -163,9 +163,9 @@ class EngineWorker:
                     except BaseException as exc:  # handed to the caller, never lost
                         future.set_exception(exc)
 
-    def _submit(self, rid, prompt_ids, params, speculate, received, sink, out) -> None:
+    def _submit(self, rid, prompt_ids, params, speculate, received, sink, drafter_parts, out) -> None:
         try:
-            self.engine.add_request(prompt_ids, params, request_id=rid, speculate=speculate)
+            self.engine.add_request(prompt_ids, params, request_id=rid, speculate=speculate, drafter_parts=drafter_parts)
         except (ValueError, TypeError) as exc:  # what add_request says is wrong with the request
             out.append((sink, Update(rid, "", 0, Summary("rejected", len(prompt_ids), error=str(exc)))))
             return
@@ -225,6 +225,7 @@ class EngineWorker:
                 "tau": round(stats.mean_accepted_length, 4),
                 "steps": stats.num_steps,
                 "accepted_per_position": list(stats.accepted_per_position),
+                **({"accepted_by_drafter": dict(stats.accepted_by_drafter)} if stats.accepted_by_drafter else {}),
             },
             timing={
                 "queue_ms": ms(req.scheduled_time, live.received),

@@ -135,7 +135,7 @@ class OpenAIApi:
             req = parse_request(body, chat, sampling_defaults)
             if req.model is not None and req.model != server.model_name:
                 raise self._model_not_found(req.model)
-            speculate = self._speculate(req.drafter)
+            drafter = server.choose_drafter(req.drafter, "drafter")
             server.check_capacity()
             params = make_params(req.sampling, req.constraint)
             prompt = await prepare(server, req.input, req.messages, params.max_tokens, "error", req.names)
@@ -144,7 +144,7 @@ class OpenAIApi:
             return error_response(err)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         stream = _Stream(server, rid, client, req.stream_pacing == "smooth", len(prompt.ids))
-        server.submit(rid, prompt.ids, fitted(params, prompt), speculate, received, stream.on_update)
+        server.submit(rid, prompt.ids, fitted(params, prompt), drafter, received, stream.on_update)
         shapes = Shapes(rid, chat, server.model_name)
         try:
             if req.stream:
@@ -153,18 +153,6 @@ class OpenAIApi:
         finally:
             if stream.summary is None:  # the client went away (or the server is stopping): free its KV now
                 server.worker.cancel(rid)
-
-    def _speculate(self, drafter: str | None) -> bool:
-        server = self.server
-        if drafter is None:
-            return server.drafter_spec is not None
-        if drafter == "none":
-            return False
-        if server.drafter_spec is not None and drafter in (server.drafter_spec, server.drafter_name):
-            return True
-        loaded = f"drafter {server.drafter_spec!r}" if server.drafter_spec else "no drafter"
-        raise ProtocolError("drafter_unavailable", f"drafter {drafter[:64]!r} is not loaded: this server loaded {loaded}; "
-                            "give its name or \"none\"", "drafter")
 
     async def _whole(self, req: CompletionRequest, stream: _Stream, shapes: Shapes) -> web.Response:
         texts = []

@@ -81,7 +81,7 @@ PAGE_HTML = r"""<!doctype html>
   <div class="settings">
     <label>temperature <input id="temperature" type="number" min="0" max="2" step="0.1"></label>
     <label>max tokens <input id="max-tokens" type="number" min="1" step="1"></label>
-    <label><input id="speculate" type="checkbox" checked> speculate</label>
+    <label title="what drafts for this chat: the server's drafter, one part of a hybrid drafter, or none">drafter <select id="drafter"></select></label>
     <label title="spread each step's tokens over the step"><input id="smooth" type="checkbox" checked> smooth</label>
     <button id="clear" class="secondary" type="button">New chat</button>
   </div>
@@ -170,14 +170,26 @@ function updateStats(final) {
   if (tau !== null && isFinite(tau)) { el.dataset.tau = tau.toFixed(2); setStat(el, "tau", "τ " + tau.toFixed(2)); }
 }
 
+function fillDrafters(s) {
+  // One option per choice the server offers; the session's current one selected ("none": plain decoding).
+  const menu = $("drafter");
+  menu.replaceChildren(...s.available_drafters.map((name) => {
+    const option = document.createElement("option");
+    option.value = name;
+    option.textContent = name === "none" ? "none (plain)" : name;
+    return option;
+  }));
+  menu.value = s.drafter || "none";
+  menu.disabled = s.available_drafters.length < 2;
+}
+
 function onEvent(ev) {
   switch (ev.type) {
     case "session.created":
     case "session.updated":
       session = ev.session;
       $("model").textContent = session.model + (session.drafter ? " · drafter " + session.drafter : " · no drafter");
-      $("speculate").checked = !!session.drafter;
-      $("speculate").disabled = session.available_drafters.length < 2;
+      fillDrafters(session);
       $("max-tokens").max = session.limits.max_output_tokens;
       if (!settingsFilled) {  // the server's defaults, once: later changes are the user's
         $("temperature").value = session.defaults.temperature;
@@ -294,8 +306,8 @@ $("prompt").addEventListener("keydown", (e) => { if (e.key === "Enter" && !e.shi
 $("stop").addEventListener("click", () => {
   if (live && live.id) ws.send(JSON.stringify({type: "response.cancel", response_id: live.id}));
 });
-$("speculate").addEventListener("change", () => {
-  ws.send(JSON.stringify({type: "session.update", session: {drafter: $("speculate").checked ? session.available_drafters[0] : "none"}}));
+$("drafter").addEventListener("change", () => {
+  ws.send(JSON.stringify({type: "session.update", session: {drafter: $("drafter").value}}));
 });
 $("schema").addEventListener("input", () => { $("structured").dataset.active = $("schema").value.trim() ? "1" : ""; });
 $("clear").addEventListener("click", () => {

@@ -64,7 +64,7 @@ class Session:
         self.id = "sess_" + uuid.uuid4().hex[:24]
         self.client = f"{peer} {self.id}".strip()
         self.defaults = dict(server.default_sampling)
-        self.speculate = server.drafter_spec is not None
+        self.drafter: str | None = server.drafter_spec  # what this session's requests draft with (None: plain)
         self.responses: dict[str, _Response] = {}
         self.closed = False
         self._tokenizing = 0  # long prompts being tokenized off the loop, counted against the limits
@@ -103,15 +103,11 @@ class Session:
         return {
             "id": self.id,
             "model": server.model_name,
-            "drafter": server.drafter_spec if self.speculate else None,
-            "available_drafters": self._available_drafters(),
+            "drafter": self.drafter,
+            "available_drafters": server.available_drafters(),
             "defaults": {**self.defaults, "stop": list(self.defaults["stop"])},
             "limits": server.limits(),
         }
-
-    def _available_drafters(self) -> list[str]:
-        """What a session may choose: the server's drafter (when it loaded one), or "none"."""
-        return ([self.server.drafter_spec] if self.server.drafter_spec else []) + ["none"]
 
     # ---- client events ----------------------------------------------------------------------------
 
@@ -197,7 +193,7 @@ class Session:
             loop = asyncio.get_running_loop()
             resp.pacer = Pacer(lambda text, n, rid=rid: self.outbox.send_delta(rid, text, n), loop.time, loop.call_at)
         self.responses[rid] = resp
-        server.submit(rid, prompt.ids, fitted(params, prompt), self.speculate, received, self.on_update)
+        server.submit(rid, prompt.ids, fitted(params, prompt), self.drafter, received, self.on_update)
         created = {"type": "response.created", "response": {
             "id": rid, "status": "in_progress", "metadata": ev.metadata, "input_tokens": len(prompt.ids),
             "max_output_tokens": prompt.max_tokens, "dropped_messages": prompt.dropped_messages}}
@@ -219,19 +215,7 @@ class Session:
     def _update(self, ev: UpdateSession) -> None:
         server = self.server
         if ev.drafter is not None:
-            if ev.drafter == "none":
-                speculate = False
-            elif server.drafter_spec is not None and ev.drafter in (server.drafter_spec, server.drafter_name):
-                speculate = True
-            else:
-                loaded = f"drafter {server.drafter_spec!r}" if server.drafter_spec else "no drafter"
-                allowed = ", ".join(repr(d) for d in self._available_drafters())
-                raise ProtocolError(
-                    "drafter_unavailable",
-                    f"drafter {ev.drafter[:64]!r} is not loaded: this server loaded {loaded}; a session may use {allowed}",
-                    "session.drafter",
-                )
-            self.speculate = speculate
+            self.drafter = server.choose_drafter(ev.drafter, "session.drafter")
         self.defaults.update(ev.defaults)
         self.outbox.send(with_event_id({"type": "session.updated", "session": self.describe()}, ev.event_id))
 

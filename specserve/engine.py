@@ -186,11 +186,13 @@ class Engine:
     # ---- request lifecycle ----------------------------------------------------------------------
 
     def add_request(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, speculate: bool = True
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, speculate: bool = True,
+        drafter_parts: tuple[str, ...] | None = None,
     ) -> Request:
         """Validate and queue a request; raises ValueError naming what is wrong.
 
         speculate=False decodes this request plainly (budget 0) while others in the batch speculate.
+        drafter_parts: which of a hybrid drafter's parts draft for this request (None: all of them).
         """
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -228,7 +230,14 @@ class Engine:
             if self._grammars is None:
                 self._grammars = GrammarCompiler(self.tokenizer, vocab, self.eos_token_ids)
             grammar = self._grammars.state(params.constraint)
+        if drafter_parts is not None:
+            parts = tuple(getattr(self.drafter, "names", ()))
+            unknown = [p for p in drafter_parts if p not in parts]
+            if not drafter_parts or unknown:
+                raise ValueError(f"drafter parts {list(drafter_parts)} are not parts of this engine's drafter "
+                                 f"({self.drafter.name if self.drafter else 'none'}; parts: {list(parts)})")
         req = Request(request_id, list(prompt_ids), params, max_tokens, self.tokenizer, context, speculate)
+        req.drafter_parts = None if drafter_parts is None else tuple(drafter_parts)
         req.grammar = grammar
         self.requests[request_id] = req
         self.scheduler.add(req)
@@ -386,7 +395,7 @@ class Engine:
             aware = self.config.grammar_drafting != "verify"
             views = [DraftRequest(decodes[i].request_id, decodes[i].token_ids, decodes[i].params.temperature,
                                   decodes[i].take_hidden(), decodes[i].params.seed,
-                                  decodes[i].grammar if aware else None) for i in drafting]
+                                  decodes[i].grammar if aware else None, decodes[i].drafter_parts) for i in drafting]
             try:
                 proposed = self.drafter.propose(views, [budgets[i] for i in drafting], depth=step.depth)
             except Exception:

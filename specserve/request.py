@@ -129,6 +129,7 @@ class Request:
         self.num_cached = 0
         self.status = Status.WAITING
         self.speculate = speculate  # False: this request decodes plainly (budget 0)
+        self.drafter_parts: tuple[str, ...] | None = None  # a hybrid drafter's parts this request uses (None: all)
         self.grammar = None  # grammar.GrammarState of a constrained request: consumed every emitted token
         self.finish_reason: str | None = None
         self.error: str | None = None  # why, when finish_reason is "error" (the engine failed on its step)
