@@ -301,8 +301,8 @@ def describe_heads(path: str | Path, target: str | Path | None = None) -> dict[s
         config = _read_json(path / CONFIG_FILE, "medusa config")
         recorded = config.get("target") if isinstance(config.get("target"), dict) else {}
         mode = config.get("lm_head")
-        out = {"format": f"specserve Medusa heads ({CONFIG_FILE}, version {config.get('version')})",
-               "heads": str(config.get("num_heads")), "layers per head": str(config.get("num_layers")),
+        out = {"format": f"specserve Medusa heads ({CONFIG_FILE})", "version": str(config.get("version")),
+               "weights": str(path / WEIGHTS_FILE), "heads": str(config.get("num_heads")), "layers per head": str(config.get("num_layers")),
                "lm head": "own, one per head" if mode == "own" else "shared: the target's",
                "hidden size": str(config.get("hidden_size")), "vocabulary": str(config.get("vocab_size")),
                "trained for": str(recorded.get("path"))}

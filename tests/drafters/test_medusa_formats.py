@@ -296,6 +296,7 @@ def test_describe_our_heads_and_a_target_that_does_not_fit(small_vocab_dir, tmp_
     save_heads(MedusaHeads(H, V, 2, 1, "shared"), tmp_path / "ours", small_vocab_dir)
     info = describe_heads(tmp_path / "ours", small_vocab_dir)
     assert info["format"].startswith("specserve") and info["heads"] == "2" and info["lm head"] == "shared: the target's"
+    assert info["version"] == "1" and info["weights"].endswith("medusa_heads.safetensors")
     assert info["trained for"] == str(small_vocab_dir.resolve()) and info["fits the target"] == "yes"
     write_medusa1(tmp_path / "m1", small_vocab_dir)
     narrow = tmp_path / "narrow"
