@@ -94,6 +94,7 @@ class MedusaDrafter(Drafter):
                             target_dir=target.model_dir)
         heads = loaded.heads
         self.path = str(path)
+        self._target_dir = target.model_dir
         self.layout = loaded.layout
         self.format = loaded.format
         self.num_heads = heads.num_heads
@@ -245,6 +246,13 @@ class MedusaDrafter(Drafter):
         if generator is None:
             generator = self._generators[req.request_id] = request_generator("medusa", self.seed, req, self.device)
         return generator
+
+    def describe(self) -> dict:
+        """Drafter options plus what the heads' files say (`describe_heads`: format, version, heads, LM head)."""
+        from specserve.drafters.medusa_heads import describe_heads
+
+        tree = f"static, {self.static.num_nodes} nodes" if self.static is not None else f"dynamic, topk {self.topk}"
+        return {**super().describe(), "tree": tree, **describe_heads(self.path, self._target_dir)}
 
     def __repr__(self) -> str:
         shape = f"{self.static.num_nodes} static nodes" if self.static is not None else f"dynamic topk={self.topk}"

@@ -220,3 +220,19 @@ def test_grammar_drafting_reaches_serve_and_generate():
         argv = [*command, "--grammar-drafting", "aware"]
         assert build_parser(argv).parse_args(argv).grammar_drafting == "aware"
         assert build_parser(command).parse_args(command).grammar_drafting == "forced"
+
+
+def test_info_drafter_prints_what_was_detected():
+    """`specserve info --drafter KIND[:PATH]`: the target's architecture and context, and what the drafter's
+    files are (format, version, heads, LM head, feature layers); a hybrid lists its parts."""
+    medusa = json.loads(run("info", "--drafter", "medusa", "--json").stdout)
+    assert medusa["model_type"] == "llama" and medusa["rope"] == "default" and medusa["max_model_len"] == 512
+    d = medusa["drafter"]
+    assert d["drafter"] == "medusa" and d["heads"] == "3" and d["lm head"] == "shared: the target's"
+    assert d["fits the target"] == "yes"
+    hybrid = json.loads(run("info", "--drafter", "hybrid:suffix+eagle", "--json").stdout)["drafter"]
+    assert set(hybrid["parts"]) == {"suffix", "eagle"} and hybrid["parts"]["eagle"]["needs_target_features"] == [1, 3, 5]
+    text = run("info", "--drafter", "eagle")
+    assert text.returncode == 0 and "drafter:" in text.stdout and "path:" in text.stdout
+    bad = run("info", "--drafter", "eagle:/nonexistent")
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "/nonexistent" in bad.stderr
