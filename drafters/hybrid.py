@@ -1,9 +1,12 @@
 """The ``hybrid`` drafter: several drafters propose into one tree per request.
 
 ``--drafter hybrid:suffix+eagle`` (parts are drafter specs joined by ``+``; a part may name its
-directory: ``hybrid:suffix+eagle:DIR``). Each step every part drafts its own tree for the request with
-the request's budget; the trees are merged into one trie (a token path proposed by several parts is one
-node, its children the union of theirs), each node is valued, and the best ``budget`` nodes are kept.
+directory: ``hybrid:suffix+eagle:DIR``). Each step the cheap parts (n-gram, suffix: whole trees from
+an index) draft first; the costly ones (EAGLE, a draft model: a model forward per level, catch-up on
+the context) draft for a request only where the cheap parts' tree expects fewer than ``fallback_below``
+accepted tokens — SuffixDecoding's hybrid rule, which keeps a strong match from paying for a head it
+does not need. The trees are merged into one trie (a token path proposed by several parts is one node,
+its children the union of theirs), each node is valued, and the best ``budget`` nodes are kept.
 
 Values. A part's tree carries ``scores``, its guess at log P(node accepted) (cumulative along the path;
 none for n-gram: a fixed per-level guess). From them each node gets the part's *conditional* guess
@@ -41,6 +44,9 @@ from specserve.drafters.base import (CommitInfo, DraftRequest, Drafter, TargetIn
                                      parse_drafter_spec, register)
 from specserve.verify import DraftTree, VerifyResult
 
+# The costly parts draft for a request when the cheap parts' tree expects fewer accepted tokens than this:
+# SuffixDecoding's hybrid rule (use the suffix tree when its match is strong, else the model drafter).
+DEFAULT_FALLBACK_BELOW = 2.0
 # A part without scores (n-gram): its guess that a node is accepted given its parent was.
 UNSCORED_GUESS = 0.5
 # Calibration memory: sums decay by this per observed node (about the last 500 observations count).
@@ -66,10 +72,15 @@ class HybridDrafter(Drafter):
     """Several drafters' trees merged per request (see the module docstring).
 
     Options:
-      max_budget: most nodes per merged tree, >= 1 (default: the sum of the parts' own).
+      max_budget:    most nodes per merged tree, >= 1 (default: the sum of the parts' own).
+      fallback_below: the costly parts (those that run a model per level or catch up on the context:
+                     EAGLE, a draft model) draft for a request only when the cheap parts' merged tree
+                     (n-gram, suffix) expects fewer accepted tokens than this, >= 0 (default 2.0;
+                     0: cheap parts alone; a large value: every part, every step).
     """
 
-    def __init__(self, target: TargetInfo, path: str | None = None, *, max_budget: int | None = None) -> None:
+    def __init__(self, target: TargetInfo, path: str | None = None, *, max_budget: int | None = None,
+                 fallback_below: float = DEFAULT_FALLBACK_BELOW) -> None:
         if not path:
             raise ValueError("the hybrid drafter needs its parts: 'hybrid:suffix+eagle' (drafter specs joined by '+')")
         specs = [spec.strip() for spec in path.split("+")]
@@ -90,6 +101,10 @@ class HybridDrafter(Drafter):
         full = sum(p.max_budget for p in parts)
         self.max_budget = full if max_budget is None else min(check_int_option("hybrid", "max_budget", max_budget, 1), full)
         self.kv_slots_past_root = max(p.kv_slots_past_root for p in parts)
+        if isinstance(fallback_below, bool) or not isinstance(fallback_below, (int, float)) or not fallback_below >= 0:
+            raise ValueError(f"hybrid drafter option fallback_below must be a number >= 0, got {fallback_below!r}")
+        self.fallback_below = float(fallback_below)
+        self._costly = [p.catches_up or p.drafts_by_level for p in parts]
         self._guessed = np.zeros(len(parts))
         self._accepted = np.zeros(len(parts))
         self._last: dict[str, _Proposal] = {}
@@ -127,27 +142,42 @@ class HybridDrafter(Drafter):
         # A sampled request's sampled nodes come from ONE part: the first sampling part it uses.
         samplers = [next((k for k, p in enumerate(self.parts) if p.gives_probs and use[k]), None) if r.temperature > 0
                     else None for r, use in zip(requests, chosen)]
-        part_trees = []
-        for k, part in enumerate(self.parts):
-            # A part that sits a request out (not chosen; a second sampling part for a sampled request)
-            # still sees it, with budget 0: it may have features to queue.
-            sits_out = [not use[k] or (r.temperature > 0 and part.gives_probs and k != sampler)
-                        for r, use, sampler in zip(requests, chosen, samplers)]
-            part_budgets = [0 if out else min(b, part.max_budget) for b, out in zip(budgets, sits_out)]
-            part_trees.append(part.propose(requests, part_budgets, depth))
         factors = self.factors
+        part_trees: list[list[DraftTree] | None] = [None] * len(self.parts)
+        # Cheap parts first: where their tree is already good enough, the costly parts sit the request out.
+        for costly_round in (False, True):
+            if costly_round:
+                empty = [DraftTree.empty()] * len(self.parts)
+                for i, r in enumerate(requests):
+                    trees = [part_trees[k][i] if part_trees[k] is not None else empty[k] for k in range(len(self.parts))]
+                    expected = self._merge(trees, r.temperature > 0, samplers[i], factors, budgets[i])[2]
+                    if expected >= self.fallback_below:
+                        chosen[i] = [use and not costly for use, costly in zip(chosen[i], self._costly)]
+            for k, part in enumerate(self.parts):
+                if self._costly[k] != costly_round:
+                    continue
+                # A part that sits a request out (not chosen; a second sampling part for a sampled request;
+                # a costly part where the cheap ones suffice) still sees it, with budget 0: it may have
+                # features to queue.
+                sits_out = [not use[k] or (r.temperature > 0 and part.gives_probs and k != sampler)
+                            for r, use, sampler in zip(requests, chosen, samplers)]
+                part_budgets = [0 if out else min(b, part.max_budget) for b, out in zip(budgets, sits_out)]
+                # The policy's depth caps drafting cost: it binds parts that pay per level (EAGLE, a draft
+                # model); parts that draft whole trees at once give theirs, and the cut prices its rows.
+                part_trees[k] = part.propose(requests, part_budgets, depth if part.drafts_by_level else None)
         out = []
         for i, req in enumerate(requests):
             trees = [part_trees[k][i] for k in range(len(self.parts))]
-            merged, proposal = self._merge(trees, req.temperature > 0, samplers[i], factors, budgets[i])
+            merged, proposal, _ = self._merge(trees, req.temperature > 0, samplers[i], factors, budgets[i])
             if proposal is not None:
                 self._last[req.request_id] = proposal
             out.append(merged)
         return out
 
     def _merge(self, trees: list[DraftTree], sampled: bool, sampler: int | None, factors: np.ndarray,
-               budget: int) -> tuple[DraftTree, _Proposal | None]:
-        """One request's part trees → the merged tree cut to ``budget`` nodes, and what calibration needs.
+               budget: int) -> tuple[DraftTree, _Proposal | None, float]:
+        """One request's part trees → the merged tree cut to ``budget`` nodes, what calibration needs, and
+        the tree's expected accepted tokens (the sum of its nodes' values).
         sampler: the part whose sampled nodes a sampled request takes (they come first among siblings)."""
         order = list(range(len(trees)))
         if sampler is not None:
@@ -178,7 +208,7 @@ class HybridDrafter(Drafter):
                 guesses[node][k] = max(guesses[node][k], cond[n])
                 local[n] = node
         if not tokens:
-            return DraftTree.empty(), None
+            return DraftTree.empty(), None, 0.0
         tok_arr, par_arr = np.asarray(tokens, dtype=np.int64), np.asarray(parents, dtype=np.int64)
         guess_arr = np.stack(guesses)  # [N, P]
         values = np.empty(len(tokens))
@@ -207,7 +237,7 @@ class HybridDrafter(Drafter):
                          q_ids=None if q_ids is None else torch.from_numpy(q_ids),
                          q_probs=None if q_probs is None else torch.from_numpy(q_probs),
                          scores=torch.from_numpy(np.log(values[keep]).astype(np.float32)), sources=sources)
-        return tree, _Proposal(tok_arr, par_arr, guess_arr)
+        return tree, _Proposal(tok_arr, par_arr, guess_arr), float(values[keep].sum())
 
     # ---- commits: calibration, and each part's own view of what was kept -------------------------
 

@@ -249,9 +249,9 @@ class AdaptiveBudget:
             state = self._state(r.request_id)
             latest = self._typical[r.params.temperature > 0] = (conditional, parents, depths)
             state.trees.append(latest)
+            # No cut by depth here: the plan's depth caps what level drafters spend drafting (they honour
+            # it), and nodes past it that cost no drafting (a hybrid's suffix part) are priced by rows below.
             v = _factored(latest, state.factor)
-            if self._depth:
-                v = np.where(depths <= self._depth, v, -1.0)
             values.append(v)
             terms_of.append(terms)
         if self.verify_cost is None:

@@ -46,6 +46,17 @@ class _FixedB(_Fixed):
     gives_probs = True
 
 
+@register("fixed_costly")
+class _FixedCostly(_Fixed):
+    """A part that runs a model per level (like EAGLE): remembers the budgets it was handed."""
+
+    drafts_by_level = True
+
+    def propose(self, requests, budgets, depth=None):
+        self.seen = list(budgets)
+        return super().propose(requests, budgets, depth)
+
+
 def _tree(tokens, parents, scores=None, q=None):
     q_ids = q_probs = None
     if q is not None:
@@ -212,3 +223,20 @@ def test_info_describes_every_part(small_vocab_dir, near_draft_dir):
     info = llm.engine.drafter.describe()
     assert set(info["parts"]) == {"ngram", "draft"} and info["parts"]["draft"]["path"] == str(near_draft_dir)
     assert set(info["calibration_factors"]) == {"ngram", "draft"}
+
+
+def test_costly_parts_draft_only_where_the_cheap_ones_fall_short():
+    h = create_drafter("hybrid:fixed_a+fixed_costly", TARGET)
+    a, costly = h.parts
+    a.trees["strong"] = _tree([5, 6, 7], [-1, 0, 1], scores=np.log([0.95, 0.9, 0.85]))  # expects 2.7 tokens
+    a.trees["weak"] = _tree([5], [-1], scores=np.log([0.3]))
+    costly.trees["strong"] = costly.trees["weak"] = _tree([9], [-1], scores=np.log([0.6]))
+    trees = h.propose([_req("strong"), _req("weak")], [8, 8])
+    assert costly.seen == [0, 8]
+    assert trees[0].tokens.tolist() == [5, 6, 7] and sorted(trees[1].tokens.tolist()) == [5, 9]
+    always = create_drafter("hybrid:fixed_a+fixed_costly", TARGET, {"fallback_below": 1e9})
+    always.parts[0].trees["strong"] = a.trees["strong"]
+    always.propose([_req("strong")], [8])
+    assert always.parts[1].seen == [8]
+    with pytest.raises(ValueError, match="fallback_below"):
+        create_drafter("hybrid:fixed_a+fixed_costly", TARGET, {"fallback_below": -1})
