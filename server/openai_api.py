@@ -138,7 +138,7 @@ class OpenAIApi:
             drafter = server.choose_drafter(req.drafter, "drafter")
             server.check_capacity()
             params = make_params(req.sampling, req.constraint)
-            prompt = await prepare(server, req.input, req.messages, params.max_tokens, "error", req.names)
+            prompt = await prepare(server, req.input, req.messages, params, "error", req.names, req.constraint)
         except ProtocolError as err:
             server.reject(API, client, err)
             return error_response(err)

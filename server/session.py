@@ -23,7 +23,7 @@ from specserve.server.engine_worker import Summary, Update
 from specserve.server.metrics import TokenClock
 from specserve.server.outbox import Outbox
 from specserve.server.pacing import Pacer, split_text, token_weights
-from specserve.server.prompts import Prompt, prepare_prompt
+from specserve.server.prompts import WEBSOCKET_NAMES, Prompt
 from specserve.server.protocol import (
     CancelResponse,
     ConstraintSpec,
@@ -34,7 +34,8 @@ from specserve.server.protocol import (
     parse_event,
     with_event_id,
 )
-from specserve.server.submit import engine_failure, final_status, fitted, make_params, needs_thread, refusal
+from specserve.server.submit import (engine_failure, final_status, fitted, make_params, needs_thread, prepare_now,
+                                     refusal)
 
 log = logging.getLogger("specserve.server")
 
@@ -150,12 +151,13 @@ class Session:
         s = {**self.defaults, **ev.sampling}
         params = make_params(s, ev.constraint)
         policy = "auto" if s["truncation"] == "auto" else "clamp"
-        if not needs_thread(ev.input, ev.messages):
-            prompt = prepare_prompt(server.llm, server.context_length, ev.input, ev.messages, params.max_tokens, policy)
+        if not needs_thread(ev.input, ev.messages, params):
+            prompt = prepare_now(server, ev.input, ev.messages, params, policy)
             self._submit(ev, s, params, prompt, received)
             return
-        # A long text takes milliseconds to seconds to tokenize: do it off the event loop so no other
-        # connection's stream stalls, holding this response's place in the limits meanwhile.
+        # A long text takes milliseconds to seconds to tokenize, a new constraint up to a second to compile:
+        # do it off the event loop (and off the engine thread) so no other connection's stream stalls,
+        # holding this response's place in the limits meanwhile.
         self._tokenizing += 1
         server.in_flight += 1
         task = asyncio.get_running_loop().create_task(self._create_later(ev, s, params, policy, received))
@@ -167,8 +169,8 @@ class Session:
         prompt = None
         try:
             prompt = await asyncio.get_running_loop().run_in_executor(
-                server.tokenize_executor, prepare_prompt, server.llm, server.context_length, ev.input, ev.messages,
-                params.max_tokens, policy)
+                server.tokenize_executor, prepare_now, server, ev.input, ev.messages, params, policy,
+                WEBSOCKET_NAMES, ev.constraint)
         except ProtocolError as err:
             err.event_id = ev.event_id
             server.reject(API, self.client, err)

@@ -27,8 +27,22 @@ def text_chars(input_, messages) -> int:
     return sum(len(m["content"]) for m in messages or ())
 
 
-def needs_thread(input_, messages) -> bool:
-    return text_chars(input_, messages) > INLINE_TOKENIZE_CHARS
+def needs_thread(input_, messages, params: SamplingParams | None = None) -> bool:
+    """Whether preparing a request takes long enough to do off the event loop: a long text to tokenize,
+    or a constraint to compile (cached ones are quick, but a new big schema takes up to a second)."""
+    return text_chars(input_, messages) > INLINE_TOKENIZE_CHARS or (params is not None and params.constraint is not None)
+
+
+def prepare_now(server, input_, messages, params: SamplingParams, policy: str, names: FieldNames = WEBSOCKET_NAMES,
+                constraint: ConstraintSpec | None = None) -> Prompt:
+    """Compile the request's constraint into the engine's cache (so the engine thread never stalls every
+    stream compiling it) and tokenize + fit its prompt. Blocking: call it off the loop when `needs_thread`."""
+    if params.constraint is not None:
+        try:
+            server.llm.engine.compile_constraint(params.constraint)
+        except ValueError as exc:
+            raise constraint_refusal(str(exc), constraint) from None
+    return prepare_prompt(server.llm, server.context_length, input_, messages, params.max_tokens, policy, names)
 
 
 def make_params(s: dict, constraint: ConstraintSpec | None = None) -> SamplingParams:
@@ -53,7 +67,11 @@ def refusal(summary, constraint: ConstraintSpec | None = None) -> ProtocolError:
     """The error for a request the engine refused (``add_request`` raised): ``invalid_grammar`` when its
     constraint does not compile for this model's tokenizer, ``tokenizer_unavailable`` when the model has
     none, else ``request_rejected``."""
-    message = summary.error or "the engine refused the request"
+    return constraint_refusal(summary.error or "the engine refused the request", constraint)
+
+
+def constraint_refusal(message: str, constraint: ConstraintSpec | None) -> ProtocolError:
+    """`refusal` of an engine message (add_request's or compile_constraint's ValueError)."""
     if constraint is not None and message.startswith("invalid "):
         return grammar_error(message, constraint.param)
     if constraint is not None and message.startswith("constrained output"):
@@ -77,13 +95,13 @@ def fitted(params: SamplingParams, prompt: Prompt) -> SamplingParams:
     return params if params.max_tokens == prompt.max_tokens else dataclasses.replace(params, max_tokens=prompt.max_tokens)
 
 
-async def prepare(server, input_, messages, max_tokens: int | None, policy: str,
-                  names: FieldNames = WEBSOCKET_NAMES) -> Prompt:
-    """Tokenize and fit, off the event loop when the text is long."""
-    args = (server.llm, server.context_length, input_, messages, max_tokens, policy, names)
-    if not needs_thread(input_, messages):
-        return prepare_prompt(*args)
-    return await asyncio.get_running_loop().run_in_executor(server.tokenize_executor, prepare_prompt, *args)
+async def prepare(server, input_, messages, params: SamplingParams, policy: str, names: FieldNames = WEBSOCKET_NAMES,
+                  constraint: ConstraintSpec | None = None) -> Prompt:
+    """`prepare_now`, off the event loop when it may take a while (`needs_thread`)."""
+    args = (server, input_, messages, params, policy, names, constraint)
+    if not needs_thread(input_, messages, params):
+        return prepare_now(*args)
+    return await asyncio.get_running_loop().run_in_executor(server.tokenize_executor, prepare_now, *args)
 
 
 def final_status(summary, failed: bool = False) -> str:

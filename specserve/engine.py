@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -104,6 +105,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._grammars: GrammarCompiler | None = None  # built with the first constrained request
+        self._grammars_lock = threading.Lock()
         # Fault isolation: drafter calls that raised (the requests they touched decode plainly from
         # then on, never handed to the drafter again) and target forwards that raised (the requests in
         # that step finish with "error"). _drafter_off: ids the drafter has already released.
@@ -185,6 +187,20 @@ class Engine:
 
     # ---- request lifecycle ----------------------------------------------------------------------
 
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The grammar compiler, built with the first constraint (from any thread: servers compile
+        constraints on worker threads, `compile_constraint`)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids)
+            return self._grammars
+
+    def compile_constraint(self, constraint) -> None:
+        """Compile a constraint into the cache now, on the calling thread (ValueError when it does not
+        compile), so `add_request` on the engine thread finds it compiled and no step waits for it."""
+        self.grammars.template(constraint)
+
     def add_request(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, speculate: bool = True,
         drafter_parts: tuple[str, ...] | None = None,
@@ -225,11 +241,7 @@ class Engine:
                 f"request needs {need} KV slots but the cache holds {capacity}: "
                 "lower max_tokens or raise kv_cache_tokens"
             )
-        grammar = None
-        if params.constraint is not None:
-            if self._grammars is None:
-                self._grammars = GrammarCompiler(self.tokenizer, vocab, self.eos_token_ids)
-            grammar = self._grammars.state(params.constraint)
+        grammar = self.grammars.state(params.constraint) if params.constraint is not None else None
         if drafter_parts is not None:
             parts = tuple(getattr(self.drafter, "names", ()))
             unknown = [p for p in drafter_parts if p not in parts]

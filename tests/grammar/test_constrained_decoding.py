@@ -235,3 +235,36 @@ def test_a_failed_matcher_ends_only_its_request(llama_dir):
     assert out.output_ids == reference and out.finish_reason == "length"
     alloc = engine.cache.allocator
     assert alloc.num_free_blocks == alloc.num_blocks
+
+
+def test_oversized_constraints_are_refused_and_compiles_happen_off_the_engine_thread(llama_dir):
+    """Issue 19: a constraint's compile cost is bounded (definitions past MAX_DEFINITION_CHARS are refused
+    before llguidance sees them; its errors carry no parser state), and a server compiles on a worker
+    thread (`Engine.compile_constraint`) so the engine thread finds the grammar cached."""
+    import threading
+
+    from specserve.grammar.constraint import MAX_DEFINITION_CHARS
+
+    words = " | ".join(f'"w{i}"' for i in range(MAX_DEFINITION_CHARS // 8))
+    with pytest.raises(ValueError, match=f"more than the {MAX_DEFINITION_CHARS}"):
+        SamplingParams(grammar="start: " + words)
+    llm = LLM(llama_dir, drafter=None, device="cpu")
+    engine = llm.engine
+    params = SamplingParams(max_tokens=4, temperature=0, **CONSTRAINTS["lark"])
+    worker = threading.Thread(target=engine.compile_constraint, args=(params.constraint,))
+    worker.start()
+    worker.join()
+    compiler = engine.grammars
+    assert params.constraint in compiler._templates
+    template = compiler._templates[params.constraint]
+    engine.add_request(llm.encode("x = "), params, "c")
+    assert compiler._templates[params.constraint] is template  # add_request reused it: no second compile
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.pop_finished("c").finish_reason in ("stop", "length")
+    # A matcher that gives up part-way (llguidance's per-step work limit): its error holds no parser state.
+    engine.add_request(llm.encode("x = "), SamplingParams(max_tokens=4, grammar='start: "a"{99999}'), "g")
+    while engine.has_unfinished():
+        engine.step()
+    out = engine.pop_finished("g")
+    assert out.finish_reason == "error" and "<state>" not in out.error and len(out.error) < 400, out.error

@@ -152,8 +152,10 @@ def conn(server):
 def test_every_fuzzed_frame_gets_one_clean_reply(conn, frame):
     c = conn
     c.send(frame)
-    sync = c.request({"type": "session.update", "session": RESET})  # every reply to `frame` comes before this
+    sync = c.request({"type": "session.update", "session": RESET})  # replies to `frame` come before this...
     assert sync["type"] == "session.updated", sync
+    if not c.other and '"format"' in frame:  # ...except a constrained response's: compiled off the loop
+        c.pump()
     replies = list(c.other)
     c.other.clear()
     assert replies, frame
