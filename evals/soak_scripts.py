@@ -390,6 +390,36 @@ async def bad_grammar(soak, conn, http, rng, where):
     soak.tally.expect_error(f"{where} HTTP {status} response_format", err, "invalid_grammar")
 
 
+def heavy_grammar(rng, words: int) -> dict:
+    """A Lark alternation of ``words`` random words (a new grammar each time: no cache hit, a real compile).
+    1,500 words are ~27 kB, under the soak's 64 KiB frames (definitions past 65,536 characters are refused
+    before compiling: tests/grammar) and llguidance's 2,000 items per row (past that the matcher gives up
+    at the first token), and take ~0.04 s to compile."""
+    salt = rng.randrange(1 << 30)
+    return {"type": "grammar", "definition": "start: " + " | ".join(f'"w{salt:x}{i}"' for i in range(words))}
+
+
+async def bad_heavy_grammar(soak, conn, http, rng, where):
+    """Pathological constraints: a big valid one is compiled off the engine thread and answered within
+    its grammar; one whose matcher gives up after a token ends that response (failed), never the server."""
+    resp, err = await conn.create({"input": "def f(x):", "max_output_tokens": 16, "temperature": 0,
+                                   "text": {"format": heavy_grammar(rng, 1500)}})
+    if resp is None:
+        soak.tally.violation("answer", f"{where}: a big valid grammar was refused: {err}")
+    else:
+        done = await conn.finish(resp)
+        if done is not None and (done.get("status") not in ("completed", "incomplete") or not resp.seen.text.startswith("w")):
+            soak.tally.violation("answer", f"{where}: a big grammar ended {done.get('status')!r} with {resp.seen.text!r}")
+    resp, err = await conn.create({"input": "x", "max_output_tokens": 3,
+                                   "text": {"format": {"type": "grammar", "definition": 'start: "a"{99999}'}}})
+    if resp is not None:
+        done = await conn.finish(resp)
+        if done is not None and done.get("status") not in ("failed", "completed", "incomplete"):
+            soak.tally.violation("answer", f"{where}: a give-up grammar ended {done.get('status')!r}")
+    else:
+        soak.tally.expect_error(f"{where} give-up grammar", err, "invalid_grammar")
+
+
 async def bad_drafter_switch(soak, conn, http, rng, where):
     """Switch the session's drafter off and back on between requests, and per request over HTTP: greedy
     output never depends on speculation, so every answer still equals its reference."""
@@ -428,6 +458,7 @@ async def bad_burst(soak, conn, http, rng, where):
 HOSTILE = {"cancel": (bad_cancel, 3), "disconnect": (bad_disconnect, 2), "http disconnect": (bad_http_disconnect, 2),
            "slow reader": (bad_slow_reader, 1), "malformed": (bad_malformed, 2), "oversized": (bad_oversized, 1),
            "too long": (bad_too_long, 1), "bad sampling": (bad_sampling, 1), "bad grammar": (bad_grammar, 1),
+           "heavy grammar": (bad_heavy_grammar, 1),
            "drafter switch": (bad_drafter_switch, 2), "burst": (bad_burst, 1)}
 
 

@@ -52,9 +52,11 @@ class GrammarState:
 
     @property
     def error(self) -> str:
-        # llguidance appends its whole parser state and the grammar ("<state>...</state><grammar>...");
-        # the reason comes first, and it is what reaches clients and logs.
-        return self.matcher.get_error().split("<state>")[0].strip()
+        # llguidance appends its whole parser state and the grammar ("<state>...</state><grammar>...")
+        # or, with verbose errors off (grammar/compiler.py), a "<non-verbose/>" marker; the reason comes
+        # first, and it is what reaches clients and logs, on one line.
+        reason = self.matcher.get_error().split("<state>")[0].replace("<non-verbose/>", "")
+        return " ".join(reason.split())
 
     @property
     def stopped(self) -> bool:
