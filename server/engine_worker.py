@@ -100,8 +100,9 @@ class EngineWorker:
         self._thread.start()
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, speculate: bool,
-               received: float, sink: Sink, drafter_parts: tuple[str, ...] | None = None) -> None:
-        self._commands.put(("submit", request_id, prompt_ids, params, speculate, received, sink, drafter_parts))
+               received: float, sink: Sink, drafter_parts: tuple[str, ...] | None = None,
+               client: str | None = None) -> None:
+        self._commands.put(("submit", request_id, prompt_ids, params, speculate, received, sink, drafter_parts, client))
 
     def cancel(self, request_id: str) -> None:
         self._commands.put(("cancel", request_id))
@@ -163,9 +164,10 @@ class EngineWorker:
                     except BaseException as exc:  # handed to the caller, never lost
                         future.set_exception(exc)
 
-    def _submit(self, rid, prompt_ids, params, speculate, received, sink, drafter_parts, out) -> None:
+    def _submit(self, rid, prompt_ids, params, speculate, received, sink, drafter_parts, client, out) -> None:
         try:
-            self.engine.add_request(prompt_ids, params, request_id=rid, speculate=speculate, drafter_parts=drafter_parts)
+            self.engine.add_request(prompt_ids, params, request_id=rid, speculate=speculate, drafter_parts=drafter_parts,
+                                    client=client)
         except (ValueError, TypeError) as exc:  # what add_request says is wrong with the request
             out.append((sink, Update(rid, "", 0, Summary("rejected", len(prompt_ids), error=str(exc)))))
             return

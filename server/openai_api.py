@@ -144,7 +144,10 @@ class OpenAIApi:
             return error_response(err)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         stream = _Stream(server, rid, client, req.stream_pacing == "smooth", len(prompt.ids))
-        server.submit(rid, prompt.ids, fitted(params, prompt), drafter, received, stream.on_update)
+        # Fairness across clients: the OpenAI `user` field when given (an end user), else the peer's address.
+        user = body.get("user")
+        fair = f"user:{user}" if isinstance(user, str) and user else "peer:" + client.rsplit(":", 1)[0]
+        server.submit(rid, prompt.ids, fitted(params, prompt), drafter, received, stream.on_update, client=fair)
         shapes = Shapes(rid, chat, server.model_name)
         try:
             if req.stream:

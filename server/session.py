@@ -195,7 +195,7 @@ class Session:
             loop = asyncio.get_running_loop()
             resp.pacer = Pacer(lambda text, n, rid=rid: self.outbox.send_delta(rid, text, n), loop.time, loop.call_at)
         self.responses[rid] = resp
-        server.submit(rid, prompt.ids, fitted(params, prompt), self.drafter, received, self.on_update)
+        server.submit(rid, prompt.ids, fitted(params, prompt), self.drafter, received, self.on_update, client=self.id)
         created = {"type": "response.created", "response": {
             "id": rid, "status": "in_progress", "metadata": ev.metadata, "input_tokens": len(prompt.ids),
             "max_output_tokens": prompt.max_tokens, "dropped_messages": prompt.dropped_messages}}

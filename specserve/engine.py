@@ -203,12 +203,13 @@ class Engine:
 
     def add_request(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, speculate: bool = True,
-        drafter_parts: tuple[str, ...] | None = None,
+        drafter_parts: tuple[str, ...] | None = None, client: str | None = None,
     ) -> Request:
         """Validate and queue a request; raises ValueError naming what is wrong.
 
         speculate=False decodes this request plainly (budget 0) while others in the batch speculate.
         drafter_parts: which of a hybrid drafter's parts draft for this request (None: all of them).
+        client: who sent it (a server's connection or peer): the scheduler admits fairly across clients.
         """
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -250,6 +251,7 @@ class Engine:
                                  f"({self.drafter.name if self.drafter else 'none'}; parts: {list(parts)})")
         req = Request(request_id, list(prompt_ids), params, max_tokens, self.tokenizer, context, speculate)
         req.drafter_parts = None if drafter_parts is None else tuple(drafter_parts)
+        req.client = client
         req.grammar = grammar
         self.requests[request_id] = req
         self.scheduler.add(req)

@@ -5,6 +5,11 @@ budget policy, 0 = plain). Prompts are prefilled in chunks: at most `max_prefill
 per step, partially prefilled requests first, then newly admitted ones (first come, first served), so a
 long prompt never stalls everyone else's next token for more than one chunk's time.
 
+Admission is fair across clients: the next request admitted is the oldest waiting one of a client with
+the fewest requests running (`Request.client`: a server's connection or peer; requests without one are
+each their own client, so plain FIFO for `LLM.generate`). One client queueing a burst of long requests
+then delays another client's request by at most its share of the batch, not by the whole burst.
+
 Admission reserves every KV block a request can ever need (prompt + max_tokens + room past its root
 for the largest tree — the target's, the drafter's own levels, forced tokens), so a running request
 never fails for lack of cache; when the pool is short the queue waits.
@@ -99,11 +104,11 @@ class Scheduler:
                 prefills.append(chunk)
                 tokens_left -= chunk.end - chunk.start
         while self.waiting and len(self.running) < self.max_num_seqs and tokens_left > 0:
-            req = self.waiting[0]
+            req = self._next_admission()
             need = self.slots_needed(req.prompt_len, req.max_tokens)
             if not self.allocator.can_allocate(need):
-                break  # first come, first served: wait for blocks rather than let later requests jump ahead
-            self.waiting.popleft()
+                break  # the chosen one waits for blocks rather than let others jump ahead of it
+            self.waiting.remove(req)
             self.allocator.allocate(req.request_id, need)
             req.status = Status.RUNNING
             req.scheduled_time = time.perf_counter()
@@ -124,6 +129,27 @@ class Scheduler:
                 remaining = r.max_tokens - r.num_output - 1
                 budgets.append(max(0, min(b, max_budget, remaining)) if r.speculate else 0)
         return ScheduledStep(prefills, decodes, budgets, depth)
+
+    def _next_admission(self) -> Request:
+        """The oldest waiting request of a client with the fewest running requests (see the module docstring)."""
+        first = self.waiting[0]
+        if first.client is None:
+            return first
+        running: dict[str, int] = {}
+        for r in self.running:
+            if r.client is not None:
+                running[r.client] = running.get(r.client, 0) + 1
+        fewest = running.get(first.client, 0)
+        if fewest == 0:
+            return first
+        best = first
+        for r in self.waiting:
+            count = 0 if r.client is None else running.get(r.client, 0)
+            if count < fewest:
+                best, fewest = r, count
+                if count == 0:
+                    break
+        return best
 
     @staticmethod
     def _chunk(req: Request, tokens_left: int) -> PrefillChunk:

@@ -109,3 +109,31 @@ def test_block_allocator_accounting():
     alloc.free("b")
     assert alloc.num_free_blocks == 10
     assert sorted(alloc._free) == list(range(10))
+
+
+def test_admission_is_fair_across_clients(small_vocab_dir):
+    """Issue 19: a client's burst of requests no longer holds another client's request behind all of it.
+    With two places in the batch, client A queues six requests, then B one: the second place goes to B
+    (A has one running, B none), not to A's next; requests without a client stay first come, first served."""
+    llm = LLM(small_vocab_dir, device="cpu", max_num_seqs=2)
+    engine = llm.engine
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (4, 30, 30, 30, 30, 30)]
+    for i, p in enumerate(params):
+        engine.add_request([1, 2, 3], p, request_id=f"a{i}", client="A")
+    engine.add_request([4, 5], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), request_id="b", client="B")
+    admitted = []
+    while engine.has_unfinished():
+        before = {r.request_id for r in engine.scheduler.running}
+        engine.step()
+        admitted += [r.request_id for r in engine.scheduler.running if r.request_id not in before]
+    assert admitted[:3] == ["a0", "b", "a1"], admitted
+    for rid in admitted:
+        engine.pop_finished(rid)
+    for i in range(3):  # no clients: first come, first served
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), request_id=f"f{i}")
+    order = []
+    while engine.has_unfinished():
+        before = {r.request_id for r in engine.scheduler.running}
+        engine.step()
+        order += [r.request_id for r in engine.scheduler.running if r.request_id not in before]
+    assert order == ["f0", "f1", "f2"]
