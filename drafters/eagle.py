@@ -2,7 +2,7 @@
 
 ``eagle:DIR`` loads a head from DIR (``specserve train eagle``, or a public EAGLE-1/2/3 layout;
 see drafters/eagle_checkpoint.py); a bare ``eagle`` means the bundle's head when the target is the
-bundled default model. The head's one-layer KV cache lives on the engine's block allocator: a request's
+bundled default model. The head's KV cache lives on the engine's block allocator: a request's
 block table addresses its head entries too, reserved when the request was admitted.
 
 Each step (the shared loop of `level_drafter`, trees grown by `tree_builder` with width = topk):
@@ -38,7 +38,6 @@ from specserve.drafters.base import DraftRequest, TargetInfo, check_int_option, 
 from specserve.drafters.eagle_checkpoint import load_head
 from specserve.drafters.level_drafter import LevelDrafter, LevelWork
 from specserve.drafters.tree_builder import Frontier, TreeBuilder
-from specserve.kv_cache import PagedKVCache
 from specserve.step_batch import StepBatchBuilder
 from specserve.verify import DraftTree
 
@@ -102,8 +101,7 @@ class EagleDrafter(LevelDrafter):
     # ---- the protocol ---------------------------------------------------------------------------
 
     def kv_bytes_per_slot(self) -> int:
-        mc = self.head.mc
-        return PagedKVCache.bytes_per_slot(1, mc.num_kv_heads, mc.head_dim, torch.float32)
+        return self.head.kv_bytes_per_slot()  # every layer of the head (multi-layer heads have several)
 
     def attach_kv(self, allocator) -> None:
         self.cache = self.head.new_cache(allocator)

@@ -1,19 +1,19 @@
-"""EAGLE head checkpoints: our format, the public EAGLE-1/2 and EAGLE-3 layouts, target fingerprints.
+"""EAGLE head checkpoints: our format, loading any head for a target, describing it, target fingerprints.
 
-Files: our format is ``eagle_config.json`` (mode, feature layers, draft vocabulary size, the head
-layer's Llama-style config, and the target it was trained for: hidden size, vocabulary, layers,
-model type, config and tokenizer fingerprints) + ``eagle_head.safetensors`` (this module's
-state dict). The public layouts load too: EAGLE-1/2 (``config.json`` + ``pytorch_model.bin`` or
-``model.safetensors`` with ``fc.weight``, ``fc.bias``, ``layers.0.self_attn.q_proj.weight``, ...)
-and EAGLE-3 (``midlayer.*``, ``fc.weight`` [H, 3H], ``norm.weight``, ``lm_head.weight`` [Vd, H],
-``d2t`` — target id minus draft id — and ``t2d``; ``draft_vocab_size`` in config.json).
+Our format is ``eagle_config.json`` (mode, feature layers, draft vocabulary size, the head layers'
+Llama-style config and switches — layers, biases, norm order, own embeddings — and the target it was
+trained for: hidden size, vocabulary, layers, model type, config and tokenizer fingerprints) +
+``eagle_head.safetensors`` (the `EagleHead` state dict). The public layouts (SafeAILab EAGLE-1/2/3,
+SpecForge, speculators) are read by `eagle_public`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ from specserve.drafters.checkpoint_io import read_json as _read_json
 from specserve.drafters.checkpoint_io import read_safetensors as _read_safetensors
 from specserve.drafters.eagle_head import (CONFIG_FILE, FORMAT_VERSION, MODES, WEIGHTS_FILE, EagleHead, EagleHeadConfig,
                                            default_feature_layers)
+from specserve.drafters.eagle_public import read_public
 
 # Fields an fp16 re-export or another transformers version changes without changing the model.
 _VOLATILE_CONFIG_KEYS = ("transformers_version", "torch_dtype", "dtype", "_name_or_path")
@@ -100,25 +101,33 @@ def save_head(head: EagleHead, out_dir: str | Path, dtype: torch.dtype | None = 
     return out_dir
 
 
-def load_head(path: str | Path, target, device: torch.device | None = None, dtype: torch.dtype | None = None) -> EagleHead:
-    """Load a head (our format or a public EAGLE-1/2/3 layout) for ``target`` (a `TargetInfo` whose
-    ``model`` is the target `LlamaModel`). ValueError when it was made for another target."""
+def read_head(path: str | Path, target_num_layers: int) -> tuple[EagleHeadConfig, dict[str, torch.Tensor]]:
+    """The config and tensors (our names) of the head in ``path``, our format or a public layout;
+    ``target_num_layers`` places default feature layers. Nothing is compared with a target here."""
     path = Path(path).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"EAGLE head directory {str(path)!r} does not exist")
     if not path.is_dir():
         raise FileNotFoundError(f"EAGLE head path {str(path)!r} is not a directory")
     if (path / CONFIG_FILE).is_file():
-        cfg, state = _read_ours(path)
-    elif (path / "config.json").is_file():
-        cfg, state = _read_public(path, target)
-    else:
-        raise FileNotFoundError(f"{str(path)!r} holds no EAGLE head: expected {CONFIG_FILE} + {WEIGHTS_FILE} "
-                                "(specserve train eagle) or a public EAGLE layout (config.json + weights)")
+        return _read_ours(path)
+    if (path / "config.json").is_file():
+        return read_public(path, target_num_layers)
+    raise FileNotFoundError(f"{str(path)!r} holds no EAGLE head: expected {CONFIG_FILE} + {WEIGHTS_FILE} "
+                            "(specserve train eagle) or a public EAGLE layout (config.json + weights)")
+
+
+def load_head(path: str | Path, target, device: torch.device | None = None, dtype: torch.dtype | None = None) -> EagleHead:
+    """Load a head (our format or a public EAGLE-1/2/3 layout) for ``target`` (a `TargetInfo` whose
+    ``model`` is the target `LlamaModel`). ValueError when it was made for another target. What was
+    detected is on ``head.cfg.source``."""
+    path = Path(path).expanduser()
+    cfg, state = read_head(path, target.num_layers)
     _check_target(cfg, target, path)
     model = target.model
     if model is None:
         raise ValueError("an EAGLE head needs the target model (TargetInfo.model) for its embeddings")
+    cfg, state = _shared_or_own(cfg, state, model.embed, model.lm_head, path)
     device = device or target.device
     dtype = dtype or target.dtype
     head = EagleHead(cfg, model.embed, model.lm_head if cfg.mode == "eagle1" else None, device, dtype,
@@ -144,6 +153,68 @@ def load_head(path: str | Path, target, device: torch.device | None = None, dtyp
     return head
 
 
+def _same_table(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two [V, H] tables are one table up to export rounding (an fp16 or bf16 copy)."""
+    if a.shape != b.shape:
+        return False
+    scale = float(b.detach().abs().max().float().clamp(min=1e-30))
+    for start in range(0, a.shape[0], 8192):  # in row blocks: no fp32 copy of a whole large table
+        x = a[start : start + 8192].detach().float().cpu()
+        y = b[start : start + 8192].detach().float().cpu()
+        if not torch.allclose(x, y, rtol=1e-2, atol=1e-2 * scale):
+            return False
+    return True
+
+
+def _shared_or_own(cfg: EagleHeadConfig, state: dict, target_embed: torch.Tensor | None,
+                   target_lm_head: torch.Tensor | None, path: Path) -> tuple[EagleHeadConfig, dict]:
+    """Decide the head's embeddings: its own ``embed_tokens`` when the files carry a table that differs
+    from the target's (a copy of the target's is dropped: sharing saves V x H); record the choice."""
+    state = dict(state)
+    source = dict(cfg.source)
+    own = state.get("embed_tokens") if cfg.own_embed else state.pop("embed_tokens", None)
+    hidden = cfg.model_config.hidden_size
+    if own is not None and tuple(own.shape) != (cfg.vocab_size, hidden):
+        raise ValueError(f"EAGLE head in {str(path)!r}: embed_tokens.weight has shape {tuple(own.shape)}, expected "
+                         f"[{cfg.vocab_size}, {hidden}]")
+    if cfg.own_embed:
+        source["embedding"] = "the head's own (saved with it)"
+    elif own is None:
+        source["embedding"] = "the target's (the head has none)"
+    elif target_embed is None:
+        source["embedding"] = "the head's own embed_tokens.weight (not compared: no target weights)"
+    elif _same_table(own, target_embed):
+        source["embedding"] = "the target's (the head's embed_tokens.weight is a copy of it)"
+    else:
+        cfg = replace(cfg, own_embed=True)
+        state["embed_tokens"] = own
+        source["embedding"] = "the head's own embed_tokens.weight (differs from the target's)"
+    lm_head = state.pop("target_lm_head", None)  # an EAGLE-1 file's lm_head.weight: must be the target's
+    if lm_head is not None and target_lm_head is not None and not _same_table(lm_head, target_lm_head):
+        raise ValueError(f"EAGLE-1 head in {str(path)!r}: lm_head.weight differs from the target's LM head; EAGLE-1/2 "
+                         "heads draft through the target's own LM head (supported: no lm_head.weight, or the target's)")
+    return replace(cfg, source={**source, **summary(cfg)}), state
+
+
+def summary(cfg: EagleHeadConfig) -> dict[str, str]:
+    """What a head is, in words (for `describe_head` and ``EagleHeadConfig.source``)."""
+    mc = cfg.model_config
+    vd, v = cfg.draft_vocab_size, cfg.vocab_size
+    biases = [name for name, on in (("q/k/v", cfg.qkv_bias), ("o_proj", cfg.o_bias),
+                                    ("fc", cfg.fc_bias and cfg.mode == "eagle1")) if on]
+    out = {"mode": "EAGLE-3 (fused target features, own LM head)" if cfg.mode == "eagle3"
+           else "EAGLE-1/2 (the target's last feature, the target's LM head)",
+           "layers": str(cfg.num_layers), "hidden size": str(mc.hidden_size),
+           "vocabulary": f"reduced: {vd} of {v} target tokens (d2t map)" if vd < v else f"full ({v} tokens)",
+           "feature layers": ", ".join(str(x) for x in cfg.feature_layers) + " (transformers hidden_states index)",
+           "biases": ", ".join(biases) if biases else "none",
+           "q/k norms": "yes (Qwen3)" if cfg.qk_norm else "no"}
+    if cfg.mode == "eagle3":
+        out["norm order"] = ("norm before residual: the residual is hidden_norm(feature)" if cfg.norm_before_residual
+                             else "the residual is the raw feature (EAGLE-3's own)")
+    return out
+
+
 def _read_ours(path: Path) -> tuple[EagleHeadConfig, dict]:
     raw = _read_json(path / CONFIG_FILE)
     if raw.get("kind") != "eagle_head":
@@ -152,11 +223,17 @@ def _read_ours(path: Path) -> tuple[EagleHeadConfig, dict]:
         raise ValueError(f"{str(path / CONFIG_FILE)!r} has format {raw.get('format')!r}; this specserve reads 1 and "
                          f"{FORMAT_VERSION}")
     try:
+        # Fields added after format 2 appeared default to what heads before them were.
         cfg = EagleHeadConfig(mode=raw["mode"], layer=dict(raw["layer"]), vocab_size=int(raw["vocab_size"]),
                               draft_vocab_size=int(raw["draft_vocab_size"]),
                               feature_layers=tuple(int(x) for x in raw["feature_layers"]),
                               fc_bias=bool(raw.get("fc_bias", True)), input_norm=bool(raw.get("input_norm", False)),
-                              target=dict(raw.get("target", {})))
+                              target=dict(raw.get("target", {})), num_layers=int(raw.get("num_layers", 1)),
+                              norm_before_residual=bool(raw.get("norm_before_residual", False)),
+                              qkv_bias=bool(raw.get("qkv_bias", False)), o_bias=bool(raw.get("o_bias", False)),
+                              qk_norm=bool(raw.get("qk_norm", False)), own_embed=bool(raw.get("own_embed", False)),
+                              source={"format": f"specserve EAGLE head ({CONFIG_FILE})", "version": str(raw["format"]),
+                                      "weights": WEIGHTS_FILE})
     except (KeyError, TypeError) as exc:
         raise ValueError(f"{str(path / CONFIG_FILE)!r} is missing or mistypes a field: {exc}") from exc
     weights = path / WEIGHTS_FILE
@@ -171,110 +248,6 @@ def _read_ours(path: Path) -> tuple[EagleHeadConfig, dict]:
 
 _FORMAT1_LAYER = {"qkv": "layer.qkv", "o_proj": "layer.o_proj", "post_norm": "layer.post_attn_norm",
                   "gate_up": "layer.gate_up", "down": "layer.down"}
-
-
-# ---- public layouts ---------------------------------------------------------------------------------
-
-_PUBLIC_LAYER = {  # our name: (public names concatenated in order)
-    "layer.qkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-    "layer.o_proj": ("self_attn.o_proj.weight",),
-    "layer.post_attn_norm": ("post_attention_layernorm.weight",),
-    "layer.gate_up": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-    "layer.down": ("mlp.down_proj.weight",),
-}
-
-
-def _read_public_weights(path: Path) -> dict[str, torch.Tensor]:
-    for name in ("model.safetensors", "pytorch_model.safetensors"):
-        if (path / name).is_file():
-            return _read_safetensors(path / name)
-    if (path / "pytorch_model.bin").is_file():
-        try:
-            state = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-        except Exception as exc:  # torch raises many types for a truncated pickle
-            raise ValueError(f"{str(path / 'pytorch_model.bin')!r} is not a readable torch checkpoint: {exc}") from exc
-        if not isinstance(state, dict):
-            raise ValueError(f"{str(path / 'pytorch_model.bin')!r} does not hold a state dict")
-        return state
-    raise FileNotFoundError(f"{str(path)!r} has a config.json but no EAGLE weights "
-                            "(model.safetensors or pytorch_model.bin)")
-
-
-def _read_public(path: Path, target) -> tuple[EagleHeadConfig, dict]:
-    raw = _read_json(path / "config.json")
-    state = _read_public_weights(path)
-    eagle3 = any(k.startswith("midlayer.") for k in state)
-    if not eagle3 and not any(k.startswith("layers.0.") for k in state):
-        raise ValueError(f"{str(path)!r}: config.json + weights without 'midlayer.*' (EAGLE-3) or 'layers.0.*' "
-                         "(EAGLE-1/2) tensors: not an EAGLE head")
-    try:
-        hidden, vocab = int(raw["hidden_size"]), int(raw["vocab_size"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"{str(path / 'config.json')!r} lacks hidden_size/vocab_size: {exc}") from exc
-    if int(raw.get("num_hidden_layers", 1)) != 1 or any(k.startswith("layers.1.") for k in state):
-        raise ValueError(f"{str(path)!r}: only one-layer EAGLE heads are supported (num_hidden_layers="
-                         f"{raw.get('num_hidden_layers')})")
-    if raw.get("target_hidden_size") not in (None, hidden):
-        raise ValueError(f"{str(path)!r}: heads whose width differs from the target's (target_hidden_size="
-                         f"{raw['target_hidden_size']}, hidden_size={hidden}) are not supported")
-    ours: dict[str, torch.Tensor] = {}
-    prefix = "midlayer." if eagle3 else "layers.0."
-    used = {"embed_tokens.weight"}  # the target's own embeddings: ignored
-
-    def take(name: str) -> torch.Tensor:
-        if name not in state:
-            raise ValueError(f"EAGLE head in {str(path)!r} is missing tensor {name!r}")
-        used.add(name)
-        return state[name]
-
-    for our, names in _PUBLIC_LAYER.items():
-        ours[our] = torch.cat([take(prefix + n) for n in names])
-    ours["fc"] = take("fc.weight")
-    layers = raw.get("eagle_aux_hidden_state_layer_ids")
-    if eagle3:
-        ours["input_norm"] = take(prefix + "input_layernorm.weight")
-        ours["hidden_norm"] = take(prefix + "hidden_norm.weight")
-        ours["norm"] = take("norm.weight")
-        ours["lm_head"] = take("lm_head.weight")
-        draft_vocab = int(raw.get("draft_vocab_size") or ours["lm_head"].shape[0])
-        if "d2t" in state:
-            d2t = take("d2t").long()
-            if d2t.shape != (draft_vocab,):
-                raise ValueError(f"EAGLE-3 head in {str(path)!r}: d2t has shape {tuple(d2t.shape)}, expected ({draft_vocab},)")
-            ours["draft_to_target"] = torch.arange(draft_vocab) + d2t
-            if "t2d" in state:
-                t2d = take("t2d").bool()
-                if t2d.shape != (vocab,) or int(t2d.sum()) != draft_vocab or not bool(t2d[ours["draft_to_target"].clamp(0, vocab - 1)].all()):
-                    raise ValueError(f"EAGLE-3 head in {str(path)!r}: t2d does not agree with d2t")
-        elif draft_vocab == vocab:
-            ours["draft_to_target"] = torch.arange(vocab)
-        else:
-            raise ValueError(f"EAGLE-3 head in {str(path)!r} has a reduced draft vocabulary but no d2t map")
-        num_layers = target.num_layers
-        feature_layers = tuple(int(x) for x in layers) if layers else default_feature_layers("eagle3", num_layers)
-        fc_bias, input_norm = False, True
-        if "fc.bias" in state:
-            raise ValueError(f"EAGLE-3 head in {str(path)!r} has fc.bias: EAGLE-3's fc has none")
-    else:
-        draft_vocab = vocab
-        fc_bias = "fc.bias" in state
-        if fc_bias:
-            ours["fc_bias"] = take("fc.bias")
-        input_norm = prefix + "input_layernorm.weight" in state
-        if input_norm:
-            ours["layer.input_norm"] = take(prefix + "input_layernorm.weight")
-        ours["draft_to_target"] = torch.arange(vocab)
-        feature_layers = (target.num_layers,)
-    unexpected = sorted(k for k in state if k not in used and not k.endswith("rotary_emb.inv_freq"))
-    if unexpected:
-        raise ValueError(f"EAGLE head in {str(path)!r} has tensors this layout does not have: {unexpected[:5]}")
-    layer = {k: raw[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                                 "head_dim", "rms_norm_eps", "max_position_embeddings", "rope_theta", "rope_scaling",
-                                 "rope_parameters") if raw.get(k) is not None}
-    cfg = EagleHeadConfig(mode="eagle3" if eagle3 else "eagle1", layer=layer, vocab_size=vocab,
-                          draft_vocab_size=draft_vocab, feature_layers=feature_layers, fc_bias=fc_bias,
-                          input_norm=input_norm, target={"hidden_size": hidden, "vocab_size": vocab})
-    return cfg, ours
 
 
 def _check_target(cfg: EagleHeadConfig, target, path: Path) -> None:
@@ -299,3 +272,52 @@ def _check_target(cfg: EagleHeadConfig, target, path: Path) -> None:
         problems.append(f"feature layers {bad_layers} outside the target's 0..{target.num_layers}")
     if problems:
         raise ValueError(f"EAGLE head {str(path)!r} was made for another target: " + "; ".join(problems))
+
+
+# ---- describing a head ------------------------------------------------------------------------------
+
+
+def describe_head(path: str | Path, target) -> dict[str, str]:
+    """What an EAGLE head directory holds and how it would run, for ``specserve info --drafter
+    eagle:PATH``: format and version, layers, vocabulary mapping, feature layers, embeddings used,
+    norm order, biases, and whether it fits ``target`` — a `TargetInfo` with its model (the head is
+    loaded as serving would) or a target model directory (read from its files only). ValueError and
+    FileNotFoundError as `load_head`."""
+    if getattr(target, "model", None) is not None:
+        head = load_head(path, target)
+        return {**{k: str(v) for k, v in head.cfg.source.items()}, "fits the target": "yes"}
+    target_dir = Path(getattr(target, "model_dir", target)).expanduser()
+    raw = _read_json(target_dir / "config.json", "target config")
+    try:
+        info = SimpleNamespace(hidden_size=int(raw["hidden_size"]), vocab_size=int(raw["vocab_size"]),
+                               num_layers=int(raw["num_hidden_layers"]), model_dir=str(target_dir), model=None)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{str(target_dir / 'config.json')!r} is not a Llama-family config: {exc}") from exc
+    path = Path(path).expanduser()
+    cfg, state = read_head(path, info.num_layers)
+    embed = _target_tensor(target_dir, "model.embed_tokens.weight")
+    lm_head = embed if raw.get("tie_word_embeddings") else _target_tensor(target_dir, "lm_head.weight")
+    cfg, _ = _shared_or_own(cfg, state, embed, lm_head, path)
+    try:
+        _check_target(cfg, info, path)
+        fits = "yes"
+    except ValueError as exc:
+        fits = f"no: {exc}"
+    return {**{k: str(v) for k, v in cfg.source.items()}, "fits the target": fits}
+
+
+def _target_tensor(model_dir: Path, name: str) -> torch.Tensor | None:
+    """One tensor of a target's safetensors files, read alone (None when it is not found there)."""
+    from safetensors import safe_open
+
+    files = [model_dir / "model.safetensors"]
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shard = _read_json(index).get("weight_map", {}).get(name)
+        files = [model_dir / shard] if isinstance(shard, str) else []
+    for file in files:
+        if file.is_file():
+            with safe_open(str(file), "pt") as f:
+                if name in f.keys():  # noqa: SIM118  (a safe_open handle is not a dict)
+                    return f.get_tensor(name)
+    return None
