@@ -95,8 +95,13 @@ class HybridDrafter(Drafter):
         self.needs_hidden_states = any(p.needs_hidden_states for p in parts)
         self.hidden_layers = tuple(sorted({layer for p in parts if p.needs_hidden_states for layer in p.hidden_layers}))
         self.gives_probs = any(p.gives_probs for p in parts)
-        self.catches_up = any(p.catches_up for p in parts)
-        self.drafts_by_level = any(p.drafts_by_level for p in parts)
+        costly = [p.catches_up or p.drafts_by_level for p in parts]
+        # With a cheap part, the hybrid itself decides when its costly parts run (fallback_below) and they
+        # draft at their own depth: to the budget policy it is a whole-tree drafter whose measured cost
+        # averages the steps that ran them and those that did not. Costly parts alone: theirs.
+        only_costly = all(costly)
+        self.catches_up = only_costly and any(p.catches_up for p in parts)
+        self.drafts_by_level = only_costly and any(p.drafts_by_level for p in parts)
         self.depth = max(int(getattr(p, "depth", 1) or 1) for p in parts)
         full = sum(p.max_budget for p in parts)
         self.max_budget = full if max_budget is None else min(check_int_option("hybrid", "max_budget", max_budget, 1), full)
