@@ -106,6 +106,16 @@ class EagleDrafter(LevelDrafter):
     def attach_kv(self, allocator) -> None:
         self.cache = self.head.new_cache(allocator)
 
+    def describe(self) -> dict:
+        """Drafter options plus what was detected in the head's files (`EagleHeadConfig.source`: format and
+        version, layers, vocabulary mapping, feature layers, embeddings used, norm order, biases)."""
+        from specserve.config import _rope_parameters
+
+        rope = _rope_parameters(self.head.mc.hf_config)
+        positions = (f"rope {rope.get('rope_type', 'default')}, theta {rope.get('rope_theta', 10000.0):g} (the head's "
+                     f"own config); trained to {self.head.mc.max_position_embeddings}, drafts past it (tables grow)")
+        return {**super().describe(), **{k: str(v) for k, v in self.head.cfg.source.items()}, "positions": positions}
+
     def release(self, request_id: str) -> None:
         self._state.pop(request_id, None)
 
