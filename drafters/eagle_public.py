@@ -275,14 +275,16 @@ def read_public(path: Path, target_num_layers: int) -> tuple[EagleHeadConfig, di
     unexpected = sorted(k for k in state if k not in take.used and not k.endswith("rotary_emb.inv_freq"))
     if unexpected:
         raise ValueError(f"EAGLE head in {str(path)!r} has tensors this layout does not have: {unexpected[:5]}")
+    version = "none (this layout carries no version)"
     if speculators:
-        label = f"speculators {kind} (speculators_version {raw.get('speculators_version', 'not recorded')})"
+        label = f"speculators {kind}"
+        version = f"speculators_version {raw.get('speculators_version', 'not recorded')}"
     elif eagle3:
         label = ("EAGLE-3, midlayer.* layout (SafeAILab / SpecForge)" if midlayer
                  else "EAGLE-3, layers.N layout (SpecForge / speculators export)")
     else:
         label = "EAGLE-1/2 (SafeAILab)"
-    source = {"format": label, "config": "config.json", "weights": storage,
+    source = {"format": label, "version": version, "config": "config.json", "weights": storage,
               "feature layers from": aux_from, "layer type": model_type}
     cfg = EagleHeadConfig(mode="eagle3" if eagle3 else "eagle1",
                           layer={k: full[k] for k in _LAYER_KEYS if full.get(k) is not None},

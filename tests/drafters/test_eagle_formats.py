@@ -15,7 +15,9 @@ it must equal plain greedy decoding. Cases:
 - speculators EAGLE-3, Llama ``attention_bias`` (q/k/v and o biases), ``draft_vocab_size: null``,
   ``pytorch_model.bin.index.json`` shards, ``layers.0`` detected as EAGLE-3 by ``fc`` [H, 3H].
 - speculators EAGLE-3 with a Qwen3 layer (per-head q/k norms).
-- SafeAILab EAGLE-1 for a Qwen2-family target: ``qkv_bias``, ``fc.bias``, fp16 ``pytorch_model.bin``.
+- SafeAILab EAGLE-1 for a Qwen2-family target: ``qkv_bias``, ``fc.bias``, fp16 ``pytorch_model.bin``;
+  and a two-layer EAGLE-1 (``layers.1`` with its input norm).
+- speculators' legacy "eagle" (EAGLE-1): ``fusion_fc.*`` with its bias, ``transformer.*``.
 """
 
 from __future__ import annotations
@@ -54,6 +56,10 @@ CASES = {
                                            reduced=True, embed="none", files="safetensors"),
     "safeailab-eagle1-qwen2": dict(project="safeailab", mode="eagle1", layers=1, layer_type="qwen2", nbr=False,
                                    reduced=False, embed="copy", files="bin"),
+    "safeailab-eagle1-2layers": dict(project="safeailab", mode="eagle1", layers=2, layer_type="llama", nbr=False,
+                                     reduced=False, embed="none", files="safetensors"),
+    "speculators-eagle1": dict(project="speculators", mode="eagle1", layers=1, layer_type="llama", nbr=False,
+                               reduced=False, embed="none", files="safetensors"),
 }
 
 
@@ -103,7 +109,9 @@ def write_head(out, target_dir, case: dict, seed: int = 0) -> dict:
     tcfg = json.loads((target_dir / "config.json").read_text())
     mode, layers, layer_type = case["mode"], case["layers"], case["layer_type"]
     eagle3 = mode == "eagle3"
-    first = "midlayer." if case["project"] in ("safeailab", "specforge") and eagle3 else "layers.0."
+    legacy = case["project"] == "speculators" and not eagle3  # speculators' "eagle": its own names
+    first = ("midlayer." if case["project"] in ("safeailab", "specforge") and eagle3
+             else "transformer." if legacy else "layers.0.")
     state = _layer_tensors(gen, first, 2 * H if eagle3 else H, layer_type, True, mode)
     for i in range(1, layers):
         state.update(_layer_tensors(gen, f"layers.{i}.", H, layer_type, False, mode))
@@ -118,8 +126,9 @@ def write_head(out, target_dir, case: dict, seed: int = 0) -> dict:
             t2d[DRAFT_IDS] = True
             state["t2d"] = t2d
     else:
-        state["fc.weight"] = torch.randn(H, 2 * H, generator=gen) * 0.1
-        state["fc.bias"] = torch.randn(H, generator=gen) * 0.1
+        fc = "fusion_fc." if legacy else "fc."
+        state[fc + "weight"] = torch.randn(H, 2 * H, generator=gen) * 0.1
+        state[fc + "bias"] = torch.randn(H, generator=gen) * 0.1
     if case["embed"] == "copy":
         state["embed_tokens.weight"] = target["model.embed_tokens.weight"].clone()
     elif case["embed"] == "own":
@@ -159,7 +168,11 @@ def _write_config(out, tcfg: dict, case: dict) -> None:
              "head_dim": HD, "num_hidden_layers": case["layers"], "rms_norm_eps": tcfg["rms_norm_eps"],
              "max_position_embeddings": 512, "vocab_size": V, "rope_theta": tcfg["rope_parameters"]["rope_theta"]}
     vd = len(DRAFT_IDS) if case["reduced"] else None
-    if case["project"] == "speculators":
+    if case["project"] == "speculators" and case["mode"] == "eagle1":
+        config = {"architectures": ["EagleSpeculator"], "speculators_model_type": "eagle", "layernorms": False,
+                  "fusion_bias": True, "transformer_layer_config": {**layer, "model_type": "llama"},
+                  "speculators_config": {"algorithm": "eagle", "verifier": {"name_or_path": "tiny/target"}}}
+    elif case["project"] == "speculators":
         # transformers' diff dict of the layer's config: hidden_act (the default) is left out
         layer_cfg = {**layer, "model_type": "qwen3" if case["layer_type"] == "qwen3" else "llama",
                      "architectures": ["LlamaForCausalLM"], "attention_bias": case["layer_type"] == "llama-bias"}
@@ -177,7 +190,9 @@ def _write_config(out, tcfg: dict, case: dict) -> None:
             config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [0, 1, 0], "use_aux_hidden_state": True}
     else:  # EAGLE-1 for a Qwen2 target (EAGLE's own Qwen2 configs say qkv_bias)
         config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "bias": True,
-                  "qkv_bias": True, "torch_dtype": "float16", **layer}
+                  "torch_dtype": "float16", **layer}
+        if case["layer_type"] == "qwen2":
+            config["qkv_bias"] = True
     (out / "config.json").write_text(json.dumps(config, indent=1))
 
 
@@ -229,9 +244,13 @@ def reference_logits(sd, case, tokens, feats, target, theta, eps):
     # A copy of the target's table is the target's (an fp16 copy differs only by export rounding).
     embed = (sd["embed_tokens.weight"] if case["embed"] == "own" else target["model.embed_tokens.weight"])[tokens]
     qk_norm = case["layer_type"] == "qwen3"
-    if case["mode"] == "eagle1":
-        x = torch.cat([embed, feats[0]], -1) @ sd["fc.weight"].T + sd["fc.bias"]
-        x = _ref_layer(sd, "layers.0.", x, x, theta, eps, qk_norm)
+    if case["mode"] == "eagle1":  # no input norm in the first layer; the target's LM head, no norm
+        fc, first = ("fusion_fc.", "transformer.") if "fusion_fc.weight" in sd else ("fc.", "layers.0.")
+        x = torch.cat([embed, feats[0]], -1) @ sd[fc + "weight"].T + sd[fc + "bias"]
+        x = _ref_layer(sd, first, x, x, theta, eps, qk_norm)
+        for i in range(1, case["layers"]):
+            p = f"layers.{i}."
+            x = _ref_layer(sd, p, _rms(x, sd[p + "input_layernorm.weight"], eps), x, theta, eps, qk_norm)
         return x @ target["lm_head.weight"].T
     first = "midlayer." if any(k.startswith("midlayer.") for k in sd) else "layers.0."
     f = torch.cat(feats, -1) @ sd["fc.weight"].T
@@ -312,7 +331,7 @@ def test_describe_head_says_what_was_detected(small_vocab_dir, target, tmp_path)
     write_head(tmp_path / "s", small_vocab_dir, CASES["speculators-eagle3-2layers-nbr-own-embed"])
     for about in (target, small_vocab_dir):  # loaded as serving would, or from the files alone
         info = describe_head(tmp_path / "s", about)
-        assert info["format"].startswith("speculators eagle3 (speculators_version 0.2.0)")
+        assert info["format"] == "speculators eagle3" and info["version"] == "speculators_version 0.2.0"
         assert info["layers"] == "2" and info["fits the target"] == "yes"
         assert info["vocabulary"] == f"reduced: {len(DRAFT_IDS)} of {V} target tokens (d2t map)"
         assert "own" in info["embedding"] and "before residual" in info["norm order"]
