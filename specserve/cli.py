@@ -36,6 +36,8 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "chat": ("interactive terminal chat with a running server", "specserve.server.cli", "add_chat_arguments", "cmd_chat"),
     "eval": ("acceptance and speed of drafters vs plain decoding and transformers peers on a dataset",
              "specserve.evals.suite", "add_arguments", "run"),
+    "convert": ("write an EAGLE or Medusa head in another layout (specserve, SafeAILab, speculators, Medusa)",
+                "specserve.cli", "add_convert_arguments", "cmd_convert"),
 }
 BENCH_COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "decode": ("plain decode vs transformers vs the bandwidth floor; n-gram vs plain",
@@ -213,6 +215,25 @@ def add_info_arguments(info: argparse.ArgumentParser) -> None:
                            "vocabulary mapping, feature layers, embedding, positions)")
     info.add_argument("--model", default=None, help="the target for --drafter (default: the embedded model)")
     info.add_argument("--device", default="auto")
+
+
+def add_convert_arguments(conv: argparse.ArgumentParser) -> None:
+    conv.add_argument("--drafter", required=True, metavar="eagle:DIR|medusa:DIR",
+                      help="the head to convert (any layout `generate` loads)")
+    conv.add_argument("--model", default=None, help="its target (default: the embedded model)")
+    conv.add_argument("--to", required=True, dest="layout",
+                      choices=("specserve", "eagle3-safeailab", "eagle3-speculators", "eagle1-safeailab", "medusa1", "medusa2"))
+    conv.add_argument("--out", required=True, help="output directory (new or empty)")
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from specserve import LLM
+    from specserve.drafters.export import export_drafter
+
+    llm = LLM(args.model, drafter=args.drafter, device="cpu", dtype="float32")
+    out = export_drafter(llm.engine.drafter, args.layout, args.out)
+    print(f"wrote {args.layout} head to {out}")
+    return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -236,3 +236,13 @@ def test_info_drafter_prints_what_was_detected():
     assert text.returncode == 0 and "drafter:" in text.stdout and "path:" in text.stdout
     bad = run("info", "--drafter", "eagle:/nonexistent")
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "/nonexistent" in bad.stderr
+
+
+def test_convert_writes_a_public_layout_and_refuses_bad_input(tmp_path):
+    res = run("convert", "--drafter", "eagle", "--to", "eagle3-speculators", "--out", str(tmp_path / "spec"))
+    assert res.returncode == 0, res.stderr
+    assert json.loads((tmp_path / "spec" / "config.json").read_text())["speculators_model_type"] == "eagle3"
+    info = json.loads(run("info", "--drafter", f"eagle:{tmp_path / 'spec'}", "--json").stdout)
+    assert info["drafter"]["format"] == "speculators eagle3"
+    bad = run("convert", "--drafter", "ngram", "--to", "specserve", "--out", str(tmp_path / "x"))
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "no weights" in bad.stderr
