@@ -82,14 +82,28 @@ def is_default_model(model_dir: str | Path | None) -> bool:
         return False
 
 
+# Drafters that need no files: any of them (or a hybrid of them and the bundle's own) can be the default.
+FILELESS_DRAFTERS = ("ngram", "suffix", "lookahead")
+
+
 def default_drafter(model_dir: str | Path | None) -> str | None:
-    """The drafter `LLM(drafter="auto")` uses: the bundle's ``default_drafter`` when the target is the
-    bundled default model and that drafter is present; otherwise None (plain decoding)."""
+    """The drafter `LLM(drafter="auto")` uses: the bundle's ``default_drafter`` (chosen by measurement:
+    `specserve train default-drafter`) when the target is the bundled default model and it can run —
+    a bundled drafter, a file-less one, or a hybrid of those; otherwise None (plain decoding)."""
     manifest = bundle_manifest()
     if manifest is None or not is_default_model(model_dir):
         return None
-    name = manifest.get("default_drafter")
-    return name if name in default_drafters() else None
+    spec = manifest.get("default_drafter")
+    return spec if isinstance(spec, str) and runs_on_bundle(spec) else None
+
+
+def runs_on_bundle(spec: str) -> bool:
+    """Whether drafter ``spec`` runs on the embedded model with no path: a bundled drafter, a file-less
+    one, or ``hybrid:A+B`` of those."""
+    name, _, path = spec.partition(":")
+    if name == "hybrid":
+        return bool(path) and all(runs_on_bundle(part.strip()) for part in path.split("+"))
+    return not path and (name in FILELESS_DRAFTERS or name in default_drafters())
 
 
 def resolve_drafter_path(name: str, model_dir: str | Path | None) -> str | None:

@@ -88,6 +88,18 @@ def add_train_parser(sub, parser_class) -> None:
     bundle.add_argument("--force", action="store_true", help="overwrite --work's runs and an existing bundle")
     bundle.set_defaults(handler=cmd_bundle)
 
+    pick = tsub.add_parser("default-drafter", help="measure drafters on the embedded model (held-out code, batch 1, "
+                                                   "greedy) and make the fastest its default (drafter auto)")
+    pick.add_argument("--candidates", default=None,
+                      help="comma-separated drafter specs (default: the bundle's drafters, ngram, suffix, lookahead "
+                           "and hybrids of them)")
+    pick.add_argument("--max-prompts", type=int, default=8)
+    pick.add_argument("--max-tokens", type=int, default=64)
+    pick.add_argument("--repeats", type=int, default=2)
+    pick.add_argument("--threads", type=int, default=None)
+    pick.add_argument("--out", default="runs/default-drafter", help="where the eval's report goes")
+    pick.set_defaults(handler=cmd_default_drafter)
+
 
 def _corpus_args(p, default_help: str = "default: the Python standard library of this interpreter") -> None:
     p.add_argument("--corpus", action="append", default=None, metavar="PATH",
@@ -206,6 +218,18 @@ def cmd_eagle(args: argparse.Namespace) -> int:
     from specserve.training.eagle import cmd_eagle as run
 
     return run(args)
+
+
+def cmd_default_drafter(args: argparse.Namespace) -> int:
+    from specserve.training.default_drafter import DEFAULT_CANDIDATES, pick_default_drafter, table_markdown
+
+    candidates = [c.strip() for c in args.candidates.split(",") if c.strip()] if args.candidates else list(DEFAULT_CANDIDATES)
+    record = pick_default_drafter(candidates, args.out, max_prompts=args.max_prompts, max_tokens=args.max_tokens,
+                                  repeats=args.repeats, threads=args.threads,
+                                  command="specserve train default-drafter " + " ".join(sys.argv[3:]))
+    print(table_markdown(record))
+    print(f"default drafter: {record['default_drafter']} (recorded in the bundle's MANIFEST.json)")
+    return 0
 
 
 def cmd_bundle(args: argparse.Namespace) -> int:

@@ -104,3 +104,27 @@ def test_existing_bundles_and_foreign_directories_are_protected(bundle, tmp_path
     assert "size_limit_mb" in capsys.readouterr().err
     assert main(["train", "bundle", "--work", str(work), "--bundle-dir", str(tmp_path / "b")]) == 2
     assert "not empty" in capsys.readouterr().err
+
+
+def test_default_drafter_is_chosen_by_measurement(tmp_path, monkeypatch):
+    """`specserve train default-drafter`: the candidates run the held-out eval at batch 1 greedy; the
+    fastest becomes the bundle's default (`drafter="auto"`), with the table recorded beside it."""
+    from specserve.training.default_drafter import pick_default_drafter, table_markdown
+
+    if bundle_paths.default_model_dir() is None:
+        pytest.skip("the embedded bundle is not installed")
+    copy = tmp_path / "bundle"
+    shutil.copytree(bundle_paths.bundle_dir(), copy)
+    monkeypatch.setenv(bundle_paths.ENV_VAR, str(copy))
+    record = pick_default_drafter(["ngram", "hybrid:suffix+medusa", "eagle:/elsewhere"], str(tmp_path / "run"),
+                                  max_prompts=1, max_tokens=8, repeats=1)
+    assert set(record["candidates"]) == {"ngram", "hybrid:suffix+medusa"} and record["not_run"] == ["eagle:/elsewhere"]
+    best = max(record["candidates"], key=lambda n: (record["candidates"][n]["speedup"], record["candidates"][n]["tau"]))
+    assert record["default_drafter"] == best
+    manifest = json.loads((copy / "MANIFEST.json").read_text())
+    assert manifest["default_drafter"] == best and manifest["default_drafter_eval"]["dataset"] == "builtin:heldout-code"
+    assert bundle_paths.default_drafter(copy / "target") == best
+    from specserve import LLM
+
+    assert LLM(drafter="auto").drafter_spec == best
+    assert f"`{best}` **(default)**" in table_markdown(record)

@@ -1,0 +1,73 @@
+"""Pick the embedded bundle's default drafter by measurement (`specserve train default-drafter`).
+
+`drafter="auto"` (the CLI's and the server's default) gives the embedded model the drafter recorded in
+the bundle's MANIFEST. Which one that is is measured, not assumed: every candidate — the bundle's
+trained drafters, the training-free ones and hybrids of both — runs the eval suite on the held-out
+split of the builtin code dataset at batch 1, greedy, with adaptive speculation, in one run beside plain
+decoding; the fastest by median speedup (ties: higher τ) becomes ``default_drafter``, and the whole
+table is recorded next to it (``default_drafter_eval``: command, date, machine, each candidate's
+speedup, τ and tokens/s), so README's table and the choice come from the same run.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+
+DATASET = "builtin:heldout-code"
+DEFAULT_CANDIDATES = ("eagle", "medusa", "draft", "ngram", "suffix", "lookahead", "hybrid:suffix+eagle",
+                      "hybrid:suffix+draft", "hybrid:ngram+suffix")
+
+
+def pick_default_drafter(candidates: list[str], out: str, max_prompts: int = 8, max_tokens: int = 64,
+                         repeats: int = 2, threads: int | None = None, command: str = "") -> dict:
+    """Measure ``candidates`` on the embedded model and record the winner in the bundle's MANIFEST.
+    Returns the recorded ``default_drafter_eval`` (with ``default_drafter``)."""
+    from specserve.evals.suite import EvalConfig, run_eval
+    from specserve.training.bundle_paths import MANIFEST, bundle_dir, bundle_manifest, default_model_dir, runs_on_bundle
+
+    manifest = bundle_manifest()
+    if manifest is None or default_model_dir() is None:
+        raise ValueError(f"no embedded bundle in {str(bundle_dir())!r}: build it with `specserve train bundle` first")
+    from specserve.drafters import registered_drafters
+
+    def registered(spec: str) -> bool:
+        name, _, path = spec.partition(":")
+        parts = path.split("+") if name == "hybrid" else [name]
+        return name in registered_drafters() and all(p.partition(":")[0] in registered_drafters() for p in parts)
+
+    usable = [c for c in candidates if runs_on_bundle(c) and registered(c)]
+    dropped = sorted(set(candidates) - set(usable))
+    if not usable:
+        raise ValueError(f"none of the candidates {list(candidates)} can run on the embedded model")
+    results = run_eval(EvalConfig(drafters=usable, dataset=DATASET, out=out, max_prompts=max_prompts,
+                                  max_tokens=max_tokens, temperature=0.0, batch_size=1, repeats=repeats,
+                                  threads=threads, progress=False))
+    table = {name: {"speedup": round(r["speedup"], 3), "tau": round(r["tau"], 3), "tokens_per_s": round(r["tokens_per_s"], 1),
+                    "identical": r["identical_fraction"]}
+             for name, r in results["drafters"].items()}
+    winner = max(table, key=lambda n: (table[n]["speedup"], table[n]["tau"]))
+    record = {"default_drafter": winner, "command": command, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "dataset": DATASET, "prompts": results["settings"]["num_prompts"], "max_tokens": max_tokens, "repeats": repeats,
+              "batch_size": 1, "temperature": 0.0, "speculation": "adaptive",
+              "plain_tokens_per_s": round(results["plain"]["tokens_per_s"], 1), "machine": results["machine"],
+              "candidates": table, "not_run": dropped}
+    manifest["default_drafter"] = winner
+    manifest["default_drafter_eval"] = record
+    path = bundle_dir() / MANIFEST
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
+    tmp.replace(path)
+    return record
+
+
+def table_markdown(record: dict) -> str:
+    """The recorded measurement as README's table."""
+    lines = ["| drafter | speedup vs plain | τ | tokens/s |", "|---|---|---|---|"]
+    rows = sorted(record["candidates"].items(), key=lambda kv: -kv[1]["speedup"])
+    for name, r in rows:
+        mark = " **(default)**" if name == record["default_drafter"] else ""
+        lines.append(f"| `{name}`{mark} | {r['speedup']:.2f} | {r['tau']:.2f} | {r['tokens_per_s']:.0f} |")
+    lines.append(f"| plain | 1.00 | 1.00 | {record['plain_tokens_per_s']:.0f} |")
+    return "\n".join(lines)
