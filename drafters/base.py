@@ -128,6 +128,11 @@ class Drafter(ABC):
     def release(self, request_id: str) -> None:
         """The request finished or was cancelled: drop its state. Default: stateless."""
 
+    def forget_shared(self) -> None:
+        """Drop what was learned from earlier requests (state no single request owns: the suffix drafter's
+        index of finished outputs). Benchmarks call it before each timed run, so a prompt measured again is
+        not drafted from its own earlier answer. Default: nothing is shared."""
+
     def describe(self) -> dict[str, Any]:
         """What `specserve info --drafter` prints: what was loaded and how it drafts. Drafters that read
         checkpoints add what they detected (format, version, vocabulary mapping, ...). JSON-able values."""

@@ -128,6 +128,10 @@ class HybridDrafter(Drafter):
         for p in self.parts:
             p.release(request_id)
 
+    def forget_shared(self) -> None:
+        for p in self.parts:
+            p.forget_shared()
+
     def describe(self) -> dict:
         out = super().describe()
         out["parts"] = {name: part.describe() for name, part in zip(self.names, self.parts)}

@@ -213,6 +213,11 @@ class SuffixDrafter(Drafter):
             for s in self.shared_seqs:
                 self.shared.add(s, 0, s.shape[0])
 
+    def forget_shared(self) -> None:
+        self.shared = SuffixIndex(self.max_match, 1024)
+        self.shared_seqs.clear()
+        self.shared_size = 0
+
     # ---- proposing -------------------------------------------------------------------------------
 
     def propose(self, requests: list[DraftRequest], budgets: list[int], depth: int | None = None) -> list[DraftTree]:

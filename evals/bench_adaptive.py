@@ -213,6 +213,8 @@ def _measure_cell(llms: dict, prompts: list[list[int]], temperature: float, max_
         params = _params(temperature, max_tokens, len(prompts), r)
         tokens: dict[str, list[list[int]]] = {}
         for name in order:
+            if llms[name].engine.drafter is not None:  # no answering a repeat from its own earlier output
+                llms[name].engine.drafter.forget_shared()
             sync(device)
             t0 = time.perf_counter()
             outs = llms[name].generate(prompts, params)

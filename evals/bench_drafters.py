@@ -47,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
     outputs: dict[str, list] = {name: [] for name in llms}
     for _ in range(args.repeats):
         for name, llm in llms.items():
+            if llm.engine.drafter is not None:  # no answering a repeat from its own earlier output
+                llm.engine.drafter.forget_shared()
             t0 = time.perf_counter()
             outs = [llm.generate([p], params)[0] for p in prompts]
             rates[name].append(len(prompts) * args.max_tokens / (time.perf_counter() - t0))

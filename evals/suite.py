@@ -249,6 +249,8 @@ def run_eval(cfg: EvalConfig) -> dict:
             if name in peers:
                 seconds, outs = peers[name].run(ids, max_tokens, cfg.temperature, cfg.seed + 100_003 * repeat + idx[0])
                 return seconds, outs, None
+            if llms[name].engine.drafter is not None:  # no answering a repeat from its own earlier output
+                llms[name].engine.drafter.forget_shared()
             sync(plain.device)
             t0 = time.perf_counter()
             outs = llms[name].generate(ids, params_for(idx, repeat, max_tokens))

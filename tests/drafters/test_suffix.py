@@ -329,3 +329,14 @@ def test_incremental_index_agrees_with_brute_force_on_a_long_growing_context():
         assert as_lists(tree) == brute_tree([ctx[:end]], ctx[:end], 1, 4, 4, 12)
         got = sm.lookup(*d._states["r0"].index.lookup_view(), *view, np.asarray(ctx[:end], np.int64), 1, 4)
         assert (got[0], got[1].tolist(), got[2].tolist()) == brute_lookup([ctx[:end]], ctx[:end], 1, 4)
+
+
+def test_forget_shared_drops_earlier_requests_outputs():
+    """Benchmarks call forget_shared before each timed run: a repeated prompt is then drafted from its own
+    context only, not from its earlier answer."""
+    d = drafter(shared_tokens=1000)
+    d.add_shared(np.array([1, 2, 3, 4, 5, 6, 7], dtype=np.int64))
+    tree = d.propose([request([9, 1, 2, 3])], [4])[0]
+    assert tree.tokens.tolist()[:1] == [4]
+    d.forget_shared()
+    assert d.shared_size == 0 and d.propose([request([9, 1, 2, 3], "r1")], [4])[0].num_nodes == 0
