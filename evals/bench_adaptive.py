@@ -42,7 +42,7 @@ import sys
 import time
 from pathlib import Path
 
-from specserve.evals.common import machine, parse_batch_sizes, set_threads, sync, write_json
+from specserve.evals.common import forget_shared, machine, parse_batch_sizes, set_threads, sync, write_json
 from specserve.evals.metrics import SpecCounts
 
 DEFAULT_DRAFTERS = "eagle,draft,medusa,ngram"
@@ -213,8 +213,7 @@ def _measure_cell(llms: dict, prompts: list[list[int]], temperature: float, max_
         params = _params(temperature, max_tokens, len(prompts), r)
         tokens: dict[str, list[list[int]]] = {}
         for name in order:
-            if llms[name].engine.drafter is not None:  # no answering a repeat from its own earlier output
-                llms[name].engine.drafter.forget_shared()
+            forget_shared(llms[name])
             sync(device)
             t0 = time.perf_counter()
             outs = llms[name].generate(prompts, params)

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from specserve.evals.common import set_threads, write_json
+from specserve.evals.common import forget_shared, set_threads, write_json
 from specserve.evals.metrics import SpecCounts
 
 
@@ -47,8 +47,7 @@ def run(args: argparse.Namespace) -> int:
     outputs: dict[str, list] = {name: [] for name in llms}
     for _ in range(args.repeats):
         for name, llm in llms.items():
-            if llm.engine.drafter is not None:  # no answering a repeat from its own earlier output
-                llm.engine.drafter.forget_shared()
+            forget_shared(llm)
             t0 = time.perf_counter()
             outs = [llm.generate([p], params)[0] for p in prompts]
             rates[name].append(len(prompts) * args.max_tokens / (time.perf_counter() - t0))

@@ -74,3 +74,11 @@ def parse_batch_sizes(text: str) -> list[int]:
     if not sizes or sizes[0] < 1:
         raise ValueError(f"--batch-sizes must be integers >= 1, got {text!r}")
     return sizes
+
+
+def forget_shared(llm) -> None:
+    """Before a timed run: the drafter forgets what it learned from earlier requests (the suffix
+    drafter's index of finished outputs), so a prompt measured again is not drafted from its own answer."""
+    drafter = getattr(getattr(llm, "engine", None), "drafter", None)
+    if drafter is not None:
+        drafter.forget_shared()

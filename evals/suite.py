@@ -39,7 +39,7 @@ from specserve.evals.datasets import (
     load_dataset,
 )
 from specserve.evals import llamacpp_peer
-from specserve.evals.common import set_threads, sync
+from specserve.evals.common import forget_shared, set_threads, sync
 from specserve.evals.peers import parse_peers, resolve_peer_draft
 from specserve.evals.structured import check_output, constraint_kwargs
 from specserve.evals.report import write_json, write_report
@@ -249,8 +249,7 @@ def run_eval(cfg: EvalConfig) -> dict:
             if name in peers:
                 seconds, outs = peers[name].run(ids, max_tokens, cfg.temperature, cfg.seed + 100_003 * repeat + idx[0])
                 return seconds, outs, None
-            if llms[name].engine.drafter is not None:  # no answering a repeat from its own earlier output
-                llms[name].engine.drafter.forget_shared()
+            forget_shared(llms[name])
             sync(plain.device)
             t0 = time.perf_counter()
             outs = llms[name].generate(ids, params_for(idx, repeat, max_tokens))
