@@ -103,14 +103,17 @@ def test_generate_without_model_or_bundle_exits_2(tmp_path):
 
 
 def test_readme_main_command_runs_on_the_embedded_model():
-    """README's first command: the bundled default model with its default drafter (EAGLE), no arguments."""
+    """README's first command: the bundled default model with its default drafter (the one the bundle's
+    MANIFEST records as measured fastest), no arguments."""
     res = run("generate", "--prompt", "def fibonacci(n):", "--max-tokens", "16", "--ignore-eos", "--temperature", "0", "--json")
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert len(out["token_ids"]) == 16 and out["spec"]["num_steps"] >= 1
     info = json.loads(run("info", "--json").stdout)
     assert info["default_model"] and {"draft", "medusa", "eagle"} <= set(info["default_drafters"])
-    assert out["drafter"] == info["default_drafter"] == "eagle"
+    from specserve.training.bundle_paths import bundle_manifest
+
+    assert out["drafter"] == info["default_drafter"] == bundle_manifest()["default_drafter"]
     plain = json.loads(run("generate", "--drafter", "none", "--prompt", "def fibonacci(n):", "--max-tokens", "16",
                            "--ignore-eos", "--temperature", "0", "--json").stdout)
     assert plain["drafter"] is None and plain["token_ids"] == out["token_ids"]
