@@ -151,8 +151,8 @@ class Session:
         s = {**self.defaults, **ev.sampling}
         params = make_params(s, ev.constraint)
         policy = "auto" if s["truncation"] == "auto" else "clamp"
-        if not needs_thread(ev.input, ev.messages, params):
-            prompt = prepare_now(server, ev.input, ev.messages, params, policy)
+        if not needs_thread(ev.input, ev.messages, params, server):
+            prompt = prepare_now(server, ev.input, ev.messages, params, policy, WEBSOCKET_NAMES, ev.constraint)
             self._submit(ev, s, params, prompt, received)
             return
         # A long text takes milliseconds to seconds to tokenize, a new constraint up to a second to compile:

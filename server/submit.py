@@ -27,10 +27,15 @@ def text_chars(input_, messages) -> int:
     return sum(len(m["content"]) for m in messages or ())
 
 
-def needs_thread(input_, messages, params: SamplingParams | None = None) -> bool:
+def needs_thread(input_, messages, params: SamplingParams | None = None, server=None) -> bool:
     """Whether preparing a request takes long enough to do off the event loop: a long text to tokenize,
-    or a constraint to compile (cached ones are quick, but a new big schema takes up to a second)."""
-    return text_chars(input_, messages) > INLINE_TOKENIZE_CHARS or (params is not None and params.constraint is not None)
+    or a constraint not compiled yet (a new big schema takes up to a second; a cached one nothing — it
+    must not queue behind others' compiles on the one worker thread)."""
+    if text_chars(input_, messages) > INLINE_TOKENIZE_CHARS:
+        return True
+    if params is None or params.constraint is None:
+        return False
+    return server is None or not server.llm.engine.constraint_compiled(params.constraint)
 
 
 def prepare_now(server, input_, messages, params: SamplingParams, policy: str, names: FieldNames = WEBSOCKET_NAMES,
@@ -99,7 +104,7 @@ async def prepare(server, input_, messages, params: SamplingParams, policy: str,
                   constraint: ConstraintSpec | None = None) -> Prompt:
     """`prepare_now`, off the event loop when it may take a while (`needs_thread`)."""
     args = (server, input_, messages, params, policy, names, constraint)
-    if not needs_thread(input_, messages, params):
+    if not needs_thread(input_, messages, params, server):
         return prepare_now(*args)
     return await asyncio.get_running_loop().run_in_executor(server.tokenize_executor, prepare_now, *args)
 

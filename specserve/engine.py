@@ -196,6 +196,10 @@ class Engine:
                 self._grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids)
             return self._grammars
 
+    def constraint_compiled(self, constraint) -> bool:
+        """Whether ``constraint`` is in the compiled cache (its request can go straight to the engine)."""
+        return self._grammars is not None and self._grammars.cached(constraint)
+
     def compile_constraint(self, constraint) -> None:
         """Compile a constraint into the cache now, on the calling thread (ValueError when it does not
         compile), so `add_request` on the engine thread finds it compiled and no step waits for it."""

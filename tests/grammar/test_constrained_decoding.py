@@ -268,3 +268,17 @@ def test_oversized_constraints_are_refused_and_compiles_happen_off_the_engine_th
         engine.step()
     out = engine.pop_finished("g")
     assert out.finish_reason == "error" and "<state>" not in out.error and len(out.error) < 400, out.error
+
+
+def test_the_template_cache_is_bounded_by_the_characters_it_holds(llama_dir, monkeypatch):
+    """A compiled matcher costs ~80 bytes per definition character: the cache keeps its total under
+    CACHE_CHARS (oldest out first), whatever the count."""
+    llm = LLM(llama_dir, drafter=None, device="cpu")
+    compiler = llm.engine.grammars
+    monkeypatch.setattr(compiler, "CACHE_CHARS", 3000)
+    words = [" | ".join(f'"{tag}{i}"' for i in range(150)) for tag in "abc"]  # ~1,200 characters each
+    constraints = [SamplingParams(grammar="start: " + w).constraint for w in words]
+    for c in constraints:
+        llm.engine.compile_constraint(c)
+    assert [llm.engine.constraint_compiled(c) for c in constraints] == [False, True, True]
+    assert compiler._cached_chars == sum(len(c.definition) for c in constraints[1:]) <= 3000
