@@ -6,6 +6,7 @@ from specserve.drafters import draft_model as _draft_model  # noqa: F401  (regis
 from specserve.drafters import medusa as _medusa  # noqa: F401  (registers "medusa")
 from specserve.drafters import eagle as _eagle  # noqa: F401  (registers "eagle")
 from specserve.drafters import suffix as _suffix  # noqa: F401  (registers "suffix")
+from specserve.drafters import lookahead as _lookahead  # noqa: F401  (registers "lookahead")
 from specserve.drafters import hybrid as _hybrid  # noqa: F401  (registers "hybrid")
 
 __all__ = ["CommitInfo", "DraftRequest", "Drafter", "TargetInfo", "create_drafter", "parse_drafter_spec",

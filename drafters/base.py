@@ -77,6 +77,10 @@ class CommitInfo:
     request_id: str
     result: VerifyResult
     num_tokens: int  # len(token_ids) after the step, the new root included
+    # For drafters with `wants_row_argmax` (lookahead): the tree actually verified (the policy may have
+    # cut the drafter's) and the target's argmax at each of its verify rows, int64[N+1], root row first.
+    tree: Any = None
+    row_argmax: np.ndarray | None = None
 
 
 class Drafter(ABC):
@@ -89,6 +93,8 @@ class Drafter(ABC):
                            drafted through its own model (draft model, EAGLE): drafting after a pause
                            costs in proportion to the pause. The adaptive policy prices that backlog
                            only for such drafters.
+      wants_row_argmax:    `on_commit` also gets the verified tree and the target's argmax at each of its
+                           rows (lookahead: the rows of its Jacobi window are the next guesses).
       drafts_by_level:     each tree level costs one drafter forward (draft model, EAGLE), so the
                            adaptive policy chooses a depth; others draft their whole tree at once
                            (n-gram, suffix, Medusa's heads) and are always asked for all of it.
@@ -101,6 +107,7 @@ class Drafter(ABC):
     gives_probs: ClassVar[bool] = False
     catches_up: ClassVar[bool] = False
     drafts_by_level: ClassVar[bool] = False
+    wants_row_argmax: ClassVar[bool] = False
     max_budget: int = 0
     # Cache slots past a request's root that the drafter's own model writes while drafting (its tree
     # levels); the engine reserves them at admission.

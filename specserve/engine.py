@@ -518,6 +518,11 @@ class Engine:
             index = torch.as_tensor(out.first_rows[:len(step.decodes)], dtype=torch.int64)
             roots = {layer: h[index.to(h.device)] for layer, h in hidden.items()}
         commits = []
+        argmax = offsets = None
+        if self.drafter is not None and self.drafter.wants_row_argmax and step.decodes:
+            # Each verify row's argmax (greedy and sampled requests alike), once for the step.
+            argmax = _argmax(out.logits).cpu().numpy()
+            offsets = np.cumsum([0] + [t.num_nodes + 1 for t in out.trees])
         for j, (r, tree, result, first, budget, guess) in enumerate(zip(step.decodes, out.trees, results, out.first_rows,
                                                                        budgets, predicted)):
             if hidden and r.speculate:
@@ -528,7 +533,10 @@ class Engine:
                     r.pending_hidden.append({layer: h[j:j + 1] for layer, h in roots.items()})
             r.num_cached += 1 + result.num_accepted
             r.stats.record(tree, result, budget, guess)
-            commits.append(CommitInfo(r.request_id, result, r.num_cached + 1))
+            if argmax is not None:
+                commits.append(CommitInfo(r.request_id, result, r.num_cached + 1, tree, argmax[offsets[j]:offsets[j + 1]]))
+            else:
+                commits.append(CommitInfo(r.request_id, result, r.num_cached + 1))
         for chunk, first in zip(step.prefills, out.first_rows[len(step.decodes):]):
             r = chunk.request
             if hidden and r.speculate:
