@@ -108,6 +108,9 @@ class Drafter(ABC):
     catches_up: ClassVar[bool] = False
     drafts_by_level: ClassVar[bool] = False
     wants_row_argmax: ClassVar[bool] = False
+    # Learns from earlier requests (the suffix drafter's index of finished outputs): a request's trees then
+    # depend on what else the server ran, so a seeded sampled request no longer reproduces its output.
+    learns_across_requests: ClassVar[bool] = False
     max_budget: int = 0
     # Cache slots past a request's root that the drafter's own model writes while drafting (its tree
     # levels); the engine reserves them at admission.
@@ -181,6 +184,11 @@ def register(name: str) -> Callable[[type[Drafter]], type[Drafter]]:
 
 def registered_drafters() -> list[str]:
     return sorted(_REGISTRY)
+
+
+def drafter_class(name: str) -> type[Drafter]:
+    """The class registered as ``name`` (KeyError when none is)."""
+    return _REGISTRY[name]
 
 
 def parse_drafter_spec(spec: str) -> tuple[str, str | None]:

@@ -103,6 +103,7 @@ class HybridDrafter(Drafter):
         self.catches_up = only_costly and any(p.catches_up for p in parts)
         self.drafts_by_level = only_costly and any(p.drafts_by_level for p in parts)
         self.wants_row_argmax = any(p.wants_row_argmax for p in parts)
+        self.learns_across_requests = any(p.learns_across_requests for p in parts)
         self.depth = max(int(getattr(p, "depth", 1) or 1) for p in parts)
         full = sum(p.max_budget for p in parts)
         self.max_budget = full if max_budget is None else min(check_int_option("hybrid", "max_budget", max_budget, 1), full)

@@ -118,6 +118,7 @@ class SuffixDrafter(Drafter):
     """
 
     needs_hidden_states = False
+    learns_across_requests = True
     gives_probs = False
 
     def __init__(

@@ -50,13 +50,17 @@ def pick_default_drafter(candidates: list[str], out: str, max_prompts: int = 8, 
     table = {name: {"speedup": round(r["speedup"], 3), "tau": round(r["tau"], 3), "tokens_per_s": round(r["tokens_per_s"], 1),
                     "identical": r["identical_fraction"]}
              for name, r in results["drafters"].items()}
-    best = max(r["speedup"] for r in table.values())
-    winner = max((n for n in table if table[n]["speedup"] >= best - TIE), key=lambda n: (table[n]["tau"], table[n]["speedup"]))
+    # The default must keep seeded sampling reproducible: drafters that learn across requests (suffix, and
+    # hybrids with it) make a request's trees depend on what else the server ran. Measured, not chosen.
+    eligible = [n for n in table if not _learns_across_requests(n)] or list(table)
+    best = max(table[n]["speedup"] for n in eligible)
+    winner = max((n for n in eligible if table[n]["speedup"] >= best - TIE), key=lambda n: (table[n]["tau"], table[n]["speedup"]))
     record = {"default_drafter": winner, "command": command, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "dataset": DATASET, "prompts": results["settings"]["num_prompts"], "max_tokens": max_tokens, "repeats": repeats,
               "batch_size": 1, "temperature": 0.0, "speculation": "adaptive",
               "plain_tokens_per_s": round(results["plain"]["tokens_per_s"], 1), "machine": results["machine"],
-              "candidates": table, "not_run": dropped}
+              "candidates": table, "not_run": dropped,
+              "not_eligible": sorted(n for n in table if _learns_across_requests(n))}
     manifest["default_drafter"] = winner
     manifest["default_drafter_eval"] = record
     path = bundle_dir() / MANIFEST
@@ -66,12 +70,23 @@ def pick_default_drafter(candidates: list[str], out: str, max_prompts: int = 8, 
     return record
 
 
+def _learns_across_requests(spec: str) -> bool:
+    from specserve.drafters import parse_drafter_spec
+    from specserve.drafters.base import drafter_class
+
+    name, path = parse_drafter_spec(spec)
+    names = [parse_drafter_spec(p)[0] for p in path.split("+")] if name == "hybrid" and path else [name]
+    return any(drafter_class(n).learns_across_requests for n in names)
+
+
 def table_markdown(record: dict) -> str:
     """The recorded measurement as README's table."""
     lines = ["| drafter | speedup vs plain | τ | tokens/s |", "|---|---|---|---|"]
     rows = sorted(record["candidates"].items(), key=lambda kv: -kv[1]["speedup"])
     for name, r in rows:
         mark = " **(default)**" if name == record["default_drafter"] else ""
+        if name in record.get("not_eligible", ()):
+            mark += " (learns across requests: not eligible)"
         lines.append(f"| `{name}`{mark} | {r['speedup']:.2f} | {r['tau']:.2f} | {r['tokens_per_s']:.0f} |")
     lines.append(f"| plain | 1.00 | 1.00 | {record['plain_tokens_per_s']:.0f} |")
     return "\n".join(lines)
