@@ -85,12 +85,13 @@ def test_greedy_equals_plain(small_vocab_dir, reference, spec, speculation):
     assert alloc.num_free_blocks == alloc.num_blocks
 
 
-def test_a_repetitive_prompt_is_drafted(llama_dir):
-    prompt = "for i in range(10):\n    print(i, i * i)\n" * 4
-    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-    plain = LLM(llama_dir, device="cpu").generate([prompt], params)[0]
-    out = LLM(llama_dir, drafter="lookahead", device="cpu", speculation="static").generate([prompt], params)[0]
-    assert out.token_ids == plain.token_ids and out.spec.mean_accepted_length > 1.0
+def test_drafts_are_accepted(small_vocab_dir, reference):
+    """On the 16-token model's prompts (its own output repeats) lookahead's window and pool are accepted:
+    tau well above 1 (1.29-1.43 measured), output identical to plain."""
+    llm = LLM(small_vocab_dir, drafter="lookahead", device="cpu", speculation="static")
+    outs = [llm.generate([p], GREEDY)[0] for p in PROMPTS[:3]]
+    assert [o.token_ids for o in outs] == reference[:3]
+    assert min(o.spec.mean_accepted_length for o in outs) > 1.15
 
 
 def test_sampled_tokens_follow_target_distribution(small_vocab_dir):
