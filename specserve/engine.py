@@ -351,9 +351,9 @@ class Engine:
             out = self.runner.run(step, trees)
         except Exception as exc:
             return self._forward_failed(step, exc)
-        results = self._accept(out)
+        results, argmax = self._accept(out)
         t2 = time.perf_counter()
-        self._commit(step, out, results, budgets, predicted)
+        self._commit(step, out, results, argmax, budgets, predicted)
         deltas = [self._emit(r, res.emitted_tokens) for r, res in zip(out.verifying, results)]
         self.budget_policy.observe(StepRecord(
             requests=tuple(RequestStepRecord(r.request_id, b, t.num_nodes, t.max_depth, res.num_accepted,
@@ -439,15 +439,18 @@ class Engine:
         done = sum(c.completes_prompt for c in step.prefills)
         return trees, budgets + [0] * done
 
-    def _accept(self, out: StepForward) -> list[VerifyResult]:
-        """Logits processors, then greedy / sampled acceptance of every verifying request, batched."""
+    def _accept(self, out: StepForward) -> tuple[list[VerifyResult], torch.Tensor]:
+        """Logits processors, then greedy / sampled acceptance of every verifying request, batched.
+        Also returns every verify row's argmax int64[R] (after processors and grammar masks), which
+        drafters with `wants_row_argmax` are handed at commit."""
         reqs, trees, logits = out.verifying, out.trees, out.logits
         constrained = [b for b, r in enumerate(reqs) if r.grammar is not None]
         if not self.logits_processors and not constrained and all(
                 not t.num_nodes and r.params.greedy for r, t in zip(reqs, trees)):
             # Plain greedy decoding: each request's token is its row's argmax (the common case, kept lean:
             # right after a forward has streamed the weights through the caches, every Python step is slow).
-            return [VerifyResult((), (), token, 0) for token in _argmax(logits).tolist()]
+            argmax = _argmax(logits)
+            return [VerifyResult((), (), token, 0) for token in argmax.tolist()], argmax
         packed = pack_trees(trees, logits.device)
         if constrained:
             self._mask_grammar_rows(logits, reqs, trees, packed.cu_rows, constrained)
@@ -476,7 +479,7 @@ class Engine:
                 per_row([p.min_p for p in params]),
             )
             uniforms = draw_uniforms(packed, greedy, [r.generator for r in reqs])
-        return accept_trees(trees, packed, greedy, argmax, probs, prob_index, uniforms)
+        return accept_trees(trees, packed, greedy, argmax, probs, prob_index, uniforms), argmax
 
     @staticmethod
     def _mask_grammar_rows(logits: torch.Tensor, reqs: list[Request], trees: list[DraftTree], cu_rows: np.ndarray,
@@ -489,8 +492,8 @@ class Engine:
         index = torch.from_numpy(rows).to(logits.device)
         logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
 
-    def _commit(self, step: ScheduledStep, out: StepForward, results: list[VerifyResult], budgets: list[int],
-                predicted: list[float | None]) -> None:
+    def _commit(self, step: ScheduledStep, out: StepForward, results: list[VerifyResult], row_argmax: torch.Tensor,
+                budgets: list[int], predicted: list[float | None]) -> None:
         """Keep the accepted path's KV next to the root (one batched move), advance committed lengths,
         queue target features for the drafter, record statistics and tell the drafter what was kept.
 
@@ -520,8 +523,7 @@ class Engine:
         commits = []
         argmax = offsets = None
         if self.drafter is not None and self.drafter.wants_row_argmax and step.decodes:
-            # Each verify row's argmax (greedy and sampled requests alike), once for the step.
-            argmax = _argmax(out.logits).cpu().numpy()
+            argmax = row_argmax.cpu().numpy()  # acceptance's own, for greedy and sampled rows alike
             offsets = np.cumsum([0] + [t.num_nodes + 1 for t in out.trees])
         for j, (r, tree, result, first, budget, guess) in enumerate(zip(step.decodes, out.trees, results, out.first_rows,
                                                                        budgets, predicted)):
