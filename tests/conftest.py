@@ -22,3 +22,19 @@ def llama_dir(tmp_path_factory) -> Path:
 def small_vocab_dir(tmp_path_factory) -> Path:
     """A Llama with a 16-token vocabulary and no tokenizer: random drafts often hit, sampling tests are cheap."""
     return build_model(tmp_path_factory.mktemp("small_vocab"), "llama", vocab_size=16, tokenizer=False, init_std=0.3)
+
+
+@pytest.fixture(scope="session")
+def near_draft_dir(small_vocab_dir, tmp_path_factory) -> Path:
+    """`small_vocab_dir`'s weights plus noise, as a draft model: q close to p but not equal, so drafts are
+    accepted often and rejected siblings matter (the regime where a wrong sibling distribution would show)."""
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("near_draft")
+    for name in ("config.json", "generation_config.json"):
+        (out / name).write_text((small_vocab_dir / name).read_text())
+    gen = torch.Generator().manual_seed(0)
+    state = load_file(str(small_vocab_dir / "model.safetensors"))
+    save_file({k: v + 0.15 * v.std() * torch.randn(v.shape, generator=gen) for k, v in state.items()},
+              str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out

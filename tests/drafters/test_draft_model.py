@@ -41,22 +41,6 @@ def draft_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def near_draft_dir(small_vocab_dir, tmp_path_factory):
-    """The target's weights plus noise: q close to p but not equal, so drafts are accepted often and
-    rejected siblings matter (the regime where a wrong sibling distribution would show)."""
-    from safetensors.torch import load_file, save_file
-
-    out = tmp_path_factory.mktemp("near_draft")
-    for name in ("config.json", "generation_config.json"):
-        (out / name).write_text((small_vocab_dir / name).read_text())
-    gen = torch.Generator().manual_seed(0)
-    state = load_file(str(small_vocab_dir / "model.safetensors"))
-    save_file({k: v + 0.15 * v.std() * torch.randn(v.shape, generator=gen) for k, v in state.items()},
-              str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
-
-
-@pytest.fixture(scope="module")
 def reference(small_vocab_dir):
     outs = LLM(small_vocab_dir, device="cpu").generate(PROMPTS, GREEDY)
     return [o.token_ids for o in outs]
