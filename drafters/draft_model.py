@@ -82,7 +82,9 @@ class DraftModelDrafter(LevelDrafter):
         self.seed = _check("seed", seed, 0, 2**63 - 1)
         self.path = _resolve_path(target, path)
         target_model = target.model
+        # The target's attention backend (triton on CUDA): one kernel, and CUDA graphs, for both models.
         self.model = LlamaModel.from_pretrained(self.path, target.device, target.dtype,
+                                                attention=target_model.backend.name if target_model is not None else None,
                                                 cpu_kernels=target_model is None or target_model.kernels is not None)
         cfg = self.model.config
         if cfg.vocab_size != target.vocab_size:

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.attention import BACKENDS
+from specserve.attention import default_attention, make_backend
 from specserve.config import ModelConfig, config_from_hf
 from specserve.kernels.linear import as_numpy
 from specserve.kv_cache import BlockAllocator, PagedKVCache
@@ -142,7 +142,7 @@ class EagleHead(nn.Module):
     """
 
     def __init__(self, cfg: EagleHeadConfig, embed: torch.Tensor, target_lm_head: torch.Tensor | None = None,
-                 device: torch.device | None = None, dtype: torch.dtype = torch.float32, attention: str = "sdpa") -> None:
+                 device: torch.device | None = None, dtype: torch.dtype = torch.float32, attention: str | None = None) -> None:
         super().__init__()
         mc = cfg.model_config
         self.cfg, self.mc = cfg, mc
@@ -196,7 +196,7 @@ class EagleHead(nn.Module):
         else:
             self.target_lm_head = None
         self.rope = RotaryTable(mc, device, dtype)
-        self.backend = BACKENDS[attention]()
+        self.backend = make_backend(attention or default_attention(device), device)
         self.kernels: _HeadKernels | None = None
 
     @property

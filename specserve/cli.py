@@ -47,6 +47,8 @@ BENCH_COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "serve": ("HTTP/SSE and websocket clients over loopback: TTFT, inter-token latency, overhead, pacing",
               "specserve.evals.bench_serve", "add_arguments", "run"),
     "verify": ("verify forward cost vs draft tree size", "specserve.evals.bench_verify", "add_arguments", "run"),
+    "gpu": ("one GPU on a Llama-3-8B-shaped model: decode vs floor and transformers, verify and EAGLE-3 head "
+            "costs, drafters end to end, projected speedup", "specserve.evals.bench_gpu", "add_arguments", "run"),
     "batch": ("decode throughput vs batch size", "specserve.evals.bench_batch", "add_arguments", "run"),
     "prefill-stall": ("how long one long prompt stalls running decodes, with and without chunked prefill",
                       "specserve.evals.bench_prefill_stall", "add_arguments", "run"),
@@ -275,6 +277,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     import torch
 
     import specserve
+    from specserve.attention import BACKENDS, default_attention
     from specserve.drafters import registered_drafters
     from specserve.training.bundle_paths import default_drafter, default_drafters, default_model_dir
 
@@ -284,7 +287,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         "device": "cuda" if torch.cuda.is_available() else "cpu",
         "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "drafters": registered_drafters(),
-        "attention_backends": ["sdpa"],
+        "attention_backends": sorted(BACKENDS),
+        "default_attention": default_attention("cuda" if torch.cuda.is_available() else "cpu"),
         "default_model": str(default_model_dir()) if default_model_dir() else None,
         "default_drafters": default_drafters(),
         "default_drafter": default_drafter(default_model_dir()),  # what --drafter auto picks

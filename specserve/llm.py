@@ -56,7 +56,7 @@ class LLM:
         max_model_len: int | None = None,
         kv_cache_tokens: int | None = None,
         block_size: int = 16,
-        attention: str = "sdpa",
+        attention: str | None = None,
         threads: int | None = None,
         max_prefill_tokens: int = 128,
         speculation: str = "adaptive",
@@ -80,9 +80,12 @@ class LLM:
             set_threads(threads)
         self.device = resolve_device(device)
         cfg = load_config(model_dir)
+        # The CPU kernels run the whole layer, attention included; naming a backend asks for the torch
+        # layers with that backend instead (on the CPU: sdpa, or triton under Triton's interpreter).
+        cpu_kernels = attention is None
         self.dtype = resolve_dtype(dtype, self.device, checkpoint_dtype(cfg.hf_config),
-                                   kernels_unsupported(self.device, torch.float32, cfg.head_dim) is None)
-        self.model = LlamaModel.from_pretrained(model_dir, self.device, self.dtype, attention)
+                                   cpu_kernels and kernels_unsupported(self.device, torch.float32, cfg.head_dim) is None)
+        self.model = LlamaModel.from_pretrained(model_dir, self.device, self.dtype, attention, cpu_kernels=cpu_kernels)
         if threads is not None and self.model.kernels is None and self.device.type == "cpu":
             torch.set_num_threads(threads)  # the torch path does the heavy work itself here
         cfg = self.model.config

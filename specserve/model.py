@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.attention import BACKENDS
+from specserve.attention import default_attention, make_backend
 from specserve.checkpoint import load_state_dict
 from specserve.config import ModelConfig, load_config
 from specserve.kv_cache import BlockAllocator, PagedKVCache
@@ -106,10 +106,8 @@ def _param(*shape: int) -> nn.Parameter:
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, attention: str = "sdpa") -> None:
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, attention: str | None = None) -> None:
         super().__init__()
-        if attention not in BACKENDS:
-            raise ValueError(f"unknown attention backend {attention!r}; available: {sorted(BACKENDS)}")
         self.config = cfg
         self.device, self.dtype = device, dtype
         self.embed = _param(cfg.vocab_size, cfg.hidden_size)  # rows looked up per token
@@ -117,11 +115,12 @@ class LlamaModel(nn.Module):
         self.norm = _param(cfg.hidden_size)
         self.lm_head = self.embed if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
         self.rope = RotaryTable(cfg, device, dtype)
-        self.backend = BACKENDS[attention](sliding_window=cfg.sliding_window)
+        # attention None: the device's default backend (triton on CUDA, sdpa elsewhere).
+        self.backend = make_backend(attention or default_attention(device), device, cfg.sliding_window)
         self.kernels = None  # CPU compiled kernels (`use_cpu_kernels`), when they run this model
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, device: torch.device, dtype: torch.dtype, attention: str = "sdpa",
+    def from_pretrained(cls, model_dir: str | Path, device: torch.device, dtype: torch.dtype, attention: str | None = None,
                         cpu_kernels: bool = True) -> "LlamaModel":
         cfg = load_config(model_dir)
         model = cls(cfg, device, dtype, attention)

@@ -1,8 +1,14 @@
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without CUDA, Triton kernels run only in Triton's interpreter, chosen when triton is imported: set it
+# before anything imports triton (the `triton` attention backend's tests run in CI this way).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).parent))  # tiny_models helpers
 # Tiny models gain nothing from threads, and one thread per test process avoids OpenMP spin-wait

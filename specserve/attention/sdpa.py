@@ -1,16 +1,9 @@
-"""Attention backends: a batch of sequences, each bringing new tokens with a tree mask, over a paged cache.
+"""The ``sdpa`` attention backend: the reference everywhere, and the CPU path for models the kernels skip.
 
-A backend reads only the `StepBatch` (flat arrays: positions, slot mapping, block tables, packed tree
-masks) — never per-request objects — so it serves the target, draft models and EAGLE heads alike.
-`prepare` runs once per forward and its result is shared by every layer; `attend` runs per layer.
-
-Backends are registered in `BACKENDS`:
-
-- ``sdpa`` gathers each sequence's keys into a padded batch and calls torch's
-  scaled_dot_product_attention with a boolean mask built from the StepBatch with batched tensor ops
-  (no loop over sequences) — the reference everywhere, and the path on GPUs until a paged kernel lands.
-- CPU few-row forwards do not come here at all: `specserve.kernels` runs the whole layer, attention
-  included, in compiled code over the same StepBatch.
+It gathers each sequence's keys into a padded batch and calls torch's scaled_dot_product_attention with
+a boolean mask built from the StepBatch with batched tensor ops (no loop over sequences). Shapes follow
+the batch (padded to its longest context), so it cannot be replayed from a CUDA graph: the ``triton``
+backend is the CUDA default.
 """
 
 from __future__ import annotations
@@ -115,6 +108,4 @@ class SdpaBackend:
         out = out.transpose(1, 2).reshape(meta.batch * meta.max_queries, -1)
         return out[meta.out_index]
 
-
-BACKENDS = {"sdpa": SdpaBackend}
 
