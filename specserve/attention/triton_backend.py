@@ -66,7 +66,8 @@ class TritonBackend:
         new_v = v.reshape(T, kv_heads * head_dim).to(v_cache.dtype)
         row = kv_heads * head_dim
         if T:
-            write_kv_kernel[(T,)](new_k, new_v, k_cache, v_cache, d.slot_mapping, new_k.stride(0),
+            # k is rotary's output, v a view into the QKV projection: each has its own row stride.
+            write_kv_kernel[(T,)](new_k, new_v, k_cache, v_cache, d.slot_mapping, new_k.stride(0), new_v.stride(0),
                                   k_cache.stride(0), ROW=row, ROW_P=triton.next_power_of_2(row))
         q = q.to(k_cache.dtype)
         out = torch.empty_like(q)

@@ -124,7 +124,7 @@ def paged_tree_attention_kernel(
 
 
 @triton.jit
-def write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_new_row, stride_cache_slot,
+def write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_k_row, stride_v_row, stride_cache_slot,
                     ROW: tl.constexpr, ROW_P: tl.constexpr):
     """Row t of k/v [T, ROW] -> cache slot slot_mapping[t] ([slots, ROW]); a negative slot (a padding row of
     a CUDA-graph bucket) writes nothing."""
@@ -132,7 +132,7 @@ def write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, st
     slot = tl.load(slot_mapping_ptr + t)
     offsets = tl.arange(0, ROW_P)
     ok = offsets < tl.where(slot >= 0, ROW, 0)
-    k = tl.load(k_ptr + t * stride_new_row + offsets, mask=ok)
-    v = tl.load(v_ptr + t * stride_new_row + offsets, mask=ok)
+    k = tl.load(k_ptr + t * stride_k_row + offsets, mask=ok)
+    v = tl.load(v_ptr + t * stride_v_row + offsets, mask=ok)
     tl.store(k_cache_ptr + slot * stride_cache_slot + offsets, k, mask=ok)
     tl.store(v_cache_ptr + slot * stride_cache_slot + offsets, v, mask=ok)
