@@ -1,0 +1,119 @@
+"""`specserve bench gpu`: refuses without CUDA in one line; every section's code path runs on a tiny CPU model
+(`--device cpu --shape tiny`, the hidden test mode) and writes finite figures, markdown and an agreement check."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from specserve.cli import main
+
+TINY = ["bench", "gpu", "--device", "cpu", "--shape", "tiny", "--repeats", "1", "--new-tokens", "8",
+        "--prompt-tokens", "16"]
+
+
+def _numbers(value, path="") -> list[tuple[str, float]]:
+    """Every number in a JSON value with where it sits (bools and None are not numbers here)."""
+    if isinstance(value, dict):
+        return [n for k, v in value.items() for n in _numbers(v, f"{path}.{k}")]
+    if isinstance(value, list):
+        return [n for i, v in enumerate(value) for n in _numbers(v, f"{path}[{i}]")]
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return [(path, float(value))]
+    return []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_needs_cuda(capsys):
+    rc = main(["bench", "gpu"])
+    captured = capsys.readouterr()
+    assert rc == 2 and captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "CUDA" in lines[0]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["bench", "gpu", "--device", "cpu"], "only with --shape tiny"),
+    (TINY + ["--sections", "1,6"], "--sections are numbers 1-5"),
+    (TINY + ["--sections", "5"], "needs sections 2 and 3"),
+    (TINY + ["--tau", "2,x"], "--tau expects comma-separated numbers"),
+    (TINY + ["--new-tokens", "1"], "--new-tokens must be >= 2"),
+])
+def test_bad_input(capsys, args, message):
+    rc = main(args)
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_tiny_cpu_run(tmp_path, capsys):
+    out, md = tmp_path / "gpu.json", tmp_path / "gpu.md"
+    rc = main(TINY + ["--sections", "1,2,3,5", "--json", str(out), "--markdown", str(md)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    sections = result["sections"]
+    assert set(sections) == {"plain_decode", "verify_cost", "eagle3_head", "projection"}
+    meta = result["meta"]
+    assert meta["torch"] == torch.__version__ and meta["transformers"] and meta["date"] and meta["device_name"]
+    for name, body in sections.items():
+        numbers = _numbers(body)
+        assert numbers, name
+        bad = [(p, v) for p, v in numbers if not math.isfinite(v) or v < 0]
+        assert not bad, (name, bad)
+    # Only first divergences and counts may be 0; every timing, rate and ratio is positive.
+    for path, value in _numbers(sections):
+        if any(key in path for key in ("ms", "tokens_per_s", "ratio", "speedup", "GBps", "floor")):
+            assert value > 0, path
+
+    decode = sections["plain_decode"]
+    assert [b["batch"] for b in decode["batches"]] == [1, 8]
+    for b in decode["batches"]:
+        # fp32 on the CPU, the same weights: transformers' greedy tokens are ours, token for token.
+        assert b["agreement"]["tokens_match"] and b["agreement"]["fraction"] == 1.0
+        assert 0 < b["fraction_of_floor"] and b["transformers"]["specserve_speedup"] > 0
+        assert b["transformers_compiled"]["status"].startswith("skipped")
+
+    verify = sections["verify_cost"]["rows"]
+    assert sorted({r["batch"] for r in verify}) == [1, 8, 32]
+    assert sorted({r["nodes"] for r in verify}) == [0, 4, 8, 16, 32, 64]
+    assert all(r["ratio"] > 0 for r in verify)
+    assert all(r["ratio"] == 1.0 for r in verify if r["nodes"] == 0)
+
+    head = sections["eagle3_head"]
+    assert head["head_level"]["ratio"] > 0 and head["plain_target_step"]["ratio"] == 1.0
+
+    projection = sections["projection"]
+    assert projection["label"] == "projection" and {r["tau"] for r in projection["rows"]} == {2.0, 2.5, 3.0, 3.5}
+    for r in projection["rows"]:
+        assert r["projected_speedup"] == pytest.approx(r["tau"] / (r["verify_ratio"] + r["head_ratio"]))
+
+    text = md.read_text()
+    assert text in capsys.readouterr().out
+    for heading in ("## 1. Plain decode", "## 2. Verify cost", "## 3. EAGLE-3 head", "## 5. Projection"):
+        assert heading in text
+
+
+def test_drafters_section_feeds_projection(tmp_path):
+    """Section 4 runs `specserve eval`'s machinery on the embedded model; section 5 then projects its τ."""
+    out = tmp_path / "gpu.json"
+    rc = main(TINY + ["--sections", "2,3,4,5", "--drafters", "ngram", "--eval-prompts", "1", "--eval-tokens", "4",
+                      "--tree-sizes", "0,8", "--verify-batch-sizes", "1", "--json", str(out)])
+    assert rc == 0
+    sections = json.loads(out.read_text())["sections"]
+    (ngram,) = sections["drafters_e2e"]["drafters"]
+    assert ngram["drafter"] == "ngram" and ngram["tau"] >= 1 and ngram["speedup"] > 0
+    assert ngram["identical_fraction"] == 1.0
+    assert [(r["tau_from"], r["tau"], r["nodes"]) for r in sections["projection"]["rows"]] == [("ngram", ngram["tau"], 8)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tiny_cuda_run(tmp_path):
+    out = tmp_path / "gpu.json"
+    rc = main(["bench", "gpu", "--shape", "tiny", "--repeats", "1", "--new-tokens", "8", "--sections", "1,2,3,5",
+               "--no-compile", "--json", str(out)])
+    assert rc == 0
+    sections = json.loads(out.read_text())["sections"]
+    assert all(r["ratio"] > 0 for r in sections["verify_cost"]["rows"])
