@@ -138,6 +138,7 @@ class Settings:
     eval_tokens: int
     tau: list[float]
     compile: bool
+    budget_s: float
     deadline: float  # perf_counter time after which optional slow work is skipped
 
 
@@ -182,7 +183,7 @@ def check_args(args: argparse.Namespace) -> Settings:
         verify_batch_sizes=_int_list(args.verify_batch_sizes, "--verify-batch-sizes", 1), tree_sizes=tree_sizes,
         branching=args.branching, head_topk=args.head_topk, draft_levels=args.draft_levels, drafters=drafters,
         eval_prompts=args.eval_prompts, eval_tokens=args.eval_tokens, tau=_float_list(args.tau, "--tau"),
-        compile=not args.no_compile, deadline=time.perf_counter() + args.budget_s,
+        compile=not args.no_compile, budget_s=args.budget_s, deadline=time.perf_counter() + args.budget_s,
     )
 
 
@@ -223,7 +224,6 @@ def hf_config(shape: str):
 class Models:
     hf: object  # transformers LlamaForCausalLM
     ours: object  # specserve.model.LlamaModel, sharing or copying hf's tensors
-    cuda_graphs: str  # what enabling CUDA graphs on our model gave (or why not)
 
 
 def build_models(s: Settings, seed: int = 0) -> Models:
@@ -241,24 +241,36 @@ def build_models(s: Settings, seed: int = 0) -> Models:
     hf.generation_config.pad_token_id = 0
     ours = LlamaModel(config_from_hf(config), s.device, s.dtype, s.attention)
     ours.load_hf_state(dict(hf.state_dict()))  # HF key names, exactly what from_pretrained hands it
-    graphs = _enable_cuda_graphs(ours, s.cuda_graphs)
     sync(s.device)
-    _log(f"built {s.shape} models on {s.device} in {time.perf_counter() - t0:.1f}s (cuda graphs: {graphs})")
-    return Models(hf, ours, graphs)
+    _log(f"built {s.shape} models on {s.device} in {time.perf_counter() - t0:.1f}s")
+    return Models(hf, ours)
 
 
-def _enable_cuda_graphs(model, wanted: bool) -> str:
-    """CUDA-graph capture of our decode steps where the stack has it (`LlamaModel.use_cuda_graphs`)."""
+def cuda_graphs(model, cache, wanted: bool, max_num_seqs: int, max_query_len: int, max_positions: int) -> str:
+    """Capture `model`'s forward over `cache` in CUDA graphs where this stack has them
+    (`LlamaModel.use_cuda_graphs`: buckets up to max_num_seqs x max_query_len rows). Graphs are bound to
+    one cache, so each section captures over its own; returns what happened, for the report."""
     if not wanted:
         return "off"
+    current = getattr(model, "graphs", None)
+    if current is not None and getattr(current, "cache", None) is cache:
+        return "on"  # already captured over this cache (by the engine itself)
     enable = getattr(model, "use_cuda_graphs", None)
     if enable is None:
         return "not available in this version"
+    t0 = time.perf_counter()
     try:
-        result = enable()
-    except Exception as exc:  # a capture problem must not cost the whole benchmark
+        enable(cache, max_num_seqs, max_query_len, max_positions)
+    except Exception as exc:  # a capture problem is reported; the section then runs eagerly
         return f"failed: {_one_line(exc)}"
-    return "on" if result is None or result else "refused"
+    _log(f"captured CUDA graphs ({max_num_seqs} seqs x {max_query_len} rows) in {time.perf_counter() - t0:.1f}s")
+    return "on"
+
+
+def graph_replays(model) -> int | None:
+    """Forwards served from CUDA graphs so far on the model's current graphs (None: none captured)."""
+    graphs = getattr(model, "graphs", None)
+    return getattr(graphs, "replays", None) if graphs is not None else None
 
 
 def copy_bandwidth(device: torch.device, num_bytes: int, repeats: int) -> dict:
@@ -353,7 +365,9 @@ def plain_decode(s: Settings, m: Models, gen: torch.Generator) -> dict:
            "prompt_tokens": s.prompt_tokens, "new_tokens": s.new_tokens, "repeats": s.repeats, "batches": []}
     for batch in s.batch_sizes:
         prompts = torch.randint(0, vocab, (batch, s.prompt_tokens), generator=gen).tolist()
-        engine = _engine(m.ours, batch, s.prompt_tokens + s.new_tokens + 1, batch * s.prompt_tokens)
+        max_len = s.prompt_tokens + s.new_tokens + 1
+        engine = _engine(m.ours, batch, max_len, batch * s.prompt_tokens)
+        graphs = cuda_graphs(m.ours, engine.cache, s.cuda_graphs, batch, 1, max_len)
         contenders = {"specserve": lambda: generate_ours(engine, prompts, s.new_tokens, s.device),
                       "transformers": lambda: generate_hf(m.hf, prompts, s.new_tokens, s.device, compiled=False)}
         compiled_status = _compile_status(s)
@@ -378,6 +392,7 @@ def plain_decode(s: Settings, m: Models, gen: torch.Generator) -> dict:
                     runs[name].append(result)
         _log(f"batch {batch}: plain decode timed")
         row = _decode_row(batch, s.new_tokens, runs, first, floor_steps)
+        row["cuda_graphs"], row["graph_replays"] = graphs, graph_replays(m.ours)
         if "transformers_compiled" in runs:
             row["transformers_compiled"]["compiled"] = getattr(m.hf, "_compiled_call", None) is not None
             row["transformers_compiled"]["first_call_s"] = first["transformers_compiled"]["seconds"]
@@ -472,6 +487,7 @@ def verify_cost(s: Settings, model, gen: torch.Generator) -> dict:
     most = max(s.verify_batch_sizes)
     allocator = BlockAllocator(most * -(-per_seq // block), block)
     cache = model.new_cache(allocator)
+    graphs = cuda_graphs(model, cache, s.cuda_graphs, most, s.tree_sizes[-1] + 1, per_seq)
     rows = []
     for batch in s.verify_batch_sizes:
         with _sequences(allocator, [f"verify-{i}" for i in range(batch)], per_seq) as names:
@@ -493,7 +509,7 @@ def verify_cost(s: Settings, model, gen: torch.Generator) -> dict:
     del cache
     return {"timed": "LlamaModel.forward on a prebuilt StepBatch (batch building and acceptance excluded)",
             "prefix_tokens": s.prompt_tokens, "tree": f"breadth-first, {s.branching} children per node",
-            "repeats": s.forward_repeats, "rows": rows}
+            "repeats": s.forward_repeats, "cuda_graphs": graphs, "graph_replays": graph_replays(model), "rows": rows}
 
 
 # ---- section 3: EAGLE-3 head cost ---------------------------------------------------------------------
@@ -526,6 +542,7 @@ def head_cost(s: Settings, model, gen: torch.Generator) -> dict:
     block = 16
     allocator = BlockAllocator(2 * -(-(prefix + 2 * k + 2) // block), block)
     head_cache, target_cache = head.new_cache(allocator), model.new_cache(allocator)
+    graphs = cuda_graphs(model, target_cache, s.cuda_graphs, 1, 1, prefix + 2 * k + 2)
 
     def features(rows: int) -> list[torch.Tensor]:  # three target layers' features [rows, H] each
         return [0.5 * torch.randn(rows, h, generator=gen).to(s.device, s.dtype) for _ in head.cfg.feature_layers]
@@ -578,7 +595,8 @@ def head_cost(s: Settings, model, gen: torch.Generator) -> dict:
     out = {"head": {"mode": "eagle3", "layers": 1, "draft_vocab": head.cfg.draft_vocab_size,
                     "feature_layers": list(head.cfg.feature_layers),
                     "params": sum(p.numel() for p in head.parameters())},
-           "batch": 1, "topk": k, "prefix_tokens": prefix, "repeats": s.forward_repeats}
+           "batch": 1, "topk": k, "prefix_tokens": prefix, "repeats": s.forward_repeats,
+           "cuda_graphs": {"target": graphs, "head": "eager (the head has no graphs here)"}}
     for name, ts in times.items():
         med = statistics.median(ts)
         out[name] = {"ms": 1e3 * med, "ms_min": 1e3 * min(ts), "ms_max": 1e3 * max(ts), "ratio": med / base}
@@ -638,7 +656,7 @@ def projection(s: Settings, sections: dict) -> dict:
 # ---- the report ------------------------------------------------------------------------------------------
 
 
-def meta(s: Settings, models: Models | None) -> dict:
+def meta(s: Settings) -> dict:
     """What ran where: device, versions, date, shape and settings."""
     import transformers
 
@@ -654,7 +672,7 @@ def meta(s: Settings, models: Models | None) -> dict:
             "torch": torch.__version__, "triton": triton_version, "transformers": transformers.__version__,
             "cuda": torch.version.cuda, "host": host(), "shape": s.shape, "model": SHAPES[s.shape],
             "dtype": str(s.dtype).removeprefix("torch."), "attention": s.attention,
-            "cuda_graphs": models.cuda_graphs if models else ("off" if not s.cuda_graphs else "not built"),
+            "cuda_graphs": "wanted" if s.cuda_graphs else "off", "budget_s": s.budget_s,
             "sections": s.sections}
 
 
@@ -674,7 +692,7 @@ def markdown(result: dict) -> str:
     m, sec = result["meta"], result["sections"]
     parts = [f"# specserve bench gpu — {m['device_name']}, {m['date']}",
              f"{m['shape']} random-weight Llama ({m['dtype']}), attention {m['attention']}, CUDA graphs "
-             f"{m['cuda_graphs']}; torch {m['torch']}, triton {m['triton']}, transformers {m['transformers']}."]
+             f"{m['cuda_graphs']}, {m['wall_s']:.0f} s in all; torch {m['torch']}, triton {m['triton']}, transformers {m['transformers']}."]
     if (d := sec.get(SECTION_NAMES[1])) is not None:
         bw = d["copy_bandwidth"]
         parts += ["## 1. Plain decode",
@@ -683,6 +701,8 @@ def markdown(result: dict) -> str:
                   f"prefill. Floor = {bw['best_GBps']:.0f} GB/s device copy bandwidth (read + write bytes, best of "
                   f"{bw['copies']}) ÷ {d['weight_bytes_per_step'] / 1e9:.3g} GB of weights per step, × batch. "
                   "transformers: `generate(cache_implementation=\"static\")`, eager and auto-compiled.",
+                  "CUDA graphs: " + ", ".join(f"batch {r['batch']} {r['cuda_graphs']} ({r['graph_replays']} replays)"
+                                              for r in d["batches"]) + ".",
                   _table(["batch", "ours tok/s", "ours decode tok/s", "floor tok/s", "of floor", "HF tok/s",
                           "ours/HF", "HF compiled tok/s", "ours/HF compiled", "greedy agreement"],
                          [[r["batch"], r["specserve"]["tokens_per_s"]["median"],
@@ -696,13 +716,15 @@ def markdown(result: dict) -> str:
     if (d := sec.get(SECTION_NAMES[2])) is not None:
         parts += ["## 2. Verify cost vs tree size",
                   f"{d['timed']}; {d['tree']} trees after {d['prefix_tokens']} cached tokens; median of "
-                  f"{d['repeats']}. ratio = time ÷ the 0-node step at the same batch.",
+                  f"{d['repeats']}. ratio = time ÷ the 0-node step at the same batch. CUDA graphs: {d['cuda_graphs']} "
+                  f"({d['graph_replays']} replays).",
                   _table(["batch", "nodes", "rows", "ms", "ratio"],
                          [[r["batch"], r["nodes"], r["rows"], r["ms"], r["ratio"]] for r in d["rows"]])]
     if (d := sec.get(SECTION_NAMES[3])) is not None:
         parts += ["## 3. EAGLE-3 head cost per draft level",
                   f"Batch 1, top-k {d['topk']}, draft vocabulary {d['head']['draft_vocab']}: forward + logits + copy "
-                  "to the host (tree building excluded); ratio = time ÷ a plain target step at batch 1.",
+                  "to the host (tree building excluded); ratio = time ÷ a plain target step at batch 1. CUDA graphs: "
+                  f"target {d['cuda_graphs']['target']}, head {d['cuda_graphs']['head']}.",
                   _table(["what", "ms", "ratio"], [[name, d[name]["ms"], d[name]["ratio"]]
                                                     for name in ("plain_target_step", "head_catch_up", "head_level")])]
     if (d := sec.get(SECTION_NAMES[4])) is not None:
@@ -730,6 +752,7 @@ def run(args: argparse.Namespace) -> int:
     sections: dict = {}
     for number in s.sections:
         name = SECTION_NAMES[number]
+        t0 = time.perf_counter()
         if number == 1:
             sections[name] = plain_decode(s, models, gen)
         elif number == 2:
@@ -740,7 +763,8 @@ def run(args: argparse.Namespace) -> int:
             sections[name] = drafters_e2e(s)
         else:
             sections[name] = projection(s, sections)
-    result = {"meta": meta(s, models) | {"wall_s": time.perf_counter() - started}, "sections": sections}
+        sections[name]["wall_s"] = time.perf_counter() - t0
+    result = {"meta": meta(s) | {"wall_s": time.perf_counter() - started}, "sections": sections}
     text = markdown(result)
     print(text)
     write_json(result, args.json)
