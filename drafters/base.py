@@ -124,6 +124,9 @@ class Drafter(ABC):
         """Make the drafter's own KV cache on the engine's `BlockAllocator`: a request's block table then
         addresses its drafter entries too, so admission counts them and nothing grows later."""
 
+    def use_cuda_graphs(self, max_num_seqs: int, max_positions: int) -> None:
+        """Capture the drafter's own model forwards in CUDA graphs (after `attach_kv`); default: none to capture."""
+
     @abstractmethod
     def propose(self, requests: list[DraftRequest], budgets: list[int], depth: int | None = None) -> list[DraftTree]:
         """One tree per request with at most ``budgets[i]`` nodes (an empty tree is always valid).

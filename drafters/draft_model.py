@@ -110,6 +110,13 @@ class DraftModelDrafter(LevelDrafter):
     def attach_kv(self, allocator) -> None:
         self.cache = self.model.new_cache(allocator)
 
+    def use_cuda_graphs(self, max_num_seqs: int, max_positions: int) -> None:
+        """Graphs for the catch-up (a request's few uncached tokens) and chain levels (one row each); levels of
+        a top-k tree mask earlier levels' cached rows, wider than any bucket, and stay eager."""
+        if self.model.backend.name == "triton":
+            self.model.use_cuda_graphs(self.cache, max_num_seqs, min(64, self.depth + 2), max_positions,
+                                       capture=self.model.device.type == "cuda")
+
     def release(self, request_id: str) -> None:
         self._state.pop(request_id, None)
 

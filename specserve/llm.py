@@ -20,6 +20,13 @@ from specserve.sampling import SamplingParams
 from specserve.speculation import SPECULATION_MODES, make_budget_policy
 
 Prompt = str | Sequence[int]
+_GRAPH_POSITION_MARGIN = 64  # rotary positions past max_model_len a tree can reach (graphs cover them)
+
+
+def _graph_query_len(drafter) -> int:
+    """Rows per sequence the CUDA-graph buckets cover: the root plus the drafter's largest tree, at most 64
+    (bigger trees run eagerly)."""
+    return min(64, 1 + (drafter.max_budget if drafter is not None else 0))
 
 
 class LLM:
@@ -38,6 +45,10 @@ class LLM:
     only when a model runs on the torch path); None = every core.
     max_prefill_tokens: prompt tokens prefilled per step; longer prompts are prefilled in chunks between
     the running requests' decode steps, so one long prompt never stalls everyone's next token.
+    attention: the attention backend of the torch layers (None: ``triton`` on CUDA; on the CPU the
+    compiled kernels, which bring their own attention — naming a backend there runs the torch layers).
+    cuda_graphs: replay decode and verify forwards from CUDA graphs (None: on CUDA with ``triton``).
+    gpu_memory_utilization: the share of the GPU the weights, the graphs' pool and the KV cache may use.
     grammar_drafting: how requests with a constraint (`SamplingParams.json_schema` / `regex` / `grammar`
     / `choice`) draft: "forced" (the default: drafters mask their proposals with the grammar and tokens
     it leaves no choice about are drafted for free), "aware" (no forced tokens) or "verify" (the grammar
@@ -61,6 +72,8 @@ class LLM:
         max_prefill_tokens: int = 128,
         speculation: str = "adaptive",
         grammar_drafting: str = "forced",
+        cuda_graphs: bool | None = None,
+        gpu_memory_utilization: float = 0.9,
     ) -> None:
         if speculation not in SPECULATION_MODES:
             raise ValueError(f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {speculation!r}")
@@ -121,7 +134,10 @@ class LLM:
             kv_dtype = torch.float32 if self.model.kernels is not None else self.dtype
             per_slot = PagedKVCache.bytes_per_slot(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
             per_slot += drafter_obj.kv_bytes_per_slot() if drafter_obj is not None else 0
-            kv_cache_tokens = min(max_num_seqs * (max_model_len + 64), (2 << 30) // per_slot)
+            kv_bytes = 2 << 30  # on the CPU: 2 GiB of cache at most
+            if self.device.type == "cuda":
+                kv_bytes = self._cuda_kv_bytes(max_num_seqs, max_prefill_tokens, drafter_obj, gpu_memory_utilization)
+            kv_cache_tokens = min(max_num_seqs * (max_model_len + 64), kv_bytes // per_slot)
         self.engine = Engine(
             self.model,
             self.tokenizer,
@@ -133,6 +149,28 @@ class LLM:
             budget_policy=make_budget_policy(speculation, drafter_obj),
         )
         self.speculation = speculation
+        if cuda_graphs is None:  # the CUDA default, where the backend allows it
+            cuda_graphs = self.device.type == "cuda" and self.model.backend.name == "triton"
+        if cuda_graphs:
+            self.model.use_cuda_graphs(self.engine.cache, max_num_seqs, _graph_query_len(drafter_obj),
+                                       max_model_len + _GRAPH_POSITION_MARGIN, self.engine.runner.hidden_layers,
+                                       capture=self.device.type == "cuda")
+            if drafter_obj is not None:
+                drafter_obj.use_cuda_graphs(max_num_seqs, max_model_len + _GRAPH_POSITION_MARGIN)
+
+    def _cuda_kv_bytes(self, max_num_seqs: int, max_prefill_tokens: int, drafter, utilization: float) -> int:
+        """The KV cache's share of the GPU, after the weights and a reserve for the CUDA graphs' pool (the
+        largest bucket's activations) and an eager prefill chunk's activations — counted before the cache
+        is sized, since the graphs are captured over it."""
+        from specserve.cuda_graphs import cuda_kv_budget, forward_activation_bytes
+
+        if not 0.0 < utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+        cfg = self.model.config
+        rows = max(max_num_seqs * _graph_query_len(drafter), max_prefill_tokens)
+        reserve = 2 * forward_activation_bytes(cfg, rows, self.dtype) + (256 << 20)
+        free, total = torch.cuda.mem_get_info(self.device)
+        return cuda_kv_budget(free, total, utilization, reserve)
 
     # ---- prompts --------------------------------------------------------------------------------
 

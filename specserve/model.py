@@ -118,6 +118,7 @@ class LlamaModel(nn.Module):
         # attention None: the device's default backend (triton on CUDA, sdpa elsewhere).
         self.backend = make_backend(attention or default_attention(device), device, cfg.sliding_window)
         self.kernels = None  # CPU compiled kernels (`use_cpu_kernels`), when they run this model
+        self.graphs = None  # CUDA graphs of this model's forward (`use_cuda_graphs`)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, device: torch.device, dtype: torch.dtype, attention: str | None = None,
@@ -136,6 +137,18 @@ class LlamaModel(nn.Module):
 
         self.kernels = ModelKernels.for_model(self)
         return self.kernels is not None
+
+    def use_cuda_graphs(self, cache: PagedKVCache, max_num_seqs: int, max_query_len: int, max_positions: int,
+                        hidden_layers: tuple[int, ...] = (), capture: bool = True) -> None:
+        """Capture this model's forward over `cache` in CUDA graphs for every (batch, rows) bucket up to
+        max_num_seqs sequences x max_query_len rows (`specserve.cuda_graphs`); other batches stay eager.
+        capture=False (or off CUDA) replays eagerly from the same static buffers: for tests."""
+        from specserve.cuda_graphs import GraphedForward, make_buckets
+
+        graphs = GraphedForward(self, cache, make_buckets(max_num_seqs, max_query_len), hidden_layers,
+                                max_positions, capture=capture)
+        graphs.capture_all()
+        self.graphs = graphs
 
     @torch.no_grad()
     def load_hf_state(self, state: dict[str, torch.Tensor]) -> None:
@@ -187,6 +200,15 @@ class LlamaModel(nn.Module):
         """
         if self.kernels is not None:
             return self.kernels.forward(batch, cache, hidden_layers)
+        if self.graphs is not None:
+            out = self.graphs.run(batch, cache, hidden_layers)
+            if out is not None:
+                return out
+        return self.eager_forward(batch, cache, hidden_layers)
+
+    @torch.inference_mode()
+    def eager_forward(self, batch: StepBatch, cache: PagedKVCache, hidden_layers: tuple[int, ...] = ()) -> ForwardOutput:
+        """`forward` on the torch layers, launch by launch (what a CUDA graph records)."""
         d = batch.device_arrays(self.device)
         meta = self.backend.prepare(batch, cache)
         self.rope.cover(batch.num_positions)

@@ -42,6 +42,8 @@ class StepBatch:
     logit_rows:    int64[R]   rows whose logits the forward returns (in this order).
     hidden_rows:   int64[R_h] rows whose hidden states of the asked layers the forward returns.
     block_size:    slots per block.
+    query_len_bound: `max_query_len` reports at least this (0: the batch's own): a CUDA-graph bucket's
+                   rows per sequence, so a padded batch launches the same attention grid it was captured with.
     """
 
     input_ids: np.ndarray
@@ -57,6 +59,7 @@ class StepBatch:
     logit_rows: np.ndarray
     hidden_rows: np.ndarray
     block_size: int
+    query_len_bound: int = 0
     _device: dict = field(default_factory=dict, init=False, repr=False)
 
     @property
@@ -69,7 +72,8 @@ class StepBatch:
 
     @property
     def max_query_len(self) -> int:
-        return int(np.max(np.diff(self.cu_query_lens))) if self.num_seqs else 0
+        own = int(np.max(np.diff(self.cu_query_lens))) if self.num_seqs else 0
+        return max(own, self.query_len_bound)
 
     @property
     def num_positions(self) -> int:
@@ -86,7 +90,21 @@ class StepBatch:
         cached = self._device.get(device)
         if cached is None:
             cached = self._device[device] = _to_device(self, device)
+        elif isinstance(cached, torch.Tensor):  # a bound static buffer: fresh views (see `bind_buffer`)
+            return _views(self, cached)
         return cached
+
+    def flat_arrays(self) -> np.ndarray:
+        """int64[sum of the arrays' sizes]: every array, flattened, in `_ARRAYS` order — what travels to
+        the device in one copy."""
+        return np.concatenate([getattr(self, name).reshape(-1).astype(np.int64, copy=False) for name in _ARRAYS])
+
+    def bind_buffer(self, device: torch.device, flat: torch.Tensor) -> None:
+        """Read this batch's device arrays from `flat` (int64, on the device, holding `flat_arrays()`: a CUDA
+        graph's static input buffer) instead of copying them. `device_arrays` then makes its views on every
+        call, so a graph capture records the one conversion among them (tree_mask to bool) and a replay
+        redoes it on the buffer's new contents."""
+        self._device[device] = flat
 
 
 _ARRAYS = ("input_ids", "positions", "slot_mapping", "token_seq", "cu_query_lens", "context_lens",
@@ -117,14 +135,18 @@ def _to_device(batch: StepBatch, device: torch.device) -> DeviceArrays:
     if device.type == "cpu":
         return DeviceArrays(*(torch.from_numpy(a.astype(np.bool_ if a.dtype == np.bool_ else np.int64, copy=False))
                               for a in arrays))
-    flat = np.concatenate([a.reshape(-1).astype(np.int64, copy=False) for a in arrays])
-    host = torch.from_numpy(flat)
+    host = torch.from_numpy(batch.flat_arrays())
     if device.type == "cuda":
         host = host.pin_memory()
-    dev = host.to(device, non_blocking=True)
+    return _views(batch, host.to(device, non_blocking=True))
+
+
+def _views(batch: StepBatch, flat: torch.Tensor) -> DeviceArrays:
+    """The batch's arrays as views of `flat` (its `flat_arrays()` on a device); tree_mask converted to bool."""
     out, start = [], 0
-    for name, a in zip(_ARRAYS, arrays):
-        t = dev[start:start + a.size].view(a.shape)
+    for name in _ARRAYS:
+        a = getattr(batch, name)
+        t = flat[start:start + a.size].view(a.shape)
         out.append(t.bool() if name == "tree_mask" else t)
         start += a.size
     return DeviceArrays(*out)
