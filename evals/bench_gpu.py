@@ -362,6 +362,7 @@ def plain_decode(s: Settings, m: Models, gen: torch.Generator) -> dict:
     floor_steps = bw["best_GBps"] * 1e9 / weight_bytes  # steps/s if every step only streamed the weights once
     out = {"path": "Engine.step loop (scheduler, StepBatch, forward, greedy acceptance, commit), no drafter",
            "weight_bytes_per_step": weight_bytes, "copy_bandwidth": bw, "floor_steps_per_s": floor_steps,
+           "floor_ms_per_step": 1e3 / floor_steps,
            "prompt_tokens": s.prompt_tokens, "new_tokens": s.new_tokens, "repeats": s.repeats, "batches": []}
     for batch in s.batch_sizes:
         prompts = torch.randint(0, vocab, (batch, s.prompt_tokens), generator=gen).tolist()
@@ -581,8 +582,8 @@ def head_cost(s: Settings, model, gen: torch.Generator) -> dict:
             out = head(level_ids, level_feats, level_batch, head_cache)  # [k, H]
             return head.logits(out).float().cpu()  # [k, draft vocab] on the host, as the tree builder reads it
 
-        def plain():
-            return model.forward(plain_batch, target_cache).logits.float().cpu()
+        def plain():  # the forward alone, as section 2 times it (the engine reduces logits on the device)
+            return model.forward(plain_batch, target_cache)
 
         cases = {"plain_target_step": plain, "head_catch_up": catch_up, "head_level": level}
         times: dict[str, list[float]] = {name: [] for name in cases}
@@ -687,60 +688,81 @@ def _table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+def _md_decode(d: dict) -> list[str]:
+    bw = d["copy_bandwidth"]
+
+    def compiled(r: dict) -> list:
+        c = r["transformers_compiled"]
+        return [c["tokens_per_s"]["median"], c["specserve_speedup"]] if "tokens_per_s" in c else [c["status"], "—"]
+
+    return ["## 1. Plain decode",
+            f"Ours: {d['path']}. tok/s = batch × new tokens ÷ wall time of the whole call (prefill of "
+            f"{d['prompt_tokens']} tokens included, the same clock for every contender); decode tok/s and ms/step "
+            f"exclude prefill. Floor = {d['weight_bytes_per_step'] / 1e9:.3g} GB of weights per step ÷ "
+            f"{bw['best_GBps']:.0f} GB/s device copy bandwidth (read + write bytes, best of {bw['copies']} copies). "
+            "transformers: `generate(cache_implementation=\"static\")` on the same weights, eager and auto-compiled; "
+            "greedy agreement: the share of our tokens transformers' eager run matches (common prefix per row). "
+            "CUDA graphs: " + ", ".join(f"batch {r['batch']} {r['cuda_graphs']} ({r['graph_replays']} replays)"
+                                        for r in d["batches"]) + ".",
+            _table(["batch", "ours tok/s", "ours decode tok/s", "ours ms/step", "floor ms/step", "of floor", "HF tok/s",
+                    "ours/HF", "HF compiled tok/s", "ours/HF compiled", "greedy agreement"],
+                   [[r["batch"], r["specserve"]["tokens_per_s"]["median"], r["specserve"]["decode_tokens_per_s"]["median"],
+                     r["specserve"]["decode_ms_per_step"], d["floor_ms_per_step"], f"{r['fraction_of_floor']:.1%}",
+                     r["transformers"]["tokens_per_s"]["median"], r["transformers"]["specserve_speedup"], *compiled(r),
+                     f"{r['agreement']['fraction']:.0%}"] for r in d["batches"]])]
+
+
+def _md_verify(d: dict) -> list[str]:
+    return ["## 2. Verify cost vs tree size",
+            f"{d['timed']}; {d['tree']} trees after {d['prefix_tokens']} cached tokens; median of {d['repeats']}. "
+            f"ratio = time ÷ the 0-node step at the same batch. CUDA graphs: {d['cuda_graphs']} "
+            f"({d['graph_replays']} replays).",
+            _table(["batch", "nodes", "rows", "ms", "ratio"],
+                   [[r["batch"], r["nodes"], r["rows"], r["ms"], r["ratio"]] for r in d["rows"]])]
+
+
+def _md_head(d: dict) -> list[str]:
+    return ["## 3. EAGLE-3 head cost per draft level",
+            f"Batch 1, top-k {d['topk']}, draft vocabulary {d['head']['draft_vocab']}, after {d['prefix_tokens']} "
+            "cached pairs: a level (top-k frontier nodes) and a catch-up (the root pair, three target features "
+            "fused) are forward + logits + the copy to the host the tree builder reads (tree building excluded); "
+            "ratio = time ÷ a plain target forward at batch 1. CUDA graphs: "
+            f"target {d['cuda_graphs']['target']}, head {d['cuda_graphs']['head']}.",
+            _table(["what", "ms", "ratio"],
+                   [[name, d[name]["ms"], d[name]["ratio"]] for name in ("plain_target_step", "head_catch_up", "head_level")])]
+
+
+def _md_drafters(d: dict) -> list[str]:
+    return ["## 4. Drafters end to end (embedded model)",
+            f"`specserve eval` machinery on {d['dataset']}: {d['prompts']} prompts × {d['max_tokens']} tokens, batch 1, "
+            f"greedy, adaptive speculation; plain decoding {d['plain_tokens_per_s']:.1f} tok/s.",
+            _table(["drafter", "τ", "speedup", "tok/s", "identical to plain"],
+                   [[r["drafter"], r["tau"], r["speedup"], r["tokens_per_s"], r["identical_fraction"]]
+                    for r in d["drafters"]])]
+
+
+def _md_projection(d: dict) -> list[str]:
+    return ["## 5. Projection (not a measurement)",
+            f"speedup ≈ {d['formula']} at batch {d['batch']}, from sections 2 and 3. The head cost is charged to every τ "
+            "as if an EAGLE-3 head drafted it; acceptance and tree building on the host are ignored.",
+            _table(["τ from", "τ", "nodes", "levels", "verify ratio", "head ratio", "projected speedup"],
+                   [[r["tau_from"], r["tau"], r["nodes"], r["levels"], r["verify_ratio"], r["head_ratio"],
+                     r["projected_speedup"]] for r in d["rows"]])]
+
+
+RENDERERS = {1: _md_decode, 2: _md_verify, 3: _md_head, 4: _md_drafters, 5: _md_projection}
+
+
 def markdown(result: dict) -> str:
-    """Every section as a markdown table, with what was timed and how."""
-    m, sec = result["meta"], result["sections"]
+    """Every section that ran as a markdown table, each with what was timed and how."""
+    m = result["meta"]
     parts = [f"# specserve bench gpu — {m['device_name']}, {m['date']}",
              f"{m['shape']} random-weight Llama ({m['dtype']}), attention {m['attention']}, CUDA graphs "
-             f"{m['cuda_graphs']}, {m['wall_s']:.0f} s in all; torch {m['torch']}, triton {m['triton']}, transformers {m['transformers']}."]
-    if (d := sec.get(SECTION_NAMES[1])) is not None:
-        bw = d["copy_bandwidth"]
-        parts += ["## 1. Plain decode",
-                  f"Ours: {d['path']}. tok/s = batch × new tokens ÷ wall time of the whole call (prefill of "
-                  f"{d['prompt_tokens']} tokens included, same clock for every contender); decode tok/s excludes "
-                  f"prefill. Floor = {bw['best_GBps']:.0f} GB/s device copy bandwidth (read + write bytes, best of "
-                  f"{bw['copies']}) ÷ {d['weight_bytes_per_step'] / 1e9:.3g} GB of weights per step, × batch. "
-                  "transformers: `generate(cache_implementation=\"static\")`, eager and auto-compiled.",
-                  "CUDA graphs: " + ", ".join(f"batch {r['batch']} {r['cuda_graphs']} ({r['graph_replays']} replays)"
-                                              for r in d["batches"]) + ".",
-                  _table(["batch", "ours tok/s", "ours decode tok/s", "floor tok/s", "of floor", "HF tok/s",
-                          "ours/HF", "HF compiled tok/s", "ours/HF compiled", "greedy agreement"],
-                         [[r["batch"], r["specserve"]["tokens_per_s"]["median"],
-                           r["specserve"]["decode_tokens_per_s"]["median"], r["floor_tokens_per_s"],
-                           f"{r['fraction_of_floor']:.1%}", r["transformers"]["tokens_per_s"]["median"],
-                           r["transformers"]["specserve_speedup"],
-                           r["transformers_compiled"]["tokens_per_s"]["median"] if "tokens_per_s" in r["transformers_compiled"]
-                           else r["transformers_compiled"]["status"],
-                           r["transformers_compiled"].get("specserve_speedup", "—"),
-                           f"{r['agreement']['fraction']:.0%}"] for r in d["batches"]])]
-    if (d := sec.get(SECTION_NAMES[2])) is not None:
-        parts += ["## 2. Verify cost vs tree size",
-                  f"{d['timed']}; {d['tree']} trees after {d['prefix_tokens']} cached tokens; median of "
-                  f"{d['repeats']}. ratio = time ÷ the 0-node step at the same batch. CUDA graphs: {d['cuda_graphs']} "
-                  f"({d['graph_replays']} replays).",
-                  _table(["batch", "nodes", "rows", "ms", "ratio"],
-                         [[r["batch"], r["nodes"], r["rows"], r["ms"], r["ratio"]] for r in d["rows"]])]
-    if (d := sec.get(SECTION_NAMES[3])) is not None:
-        parts += ["## 3. EAGLE-3 head cost per draft level",
-                  f"Batch 1, top-k {d['topk']}, draft vocabulary {d['head']['draft_vocab']}: forward + logits + copy "
-                  "to the host (tree building excluded); ratio = time ÷ a plain target step at batch 1. CUDA graphs: "
-                  f"target {d['cuda_graphs']['target']}, head {d['cuda_graphs']['head']}.",
-                  _table(["what", "ms", "ratio"], [[name, d[name]["ms"], d[name]["ratio"]]
-                                                    for name in ("plain_target_step", "head_catch_up", "head_level")])]
-    if (d := sec.get(SECTION_NAMES[4])) is not None:
-        parts += ["## 4. Drafters end to end (embedded model)",
-                  f"`specserve eval` machinery on {d['dataset']}: {d['prompts']} prompts × {d['max_tokens']} tokens, "
-                  f"batch 1, greedy; plain decoding {d['plain_tokens_per_s']:.1f} tok/s.",
-                  _table(["drafter", "τ", "speedup", "tok/s", "identical to plain"],
-                         [[r["drafter"], r["tau"], r["speedup"], r["tokens_per_s"], r["identical_fraction"]]
-                          for r in d["drafters"]])]
-    if (d := sec.get(SECTION_NAMES[5])) is not None:
-        parts += ["## 5. Projection (not a measurement)",
-                  f"speedup ≈ {d['formula']} at batch {d['batch']}; the head cost is charged to every τ as if an "
-                  "EAGLE-3 head drafted it, and host work (tree building, acceptance) is ignored.",
-                  _table(["τ from", "τ", "nodes", "levels", "verify ratio", "head ratio", "projected speedup"],
-                         [[r["tau_from"], r["tau"], r["nodes"], r["levels"], r["verify_ratio"], r["head_ratio"],
-                           r["projected_speedup"]] for r in d["rows"]])]
+             f"{m['cuda_graphs']}, {m['wall_s']:.0f} s in all; torch {m['torch']}, triton {m['triton']}, "
+             f"transformers {m['transformers']}."]
+    for number, render in RENDERERS.items():
+        if (body := result["sections"].get(SECTION_NAMES[number])) is not None:
+            parts += render(body)
     return "\n\n".join(parts) + "\n"
 
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from specserve.cli import main
+from specserve.evals.bench_gpu import agreement, cuda_graphs, graph_replays
 
 TINY = ["bench", "gpu", "--device", "cpu", "--shape", "tiny", "--repeats", "1", "--new-tokens", "8",
         "--prompt-tokens", "16"]
@@ -24,6 +26,37 @@ def _numbers(value, path="") -> list[tuple[str, float]]:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return [(path, float(value))]
     return []
+
+
+def test_agreement_counts_common_prefixes():
+    got = agreement([[1, 2, 3, 4], [5, 6, 7, 8]], [[1, 2, 9, 9], [5, 6, 7, 8]])
+    assert got == {"tokens_match": False, "fraction": 6 / 8, "first_divergence_per_row": [2, None]}
+    assert agreement([[1, 2]], [[1, 2]])["tokens_match"]
+
+
+def test_cuda_graphs_status():
+    """Graph capture is reported, never fatal: off, absent in this stack, failing, done, or already done."""
+
+    class Model:
+        graphs = None
+
+        def __init__(self, fail: bool = False) -> None:
+            self.fail, self.calls = fail, []
+
+        def use_cuda_graphs(self, cache, max_num_seqs, max_query_len, max_positions):
+            self.calls.append((cache, max_num_seqs, max_query_len, max_positions))
+            if self.fail:
+                raise RuntimeError("capture\nfailed")
+            self.graphs = SimpleNamespace(cache=cache, replays=0)
+
+    cache = object()
+    assert cuda_graphs(Model(), cache, False, 1, 1, 8) == "off"
+    assert cuda_graphs(object(), cache, True, 1, 1, 8) == "not available in this version"
+    assert cuda_graphs(Model(fail=True), cache, True, 1, 1, 8) == "failed: RuntimeError: capture failed"
+    model = Model()
+    assert cuda_graphs(model, cache, True, 8, 65, 200) == "on" and model.calls == [(cache, 8, 65, 200)]
+    assert cuda_graphs(model, cache, True, 8, 65, 200) == "on" and len(model.calls) == 1  # bound to this cache already
+    assert graph_replays(model) == 0 and graph_replays(object()) is None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
