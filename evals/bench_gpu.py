@@ -354,54 +354,91 @@ def agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
             "fraction": same / max(total, 1), "first_divergence_per_row": firsts}
 
 
-def plain_decode(s: Settings, m: Models, gen: torch.Generator) -> dict:
-    """Section 1: our decode at each batch size vs the bandwidth floor and transformers (eager, compiled)."""
-    vocab = m.ours.config.vocab_size
+@dataclass
+class DecodeCase:
+    """One batch size of section 1: its prompts and its engine, kept for the compiled-transformers phase."""
+
+    batch: int
+    prompts: list[list[int]]  # [batch][prompt_tokens] random token ids
+    engine: object
+    max_len: int
+
+
+def _alternate(contenders: dict, repeats: int) -> tuple[dict, dict[str, list[dict]]]:
+    """Run every contender once untimed-for-the-report (round 0: warm-up, compilation, and the greedy
+    outputs compared), then `repeats` rounds one after another, so drift on the machine hits all alike."""
+    first: dict = {}
+    runs: dict[str, list[dict]] = {name: [] for name in contenders}
+    for rep in range(repeats + 1):
+        for name, fn in contenders.items():
+            result = fn()
+            if rep == 0:
+                first[name] = result
+            else:
+                runs[name].append(result)
+    return first, runs
+
+
+def _ours(s: Settings, m: Models, case: DecodeCase):
+    """Our contender for `case`: graphs (re)captured over its engine's cache first — a model keeps the graphs
+    of one cache, and other sections capture over their own."""
+    graphs = cuda_graphs(m.ours, case.engine.cache, s.cuda_graphs, case.batch, 1, case.max_len)
+    return graphs, lambda: generate_ours(case.engine, case.prompts, s.new_tokens, s.device)
+
+
+def plain_decode(s: Settings, m: Models, gen: torch.Generator) -> tuple[dict, list[DecodeCase]]:
+    """Section 1 (its compiled-transformers column comes later, `compiled_decode`, in whatever time is
+    left): our decode at each batch size vs the bandwidth floor and eager transformers."""
     weight_bytes = m.ours.bytes_read_per_token()
     bw = copy_bandwidth(s.device, (2 << 30) if s.shape == "8b" else (64 << 20), max(5, s.repeats * 3))
     floor_steps = bw["best_GBps"] * 1e9 / weight_bytes  # steps/s if every step only streamed the weights once
     out = {"path": "Engine.step loop (scheduler, StepBatch, forward, greedy acceptance, commit), no drafter",
            "weight_bytes_per_step": weight_bytes, "copy_bandwidth": bw, "floor_steps_per_s": floor_steps,
-           "floor_ms_per_step": 1e3 / floor_steps,
-           "prompt_tokens": s.prompt_tokens, "new_tokens": s.new_tokens, "repeats": s.repeats, "batches": []}
+           "floor_ms_per_step": 1e3 / floor_steps, "prompt_tokens": s.prompt_tokens, "new_tokens": s.new_tokens,
+           "repeats": s.repeats, "batches": []}
+    cases = []
     for batch in s.batch_sizes:
-        prompts = torch.randint(0, vocab, (batch, s.prompt_tokens), generator=gen).tolist()
         max_len = s.prompt_tokens + s.new_tokens + 1
-        engine = _engine(m.ours, batch, max_len, batch * s.prompt_tokens)
-        graphs = cuda_graphs(m.ours, engine.cache, s.cuda_graphs, batch, 1, max_len)
-        contenders = {"specserve": lambda: generate_ours(engine, prompts, s.new_tokens, s.device),
-                      "transformers": lambda: generate_hf(m.hf, prompts, s.new_tokens, s.device, compiled=False)}
-        compiled_status = _compile_status(s)
-        if compiled_status is None:
-            contenders["transformers_compiled"] = lambda: generate_hf(m.hf, prompts, s.new_tokens, s.device, True)
-        first: dict = {}
-        runs: dict[str, list[dict]] = {name: [] for name in contenders}
-        for rep in range(s.repeats + 1):  # round 0 warms up (and compiles) with the timed shapes
-            for name in list(contenders):
-                try:
-                    result = contenders[name]()
-                except Exception as exc:
-                    if name != "transformers_compiled":
-                        raise
-                    compiled_status = f"failed: {_one_line(exc)}"  # compile problems are reported, not fatal
-                    _log(f"batch {batch}: transformers compiled {compiled_status}")
-                    del contenders[name], runs[name]
-                    continue
-                if rep == 0:
-                    first[name] = result
-                else:
-                    runs[name].append(result)
-        _log(f"batch {batch}: plain decode timed")
-        row = _decode_row(batch, s.new_tokens, runs, first, floor_steps)
+        case = DecodeCase(batch, torch.randint(0, m.ours.config.vocab_size, (batch, s.prompt_tokens), generator=gen).tolist(),
+                          _engine(m.ours, batch, max_len, batch * s.prompt_tokens), max_len)
+        graphs, ours = _ours(s, m, case)
+        first, runs = _alternate({"specserve": ours, "transformers": lambda: generate_hf(
+            m.hf, case.prompts, s.new_tokens, s.device, compiled=False)}, s.repeats)
+        row = _decode_row(batch, s.new_tokens, runs, floor_steps)
+        row["agreement"] = agreement(first["specserve"]["tokens"], first["transformers"]["tokens"])
         row["cuda_graphs"], row["graph_replays"] = graphs, graph_replays(m.ours)
-        if "transformers_compiled" in runs:
-            row["transformers_compiled"]["compiled"] = getattr(m.hf, "_compiled_call", None) is not None
-            row["transformers_compiled"]["first_call_s"] = first["transformers_compiled"]["seconds"]
-        else:
-            row["transformers_compiled"] = {"status": compiled_status}
+        row["transformers_compiled"] = {"status": "pending"}
         out["batches"].append(row)
-        del engine
-    return out
+        cases.append(case)
+        _log(f"batch {batch}: plain decode timed")
+    return out, cases
+
+
+def compiled_decode(s: Settings, m: Models, section: dict, cases: list[DecodeCase]) -> None:
+    """Section 1's last column, run after sections 2-4 because compiling takes minutes: transformers'
+    auto-compiled static-cache generate, alternating with ours again, at each batch size while at least
+    COMPILE_MIN_LEFT_S of --budget-s are left. A failure is reported in one line, never fatal."""
+    for row, case in zip(section["batches"], cases):
+        status = _compile_status(s)
+        if status is not None:
+            row["transformers_compiled"] = {"status": status}
+            continue
+        _, ours = _ours(s, m, case)
+        try:
+            first, runs = _alternate({"specserve": ours, "transformers_compiled": lambda: generate_hf(
+                m.hf, case.prompts, s.new_tokens, s.device, compiled=True)}, s.repeats)
+        except Exception as exc:  # dynamo / inductor errors: report them, keep everything else
+            row["transformers_compiled"] = {"status": f"failed: {_one_line(exc)}"}
+            _log(f"batch {case.batch}: transformers compiled failed: {_one_line(exc)}")
+            continue
+        ours_tps = statistics.median(case.batch * s.new_tokens / r["seconds"] for r in runs["specserve"])
+        theirs = [case.batch * s.new_tokens / r["seconds"] for r in runs["transformers_compiled"]]
+        row["transformers_compiled"] = {
+            "status": "ran", "compiled": getattr(m.hf, "_compiled_call", None) is not None,
+            "first_call_s": first["transformers_compiled"]["seconds"], "tokens_per_s": _spread(theirs),
+            "specserve_tokens_per_s_alongside": ours_tps, "specserve_speedup": ours_tps / statistics.median(theirs),
+            "agreement": agreement(first["specserve"]["tokens"], first["transformers_compiled"]["tokens"])}
+        _log(f"batch {case.batch}: transformers compiled timed (first call {first['transformers_compiled']['seconds']:.0f} s)")
 
 
 def _compile_status(s: Settings) -> str | None:
@@ -415,24 +452,20 @@ def _compile_status(s: Settings) -> str | None:
     return None
 
 
-def _decode_row(batch: int, new_tokens: int, runs: dict[str, list[dict]], first: dict, floor_steps: float) -> dict:
-    """One batch size's figures: end-to-end tokens/s of every contender (prefill included, the same
-    clock for all), our decode-only rate against the floor, greedy agreement with transformers."""
+def _decode_row(batch: int, new_tokens: int, runs: dict[str, list[dict]], floor_steps: float) -> dict:
+    """One batch size's figures: end-to-end tokens/s of both contenders (prefill included, the same
+    clock for both), and our decode-only rate against the floor."""
     total = batch * new_tokens
     e2e = {name: [total / r["seconds"] for r in rs] for name, rs in runs.items()}
     ours_decode = [r["decode_tokens"] / r["decode_seconds"] for r in runs["specserve"]]
     decode = statistics.median(ours_decode)
-    row = {"batch": batch,
-           "specserve": {"tokens_per_s": _spread(e2e["specserve"]), "decode_tokens_per_s": _spread(ours_decode),
-                         "decode_ms_per_step": 1e3 * batch / decode},
-           "floor_tokens_per_s": floor_steps * batch,
-           "fraction_of_floor": decode / (floor_steps * batch),
-           "agreement": agreement(first["specserve"]["tokens"], first["transformers"]["tokens"])}
-    for name in ("transformers", "transformers_compiled"):
-        if name in e2e:
-            row[name] = {"tokens_per_s": _spread(e2e[name]),
-                         "specserve_speedup": statistics.median(e2e["specserve"]) / statistics.median(e2e[name])}
-    return row
+    return {"batch": batch,
+            "specserve": {"tokens_per_s": _spread(e2e["specserve"]), "decode_tokens_per_s": _spread(ours_decode),
+                          "decode_ms_per_step": 1e3 * batch / decode},
+            "floor_tokens_per_s": floor_steps * batch,
+            "fraction_of_floor": decode / (floor_steps * batch),
+            "transformers": {"tokens_per_s": _spread(e2e["transformers"]),
+                             "specserve_speedup": statistics.median(e2e["specserve"]) / statistics.median(e2e["transformers"])}}
 
 
 # ---- section 2: verify cost vs tree size ------------------------------------------------------------
@@ -771,25 +804,42 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     gen = torch.Generator().manual_seed(0)
     models = build_models(s) if any(n in s.sections for n in (1, 2, 3)) else None
-    sections: dict = {}
-    for number in s.sections:
-        name = SECTION_NAMES[number]
+    result = {"meta": meta(s), "sections": {}}
+    sections = result["sections"]
+
+    def timed_section(number: int, fn) -> None:
+        """Run one section, then rewrite the outputs: a run cut short keeps every finished section."""
         t0 = time.perf_counter()
-        if number == 1:
-            sections[name] = plain_decode(s, models, gen)
-        elif number == 2:
-            sections[name] = verify_cost(s, models.ours, gen)
-        elif number == 3:
-            sections[name] = head_cost(s, models.ours, gen)
-        elif number == 4:
-            sections[name] = drafters_e2e(s)
-        else:
-            sections[name] = projection(s, sections)
-        sections[name]["wall_s"] = time.perf_counter() - t0
-    result = {"meta": meta(s) | {"wall_s": time.perf_counter() - started}, "sections": sections}
-    text = markdown(result)
-    print(text)
+        body = fn()  # None: the function filled in an existing section (compiled_decode)
+        name = SECTION_NAMES[number]
+        if body is not None:
+            sections[name] = body
+        sections[name]["wall_s"] = sections[name].get("wall_s", 0.0) + time.perf_counter() - t0
+        result["meta"]["wall_s"] = time.perf_counter() - started
+        _write(result, args)
+
+    decode_cases: list[DecodeCase] = []
+
+    def section_1() -> dict:
+        body, cases = plain_decode(s, models, gen)
+        decode_cases.extend(cases)
+        return body
+
+    steps = {1: section_1, 2: lambda: verify_cost(s, models.ours, gen), 3: lambda: head_cost(s, models.ours, gen),
+             4: lambda: drafters_e2e(s)}
+    for number in s.sections:
+        if number in steps:
+            timed_section(number, steps[number])
+    if decode_cases:  # compiling takes minutes: last, in the time left
+        timed_section(1, lambda: compiled_decode(s, models, sections[SECTION_NAMES[1]], decode_cases))
+    if 5 in s.sections:
+        timed_section(5, lambda: projection(s, sections))
+    print(markdown(result))
+    return 0
+
+
+def _write(result: dict, args: argparse.Namespace) -> None:
+    """--json and --markdown, rewritten after every section."""
     write_json(result, args.json)
     if args.markdown:
-        Path(args.markdown).write_text(text)
-    return 0
+        Path(args.markdown).write_text(markdown(result))

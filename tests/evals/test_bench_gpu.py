@@ -128,6 +128,21 @@ def test_tiny_cpu_run(tmp_path, capsys):
         assert heading in text
 
 
+def test_compiled_phase(tmp_path, monkeypatch):
+    """The compiled-transformers phase (CUDA only in real runs) fills section 1's last column; on the CPU
+    transformers does not compile, so this checks the phase's plumbing, alternation and agreement."""
+    import specserve.evals.bench_gpu as bench_gpu
+
+    monkeypatch.setattr(bench_gpu, "_compile_status", lambda s: None)
+    out = tmp_path / "gpu.json"
+    assert main(TINY + ["--sections", "1", "--batch-sizes", "2", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["sections"]["plain_decode"]["batches"]
+    compiled = row["transformers_compiled"]
+    assert compiled["status"] == "ran" and compiled["compiled"] is False  # nothing compiles on the CPU
+    assert compiled["tokens_per_s"]["median"] > 0 and compiled["specserve_speedup"] > 0
+    assert compiled["agreement"]["tokens_match"]
+
+
 def test_drafters_section_feeds_projection(tmp_path):
     """Section 4 runs `specserve eval`'s machinery on the embedded model; section 5 then projects its τ."""
     out = tmp_path / "gpu.json"
