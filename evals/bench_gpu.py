@@ -12,6 +12,8 @@ both stacks run the SAME weights. Timings use `time.perf_counter` around work fe
    bandwidth floor (weight bytes read per step ÷ measured device copy bandwidth) and transformers'
    `generate(cache_implementation="static")`, eager and auto-compiled, timed alternately with ours.
    Greedy outputs of both stacks on the same weights are compared token for token (`agreement`).
+   The compiled run comes last, after section 4, in whatever is left of --budget-s: compiling takes
+   minutes and must not cost the other sections.
 2. **verify cost vs tree size** (0..64 draft nodes) at batch 1, 8 and 32: one target forward
    (`LlamaModel.forward` on a prebuilt StepBatch, as `specserve bench verify` times it) relative to
    the plain (0-node) step at the same batch. Speculation pays while τ exceeds that ratio.
@@ -19,13 +21,18 @@ both stacks run the SAME weights. Timings use `time.perf_counter` around work fe
    [embed; feature], its own norm and a 32000-token draft LM head) for top-k frontier width at batch
    1, forward + logits + the copy to the host the tree builder reads, relative to a plain target step.
 4. **end-to-end drafters** on the embedded model (`specserve eval`'s own machinery on held-out code,
-   few prompts): τ and speedup of every drafter over plain decoding.
+   few prompts; static speculation by default, so τ is each drafter's own acceptance): τ and speedup
+   of every drafter over plain decoding.
 5. **projection**: speedup ≈ τ / (verify ratio(tree size) + levels × head level ratio) from sections
    2–3, for section 4's measured τ (or `--tau`). A model, not a measurement: it ignores acceptance
    and tree-building host work and charges every τ an EAGLE-3 head.
 
-Without CUDA the command runs nothing (one line, exit 2). `--device cpu --shape tiny` (hidden testing
-options) run every section's code path on a tiny model on the CPU, for tests.
+CUDA graphs, where the stack has them (`LlamaModel.use_cuda_graphs`), are captured per section over
+that section's KV cache (a model's graphs are bound to one cache); replays are counted in the JSON.
+--json and --markdown are rewritten after every section, so a run cut short keeps what finished.
+
+Without CUDA the command runs nothing (one line, exit 2). `--device cpu --shape tiny` (testing
+options) run every section's code path on a tiny fp32 model on the CPU.
 """
 
 from __future__ import annotations
@@ -58,7 +65,7 @@ SHAPES = {
                  initializer_range=0.2),
 }
 DRAFT_VOCAB = {"8b": 32000, "tiny": 256}  # EAGLE-3 heads for Llama-3-8B draft over 32000 tokens
-DEFAULT_DRAFTERS = "ngram,suffix,lookahead,draft,medusa,eagle"
+DEFAULT_DRAFTERS = "ngram,suffix,lookahead,draft,medusa,eagle,hybrid:suffix+eagle"
 COMPILE_MIN_LEFT_S = 200.0  # transformers' compile warm-up takes a minute or two per batch size
 
 
@@ -68,7 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="8b: Llama-3-8B-shaped random weights (default); tiny: a test-sized model")
     p.add_argument("--attention", default=None, help="attention backend (default: the stack's default for the device)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="do not capture CUDA graphs for our decode steps")
-    p.add_argument("--sections", default="1,2,3,4,5", help="comma-separated sections to run (1-5; see --help)")
+    p.add_argument("--sections", default="1,2,3,4,5",
+                   help="comma-separated: 1 plain decode, 2 verify cost, 3 EAGLE-3 head, 4 drafters end to end, "
+                        "5 projection (needs 2 and 3)")
     p.add_argument("--repeats", type=int, default=3,
                    help="timed generations per contender in section 1 (forward timings: 10x this)")
     p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request in section 1")
@@ -80,6 +89,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-topk", type=int, default=8, help="section 3's frontier width (EAGLE's top-k)")
     p.add_argument("--draft-levels", type=int, default=6, help="head levels charged per step in section 5")
     p.add_argument("--drafters", default=DEFAULT_DRAFTERS, help="section 4's drafter specs, comma-separated")
+    p.add_argument("--speculation", choices=("static", "adaptive"), default="static",
+                   help="section 4: static (default: every drafter at its own budget every step, so τ is the "
+                        "drafter's acceptance, what section 5 projects from) or adaptive (what `specserve eval` and "
+                        "users get: trees sized by measured cost, plain steps where speculation does not pay)")
     p.add_argument("--eval-prompts", type=int, default=4, help="section 4's held-out prompts")
     p.add_argument("--eval-tokens", type=int, default=64, help="section 4's tokens per prompt")
     p.add_argument("--tau", default="2.0,2.5,3.0,3.5", help="section 5's τ values when section 4 does not run")
@@ -136,6 +149,7 @@ class Settings:
     drafters: list[str]
     eval_prompts: int
     eval_tokens: int
+    speculation: str
     tau: list[float]
     compile: bool
     budget_s: float
@@ -182,7 +196,7 @@ def check_args(args: argparse.Namespace) -> Settings:
         prompt_tokens=args.prompt_tokens, batch_sizes=_int_list(args.batch_sizes, "--batch-sizes", 1),
         verify_batch_sizes=_int_list(args.verify_batch_sizes, "--verify-batch-sizes", 1), tree_sizes=tree_sizes,
         branching=args.branching, head_topk=args.head_topk, draft_levels=args.draft_levels, drafters=drafters,
-        eval_prompts=args.eval_prompts, eval_tokens=args.eval_tokens, tau=_float_list(args.tau, "--tau"),
+        eval_prompts=args.eval_prompts, eval_tokens=args.eval_tokens, speculation=args.speculation, tau=_float_list(args.tau, "--tau"),
         compile=not args.no_compile, budget_s=args.budget_s, deadline=time.perf_counter() + args.budget_s,
     )
 
@@ -643,14 +657,14 @@ def head_cost(s: Settings, model, gen: torch.Generator) -> dict:
 
 
 def drafters_e2e(s: Settings) -> dict:
-    """Section 4: `specserve eval` on the embedded model (its held-out code, batch 1, greedy, static
-    speculation off: the adaptive default) — τ and speedup of each drafter over plain decoding."""
+    """Section 4: `specserve eval` on the embedded model (its held-out code, batch 1, greedy, --speculation)
+    — τ and speedup of each drafter over plain decoding."""
     from specserve.evals.suite import EvalConfig, run_eval
 
     with tempfile.TemporaryDirectory() as out:
         res = run_eval(EvalConfig(drafters=s.drafters, dataset="builtin:heldout-code", out=out,
                                   max_prompts=s.eval_prompts, max_tokens=s.eval_tokens, repeats=1,
-                                  device=str(s.device), progress=False))
+                                  device=str(s.device), speculation=s.speculation, progress=False))
     rows = []
     for spec in s.drafters:
         d = res["drafters"][spec]
@@ -658,6 +672,7 @@ def drafters_e2e(s: Settings) -> dict:
                      "identical_fraction": d["identical_fraction"]})
     _log("drafters timed end to end")
     return {"model": "embedded default model", "dataset": "builtin:heldout-code", "prompts": s.eval_prompts,
+            "speculation": s.speculation,
             "max_tokens": s.eval_tokens, "plain_tokens_per_s": res["plain"]["tokens_per_s"], "drafters": rows}
 
 
@@ -768,7 +783,7 @@ def _md_head(d: dict) -> list[str]:
 def _md_drafters(d: dict) -> list[str]:
     return ["## 4. Drafters end to end (embedded model)",
             f"`specserve eval` machinery on {d['dataset']}: {d['prompts']} prompts × {d['max_tokens']} tokens, batch 1, "
-            f"greedy, adaptive speculation; plain decoding {d['plain_tokens_per_s']:.1f} tok/s.",
+            f"greedy, {d['speculation']} speculation; plain decoding {d['plain_tokens_per_s']:.1f} tok/s.",
             _table(["drafter", "τ", "speedup", "tok/s", "identical to plain"],
                    [[r["drafter"], r["tau"], r["speedup"], r["tokens_per_s"], r["identical_fraction"]]
                     for r in d["drafters"]])]
