@@ -396,7 +396,8 @@ def _alternate(contenders: dict, repeats: int) -> tuple[dict, dict[str, list[dic
 def _ours(s: Settings, m: Models, case: DecodeCase):
     """Our contender for `case`: graphs (re)captured over its engine's cache first — a model keeps the graphs
     of one cache, and other sections capture over their own."""
-    graphs = cuda_graphs(m.ours, case.engine.cache, s.cuda_graphs, case.batch, 1, case.max_len)
+    # Block tables reach past max_len (the scheduler reserves slots for forced tokens): leave room.
+    graphs = cuda_graphs(m.ours, case.engine.cache, s.cuda_graphs, case.batch, 1, case.max_len + 64)
     return graphs, lambda: generate_ours(case.engine, case.prompts, s.new_tokens, s.device)
 
 
