@@ -379,8 +379,9 @@ class DecodeCase:
 
 
 def _alternate(contenders: dict, repeats: int) -> tuple[dict, dict[str, list[dict]]]:
-    """Run every contender once untimed-for-the-report (round 0: warm-up, compilation, and the greedy
-    outputs compared), then `repeats` rounds one after another, so drift on the machine hits all alike."""
+    """Round 0 runs every contender once, not counted (warm-up and compilation; its greedy outputs are
+    the ones compared); then `repeats` rounds, contenders one after another, so drift hits all alike.
+    Returns (round 0's result per contender, the counted results per contender)."""
     first: dict = {}
     runs: dict[str, list[dict]] = {name: [] for name in contenders}
     for rep in range(repeats + 1):
