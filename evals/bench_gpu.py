@@ -66,6 +66,7 @@ SHAPES = {
 }
 DRAFT_VOCAB = {"8b": 32000, "tiny": 256}  # EAGLE-3 heads for Llama-3-8B draft over 32000 tokens
 DEFAULT_DRAFTERS = "ngram,suffix,lookahead,draft,medusa,eagle,hybrid:suffix+eagle"
+GRAPH_MAX_QUERY_LEN = 64  # rows per sequence `LLM` captures CUDA graphs for (root + tree)
 COMPILE_MIN_LEFT_S = 200.0  # transformers' compile warm-up takes a minute or two per batch size
 
 
@@ -537,7 +538,8 @@ def verify_cost(s: Settings, model, gen: torch.Generator) -> dict:
     most = max(s.verify_batch_sizes)
     allocator = BlockAllocator(most * -(-per_seq // block), block)
     cache = model.new_cache(allocator)
-    graphs = cuda_graphs(model, cache, s.cuda_graphs, most, s.tree_sizes[-1] + 1, per_seq)
+    # Buckets as `LLM` captures them: at most 64 rows per sequence, bigger trees run eagerly there too.
+    graphs = cuda_graphs(model, cache, s.cuda_graphs, most, min(GRAPH_MAX_QUERY_LEN, s.tree_sizes[-1] + 1), per_seq)
     rows = []
     for batch in s.verify_batch_sizes:
         with _sequences(allocator, [f"verify-{i}" for i in range(batch)], per_seq) as names:
