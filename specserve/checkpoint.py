@@ -76,9 +76,17 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {str(model_dir)!r}{hint}")
 
 
-def load_state_dict(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Read every expected tensor, converted to `dtype` on `device`; raise on any mismatch."""
+def load_state_dict(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+                    shard=None, stats: dict | None = None) -> dict[str, torch.Tensor]:
+    """Read every expected tensor, converted to `dtype` on `device`; raise on any mismatch.
+
+    shard: a `specserve.tensor_parallel.Shard`: read only this rank's slice of each split tensor (safetensors
+    slices read just those bytes). stats: gets "bytes_read", the checkpoint bytes read.
+    """
+    from specserve.tensor_parallel import slice_of
+
     model_dir = Path(model_dir)
+    bytes_read = 0
     expected = expected_shapes(cfg)
     state: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
@@ -91,17 +99,26 @@ def load_state_dict(model_dir: str | Path, cfg: ModelConfig, device: torch.devic
                     if name not in expected:
                         unexpected.append(name)
                         continue
-                    tensor = f.get_tensor(name)
-                    if tuple(tensor.shape) != expected[name]:
+                    stored = f.get_slice(name)
+                    if tuple(stored.get_shape()) != expected[name]:
                         raise ValueError(
-                            f"{path.name}: tensor {name!r} has shape {tuple(tensor.shape)}, but config.json "
+                            f"{path.name}: tensor {name!r} has shape {tuple(stored.get_shape())}, but config.json "
                             f"implies {expected[name]} (checkpoint and config do not match)"
                         )
+                    part = slice_of(name, cfg, shard) if shard is not None else None
+                    if part is None:
+                        tensor = f.get_tensor(name)
+                    else:
+                        dim, lo, hi = part
+                        tensor = stored[lo:hi] if dim == 0 else stored[:, lo:hi]
+                    bytes_read += tensor.numel() * tensor.element_size()
                     state[name] = tensor.to(device=device, dtype=dtype)
         except ValueError:
             raise
         except Exception as exc:  # safetensors raises its own error types for truncated/corrupt files
             raise ValueError(f"{str(path)!r} is not a readable safetensors file (corrupt or truncated?): {exc}") from exc
+    if stats is not None:
+        stats["bytes_read"] = bytes_read
     missing = sorted(set(expected) - set(state))
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")

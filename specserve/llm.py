@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,7 @@ class LLM:
         grammar_drafting: str = "forced",
         cuda_graphs: bool | None = None,
         gpu_memory_utilization: float = 0.9,
+        tensor_parallel_size: int = 1,
     ) -> None:
         if speculation not in SPECULATION_MODES:
             raise ValueError(f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {speculation!r}")
@@ -95,10 +97,12 @@ class LLM:
         cfg = load_config(model_dir)
         # The CPU kernels run the whole layer, attention included; naming a backend asks for the torch
         # layers with that backend instead (on the CPU: sdpa, or triton under Triton's interpreter).
-        cpu_kernels = attention is None
+        cpu_kernels = attention is None and tensor_parallel_size == 1
         self.dtype = resolve_dtype(dtype, self.device, checkpoint_dtype(cfg.hf_config),
                                    cpu_kernels and kernels_unsupported(self.device, torch.float32, cfg.head_dim) is None)
-        self.model = LlamaModel.from_pretrained(model_dir, self.device, self.dtype, attention, cpu_kernels=cpu_kernels)
+        self._tp = self._launch_tensor_parallel(tensor_parallel_size, cfg, model_dir, threads)
+        self.model = LlamaModel.from_pretrained(model_dir, self.device, self.dtype, attention, cpu_kernels=cpu_kernels,
+                                                tp=self._tp)
         if threads is not None and self.model.kernels is None and self.device.type == "cpu":
             torch.set_num_threads(threads)  # the torch path does the heavy work itself here
         cfg = self.model.config
@@ -149,14 +153,52 @@ class LLM:
             budget_policy=make_budget_policy(speculation, drafter_obj),
         )
         self.speculation = speculation
-        if cuda_graphs is None:  # the CUDA default, where the backend allows it
-            cuda_graphs = self.device.type == "cuda" and self.model.backend.name == "triton"
+        if cuda_graphs is None:  # the CUDA default, where the backend allows it (not across ranks yet)
+            cuda_graphs = self.device.type == "cuda" and self.model.backend.name == "triton" and self._tp is None
         if cuda_graphs:
             self.model.use_cuda_graphs(self.engine.cache, max_num_seqs, _graph_query_len(drafter_obj),
                                        max_model_len + _GRAPH_POSITION_MARGIN, self.engine.runner.hidden_layers,
                                        capture=self.device.type == "cuda")
             if drafter_obj is not None:
                 drafter_obj.use_cuda_graphs(max_num_seqs, max_model_len + _GRAPH_POSITION_MARGIN)
+
+    def _launch_tensor_parallel(self, size: int, cfg, model_dir, threads: int | None):
+        """Start the other ranks (`specserve.tensor_parallel`) for size > 1; None for one device."""
+        if size == 1:
+            return None
+        from specserve.tensor_parallel import check_shardable, launch
+
+        check_shardable(cfg, size)
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", 0)
+        tp = launch(size, str(model_dir), self.device, self.dtype, threads)
+        # close() runs this once; an LLM dropped without close() (or failing in __init__) still ends its ranks.
+        self._stop_ranks = weakref.finalize(self, tp.stop)
+        return tp
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self._tp.shard.world if self._tp is not None else 1
+
+    def describe_ranks(self) -> list[dict]:
+        """Per rank: its KV cache's shape and bytes, its heads, the checkpoint bytes it read (TP only)."""
+        if self._tp is None:
+            raise ValueError("describe_ranks() needs tensor_parallel_size > 1")
+        from specserve.tensor_parallel import _describe
+
+        return self._tp.describe(_describe(self.model, self.engine.cache))
+
+    def close(self) -> None:
+        """End the other tensor-parallel ranks (nothing to do on one device). The LLM is unusable after."""
+        if self._tp is not None:
+            self._stop_ranks()
+            self._tp = None
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _cuda_kv_bytes(self, max_num_seqs: int, max_prefill_tokens: int, drafter, utilization: float) -> int:
         """The KV cache's share of the GPU, after the weights and a reserve for the CUDA graphs' pool (the

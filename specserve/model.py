@@ -69,6 +69,7 @@ class DecoderLayer(nn.Module):
         self.gate_up_bias = _param(2 * inter) if cfg.mlp_bias else None
         self.down = _param(h, inter)
         self.down_bias = _param(h) if cfg.mlp_bias else None
+        self.tp = None  # a `TensorParallel` when this layer holds one rank's share (`LlamaModel(tp=...)`)
 
     def forward(self, layer_idx: int, x: torch.Tensor, positions: torch.Tensor, rope: RotaryTable, backend, meta,
                 cache: PagedKVCache, attn_input: torch.Tensor | None = None) -> torch.Tensor:
@@ -95,10 +96,18 @@ class DecoderLayer(nn.Module):
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The rest of the layer after attention: x + o_proj(attn), then + MLP(norm(.)). attn [..., heads * head_dim]."""
-        x = x + F.linear(attn, self.o_proj, self.o_bias)
+        x = x + self._row_parallel(attn, self.o_proj, self.o_bias)
         normed = F.rms_norm(x, (x.shape[-1],), self.post_attn_norm, self.eps)
         gate, up = F.linear(normed, self.gate_up, self.gate_up_bias).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down, self.down_bias)
+        return x + self._row_parallel(F.silu(gate) * up, self.down, self.down_bias)
+
+    def _row_parallel(self, inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """inputs @ weight.T + bias. Under tensor parallelism `weight` holds this rank's input columns: the
+        partial products are summed over ranks (one all-reduce), then the bias is added once."""
+        if self.tp is None:
+            return F.linear(inputs, weight, bias)
+        out = self.tp.all_reduce(F.linear(inputs, weight))
+        return out if bias is None else out + bias
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -106,12 +115,26 @@ def _param(*shape: int) -> nn.Parameter:
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, attention: str | None = None) -> None:
+    """The target (or a draft model). tp: this rank's `TensorParallel` handle — the model then holds one
+    rank's share of every layer (`specserve.tensor_parallel`); `config` gives that share's head and MLP
+    counts, so the KV cache it makes is the rank's share too."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, attention: str | None = None,
+                 tp=None) -> None:
         super().__init__()
+        self.tp = tp
+        if tp is not None:
+            from specserve.tensor_parallel import check_shardable, shard_config
+
+            check_shardable(cfg, tp.shard.world)
+            cfg = shard_config(cfg, tp.shard.world)
+            tp.vocab_size = cfg.vocab_size
         self.config = cfg
         self.device, self.dtype = device, dtype
         self.embed = _param(cfg.vocab_size, cfg.hidden_size)  # rows looked up per token
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        for layer in self.layers:
+            layer.tp = tp
         self.norm = _param(cfg.hidden_size)
         self.lm_head = self.embed if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
         self.rope = RotaryTable(cfg, device, dtype)
@@ -119,13 +142,27 @@ class LlamaModel(nn.Module):
         self.backend = make_backend(attention or default_attention(device), device, cfg.sliding_window)
         self.kernels = None  # CPU compiled kernels (`use_cpu_kernels`), when they run this model
         self.graphs = None  # CUDA graphs of this model's forward (`use_cuda_graphs`)
+        self._vocab_rows: tuple[int, int] | None = None  # TP, a rank holding the whole LM head: its own rows
+        self.checkpoint_bytes_read = 0
+
+    @property
+    def lm_head_local(self) -> torch.Tensor:
+        """The LM head rows this rank computes logits for: all of them on one device, its vocabulary share under TP."""
+        if self._vocab_rows is None:
+            return self.lm_head
+        lo, hi = self._vocab_rows
+        return self.lm_head[lo:hi]
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, device: torch.device, dtype: torch.dtype, attention: str | None = None,
-                        cpu_kernels: bool = True) -> "LlamaModel":
+                        cpu_kernels: bool = True, tp=None) -> "LlamaModel":
+        """tp: load one rank's share (only its slices of the checkpoint are read); no CPU kernels then."""
         cfg = load_config(model_dir)
-        model = cls(cfg, device, dtype, attention)
-        model.load_hf_state(load_state_dict(model_dir, cfg, device, dtype))
+        model = cls(cfg, device, dtype, attention, tp)
+        stats: dict = {}
+        model.load_hf_state(load_state_dict(model_dir, cfg, device, dtype, tp.shard if tp else None, stats))
+        model.checkpoint_bytes_read = stats["bytes_read"]
+        cpu_kernels = cpu_kernels and tp is None
         if cpu_kernels:
             model.use_cpu_kernels()
         return model
@@ -157,6 +194,10 @@ class LlamaModel(nn.Module):
         self.norm.data = state["model.norm.weight"]
         if not self.config.tie_word_embeddings:
             self.lm_head.data = state["lm_head.weight"]
+        if self.tp is not None and self.lm_head.shape[0] == self.config.vocab_size:
+            # Rank 0 (and every rank of a tied head) holds the whole table: its rows are a view; other ranks
+            # read only theirs.
+            self._vocab_rows = self.tp.shard.vocab_part(self.config.vocab_size)
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             layer.input_norm.data = state[p + "input_layernorm.weight"]
@@ -189,6 +230,10 @@ class LlamaModel(nn.Module):
         """A KV cache for this model on `allocator`'s blocks (fp32 on the CPU kernels' path)."""
         cfg = self.config
         dtype = torch.float32 if self.kernels is not None else self.dtype
+        if self.tp is not None and self.tp.is_leader:
+            from specserve.tensor_parallel import ShardedKVCache
+
+            return ShardedKVCache(self.tp, allocator, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.device, dtype)
         return PagedKVCache(allocator, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.device, dtype)
 
     @torch.inference_mode()
@@ -200,6 +245,8 @@ class LlamaModel(nn.Module):
         """
         if self.kernels is not None:
             return self.kernels.forward(batch, cache, hidden_layers)
+        if self.tp is not None and self.tp.is_leader:
+            self.tp.send_forward(batch, hidden_layers)  # the other ranks run the same forward on their shares
         if self.graphs is not None:
             out = self.graphs.run(batch, cache, hidden_layers)
             if out is not None:
@@ -222,5 +269,7 @@ class LlamaModel(nn.Module):
         if self.config.num_layers in hidden_layers:
             hidden[self.config.num_layers] = F.rms_norm(x[d.hidden_rows], (x.shape[-1],), self.norm, eps)
         x = F.rms_norm(x[d.logit_rows], (x.shape[-1],), self.norm, eps)
-        logits = F.linear(x, self.lm_head).float()  # [R, vocab]
+        logits = F.linear(x, self.lm_head_local).float()  # [R, vocab] (this rank's vocabulary rows under TP)
+        if self.tp is not None:
+            logits = self.tp.gather_logits(logits)  # rank 0: [R, vocab]; other ranks: None
         return ForwardOutput(logits=logits, hidden_states=hidden)
