@@ -44,9 +44,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="info (the default) logs one line per finished request; warning keeps only problems")
     p.add_argument("--log-format", default="text", choices=["text", "json"], help="json: one JSON object per line")
-    from specserve.cli import add_gpu_path_arguments, add_grammar_drafting_argument
+    from specserve.cli import add_execution_arguments, add_grammar_drafting_argument
 
-    add_gpu_path_arguments(p)
+    add_execution_arguments(p)
     add_grammar_drafting_argument(p)
 
 
@@ -85,7 +85,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     llm = LLM(args.model, drafter=args.drafter, drafter_options=_drafter_options(args.drafter_option),
               device=args.device, dtype=args.dtype, threads=args.threads, max_num_seqs=args.max_num_seqs,
               max_model_len=args.max_model_len, speculation=args.speculation, grammar_drafting=args.grammar_drafting,
-              attention=args.attention, cuda_graphs=args.cuda_graphs)
+              attention=args.attention, cuda_graphs=args.cuda_graphs, tensor_parallel_size=args.tensor_parallel)
     server = SpecServer(llm, config)
     return asyncio.run(_serve(server))
 

@@ -112,13 +112,15 @@ def _drafter_options(items: list[str]) -> dict:
     return options
 
 
-def add_gpu_path_arguments(p: argparse.ArgumentParser) -> None:
-    """--attention and --no-cuda-graphs (generate and serve)."""
+def add_execution_arguments(p: argparse.ArgumentParser) -> None:
+    """--attention, --no-cuda-graphs and --tensor-parallel (generate and serve)."""
     p.add_argument("--attention", default=None, choices=["triton", "sdpa"],
                    help="attention backend (default: triton on CUDA; on the CPU the compiled kernels — naming one "
                         "runs the torch layers instead)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False, default=None,
                    help="run every CUDA forward eagerly (default: decode and verify steps replay CUDA graphs)")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split the target over N ranks (torch.distributed: N GPUs, or N CPU processes with gloo)")
 
 
 def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
@@ -146,7 +148,7 @@ def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
                      help="CPU: weight storage float32 (default), bfloat16 or float16 (compute stays float32); "
                           "CUDA: compute dtype (default bfloat16)")
     gen.add_argument("--threads", type=int, default=None, help="CPU threads for the kernels (default: every core)")
-    add_gpu_path_arguments(gen)
+    add_execution_arguments(gen)
     gen.add_argument("--json", action="store_true",
                      help="print token ids, text, speculation stats, TTFT and tokens/s as JSON")
     add_constraint_arguments(gen)
@@ -260,7 +262,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError("--prompt is empty")
     llm = LLM(args.model, drafter=args.drafter, drafter_options=_drafter_options(args.drafter_option), device=args.device,
               dtype=args.dtype, threads=args.threads, speculation=args.speculation, grammar_drafting=args.grammar_drafting,
-              attention=args.attention, cuda_graphs=args.cuda_graphs)
+              attention=args.attention, cuda_graphs=args.cuda_graphs, tensor_parallel_size=args.tensor_parallel)
     if args.json:
         out = llm.generate([args.prompt], params)[0]
         print(json.dumps({
