@@ -65,6 +65,8 @@ class ServerConfig:
     threads:           torch threads of the engine thread (None: the starting thread's setting).
     shutdown_grace:    seconds ``shutdown()`` lets running responses finish before it cancels the rest
                        (each still gets its terminal event).
+    replicas:          engines serving requests (`replicas.py`): the server's LLM plus replicas - 1 child
+                       processes rebuilt from its `init_args`, each request routed to the least loaded.
     """
 
     host: str = "127.0.0.1"
@@ -81,6 +83,7 @@ class ServerConfig:
     send_buffer_bytes: int | None = None
     threads: int | None = None
     shutdown_grace: float = 10.0
+    replicas: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -93,6 +96,8 @@ class ServerConfig:
             raise ValueError(f"ServerConfig.max_queued must be >= 0, got {self.max_queued}")
         if self.send_buffer_bytes is not None and self.send_buffer_bytes < 1:
             raise ValueError(f"ServerConfig.send_buffer_bytes must be >= 1, got {self.send_buffer_bytes}")
+        if not isinstance(self.replicas, int) or self.replicas < 1:
+            raise ValueError(f"ServerConfig.replicas must be an integer >= 1, got {self.replicas!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"ServerConfig.threads must be >= 1, got {self.threads}")
         if not self.shutdown_grace >= 0:
@@ -217,8 +222,18 @@ class SpecServer:
     async def start(self) -> None:
         from specserve.server.openai_api import add_routes
 
-        self.worker = EngineWorker(self.llm.engine, asyncio.get_running_loop(), self.config.threads)
-        self.worker.start()
+        loop = asyncio.get_running_loop()
+        worker = EngineWorker(self.llm.engine, loop, self.config.threads)
+        if self.config.replicas > 1:
+            from specserve.server.replicas import ReplicaPool
+
+            if getattr(self.llm, "tensor_parallel_size", 1) > 1:
+                raise ValueError("replicas and tensor parallelism together are not supported yet: choose one")
+            worker = ReplicaPool(worker, self.llm.init_args, self.config.replicas, loop)
+            await loop.run_in_executor(None, worker.start)  # children load their models: minutes at most
+        else:
+            worker.start()
+        self.worker = worker
         c = self.config
         app = web.Application(middlewares=[self._guard], client_max_size=c.max_message_bytes)
         app.router.add_get("/", self._page)
@@ -324,7 +339,14 @@ class SpecServer:
 
     async def _health(self, request: web.Request) -> web.Response:
         alive = self.worker is not None and self.worker.alive
-        return web.json_response({"status": "ok" if alive else "the engine thread has stopped"}, status=200 if alive else 503)
+        body: dict = {"status": "ok" if alive else "the engine thread has stopped"}
+        describe = getattr(self.worker, "describe", None)
+        if describe is not None:  # replicas: each one's state; some dead is "degraded", still serving
+            body["replicas"] = replicas = describe()
+            dead = [r["replica"] for r in replicas if not r["alive"]]
+            if dead and alive:
+                body["status"] = f"degraded: replica(s) {', '.join(map(str, dead))} stopped"
+        return web.json_response(body, status=200 if alive else 503)
 
     async def _healthz(self, request: web.Request) -> web.Response:
         alive = self.worker is not None and self.worker.alive

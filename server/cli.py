@@ -34,6 +34,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queued", type=int, default=256, help="responses that may wait for a batch slot")
     p.add_argument("--max-responses-per-connection", type=int, default=8)
     p.add_argument("--max-message-bytes", type=int, default=1 << 20)
+    p.add_argument("--replicas", type=int, default=1, metavar="N",
+                   help="engines behind this server: its own plus N-1 processes with a copy of the model (each request "
+                        "goes to the least loaded; a websocket session stays on one); --threads is per engine")
     p.add_argument("--shutdown-grace", type=float, default=10.0, metavar="SECONDS",
                    help="on SIGINT/SIGTERM: stop accepting, let running responses finish for up to this long, then "
                         "cancel the rest (each gets its terminal event); a second signal cuts it short (default 10)")
@@ -77,7 +80,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, api_key=args.api_key, allowed_origins=tuple(args.allow_origin),
         max_connections=args.max_connections, max_queued=args.max_queued,
         max_responses_per_connection=args.max_responses_per_connection, max_message_bytes=args.max_message_bytes,
-        shutdown_grace=args.shutdown_grace,
+        shutdown_grace=args.shutdown_grace, replicas=args.replicas,
     )
     from specserve.server.request_log import configure_logging
 

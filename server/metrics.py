@@ -113,6 +113,9 @@ class _LoadCollector:
         yield _gauge("specserve_responses_in_flight", "Responses accepted and not yet finished (both APIs)", server.in_flight)
         yield _gauge("specserve_websocket_connections", "Open websocket connections", server.connections)
         yield _gauge("specserve_engine_alive", "1 while the engine thread runs", int(worker is not None and worker.alive))
+        replicas = getattr(worker, "replicas", None)
+        if replicas is not None:
+            yield _gauge("specserve_replicas_alive", "Engine replicas serving", sum(r.alive for r in replicas))
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

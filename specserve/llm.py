@@ -77,6 +77,8 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         tensor_parallel_size: int = 1,
     ) -> None:
+        # What this LLM was built from: a server's replicas rebuild it in their own processes.
+        self.init_args = {name: value for name, value in locals().items() if name != "self"}
         if speculation not in SPECULATION_MODES:
             raise ValueError(f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {speculation!r}")
         if model is None:
