@@ -101,7 +101,7 @@ def start_server(model_dir: Path, args, max_clients: int) -> tuple[subprocess.Po
     cmd = [sys.executable, "-m", "specserve", "serve", "--model", str(model_dir), "--port", "0",
            "--threads", str(args.threads), "--device", args.device, "--max-num-seqs", str(max(64, max_clients)),
            "--max-connections", str(max_clients + 8)]
-    cmd += ["--drafter", args.drafter or "none", "--log-level", "warning"]
+    cmd += ["--drafter", args.drafter or "none", "--log-level", "warning", "--replicas", str(getattr(args, "replicas", 1))]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 300

@@ -56,6 +56,8 @@ BENCH_COMMANDS: dict[str, tuple[str, str, str, str]] = {
                  "specserve.evals.bench_adaptive", "add_arguments", "run"),
     "grammar": ("structured output: validity, tau, speed and mask cost of drafters x grammar-drafting modes vs "
                 "constrained plain decoding", "specserve.evals.bench_grammar", "add_arguments", "run"),
+    "parallel": ("more than one device: tensor-parallel vs one device, and aggregate throughput of server replicas",
+                 "specserve.evals.bench_parallel", "add_arguments", "run"),
     "soak": ("soak and chaos run: well-behaved and hostile clients against a real server; checks that nothing "
              "leaks, crosses over or dies", "specserve.evals.bench_soak", "add_arguments", "run"),
 }

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -112,6 +113,7 @@ class TensorParallel:
         self.shard, self.device = shard, device
         self.vocab_size = 0  # set by the model that joins the group
         self.workers: list = []  # rank 0: the worker processes it started
+        self.collective_s = 0.0  # time in the forwards' collectives (waiting for the slowest rank included)
 
     @property
     def is_leader(self) -> bool:
@@ -121,7 +123,9 @@ class TensorParallel:
 
     def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum of every rank's `partial` [T, hidden], in place."""
+        start = time.perf_counter()
         dist.all_reduce(partial)
+        self.collective_s += time.perf_counter() - start
         return partial
 
     def gather_logits(self, local: torch.Tensor) -> torch.Tensor | None:
@@ -129,11 +133,14 @@ class TensorParallel:
         width = -(-self.vocab_size // self.shard.world)
         padded = torch.zeros(local.shape[0], width, dtype=local.dtype, device=local.device)
         padded[:, : local.shape[1]] = local
+        start = time.perf_counter()
         if self.is_leader:
             parts = [torch.empty_like(padded) for _ in range(self.shard.world)]
             dist.gather(padded, parts, dst=0)
+            self.collective_s += time.perf_counter() - start
             return torch.cat(parts, dim=1)[:, : self.vocab_size]
         dist.gather(padded, None, dst=0)
+        self.collective_s += time.perf_counter() - start
         return None
 
     # ---- rank 0 -> workers ----------------------------------------------------------------------
