@@ -102,3 +102,39 @@ def test_each_rank_holds_its_kv_share_and_reads_only_its_slices(llama_dir):
 def test_a_model_the_ranks_cannot_split_evenly_is_refused_before_anything_starts(small_vocab_dir):
     with pytest.raises(ValueError, match="does not divide the model's num_attention_heads"):
         LLM(small_vocab_dir, drafter=None, tensor_parallel_size=3)
+
+
+def test_a_sharded_checkpoint_is_read_slice_by_slice(llama_dir, tmp_path):
+    """*.safetensors.index.json: each rank opens every shard but reads only its slices of each tensor."""
+    from transformers import AutoModelForCausalLM
+
+    sharded = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(str(llama_dir)).save_pretrained(str(sharded), max_shard_size="100KB")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if (llama_dir / name).exists():
+            (sharded / name).write_bytes((llama_dir / name).read_bytes())
+    assert (sharded / "model.safetensors.index.json").exists() and len(list(sharded.glob("*.safetensors"))) > 2
+    reference = [o.token_ids for o in LLM(llama_dir, drafter=None, attention="sdpa").generate(PROMPTS, GREEDY)]
+    with LLM(sharded, drafter=None, tensor_parallel_size=2) as llm:
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
+        read = [r["checkpoint_bytes_read"] for r in llm.describe_ranks()]
+    with LLM(llama_dir, drafter=None, tensor_parallel_size=2) as llm:
+        assert [r["checkpoint_bytes_read"] for r in llm.describe_ranks()] == read  # the same slices either way
+
+
+def test_the_server_streams_from_a_tensor_parallel_target(llama_dir):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "server"))
+    from server_utils import greedy_text
+    from wsclient import Conn
+
+    from specserve.server import BackgroundServer, ServerConfig
+
+    expected = greedy_text(LLM(llama_dir, drafter=None, attention="sdpa"), "def f(x):", 12, ignore_eos=True)
+    with LLM(llama_dir, drafter="ngram", tensor_parallel_size=2) as llm:
+        with BackgroundServer(llm, ServerConfig(port=0, threads=1)) as srv, Conn(srv.ws_url) as c:
+            rid = c.create(input="def f(x):", max_output_tokens=12, temperature=0, ignore_eos=True)
+            assert c.wait_done(rid)["status"] == "incomplete"
+            assert c.text(rid) == expected
