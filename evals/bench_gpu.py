@@ -270,12 +270,9 @@ def cuda_graphs(model, cache, wanted: bool, max_num_seqs: int, max_query_len: in
     current = getattr(model, "graphs", None)
     if current is not None and getattr(current, "cache", None) is cache:
         return "on"  # already captured over this cache (by the engine itself)
-    enable = getattr(model, "use_cuda_graphs", None)
-    if enable is None:
-        return "not available in this version"
     t0 = time.perf_counter()
     try:
-        enable(cache, max_num_seqs, max_query_len, max_positions)
+        model.use_cuda_graphs(cache, max_num_seqs, max_query_len, max_positions)
     except Exception as exc:  # a capture problem is reported; the section then runs eagerly
         return f"failed: {_one_line(exc)}"
     _log(f"captured CUDA graphs ({max_num_seqs} seqs x {max_query_len} rows) in {time.perf_counter() - t0:.1f}s")

@@ -237,7 +237,9 @@ async def soak_run(srv, soak: Soak, args, good: int, hostile: int) -> dict:
         "memory": {"rss_start_mib": round(rss_start, 1), "rss_end_mib": round(rss_end, 1), "requests": served,
                    "growth_mib_per_10k": round((rss_end - rss_start) / served * 1e4, 2) if served else None,
                    **steady_growth(alive["rss"], rss_phase_end, end["requests_served"])},
-        "latency": {phase: {"ttft_ms": pct(tally.ttft_ms[phase]), "itl_ms": pct(tally.itl_ms[phase])}
+        "latency": {phase: {"ttft_ms": pct(tally.ttft_ms[phase]), "itl_ms": pct(tally.itl_ms[phase]),
+                            "ttft_ms_by_action": {a: pct(v) for a, v in sorted(tally.ttft_by_action[phase].items())},
+                            "server_ms": {k: pct(v) for k, v in sorted(tally.server_ms[phase].items())}}
                     for phase in phases},
     }
 

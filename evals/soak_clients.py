@@ -46,6 +46,10 @@ class Tally:
         self.examples: list[str] = []
         self.ttft_ms: dict[str, list[float]] = defaultdict(list)  # phase -> well-behaved TTFTs
         self.itl_ms: dict[str, list[float]] = defaultdict(list)  # phase -> well-behaved inter-token gaps
+        # phase -> where a well-behaved TTFT went: per action, and (websocket) the server's own timing —
+        # queue_ms (receipt -> admitted to the batch), ttft_ms (receipt -> first token sampled)
+        self.ttft_by_action: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+        self.server_ms: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         self.phase = "warmup"
 
     def violation(self, category: str, what: str) -> None:
@@ -59,10 +63,16 @@ class Tally:
         if got_code != code:
             self.violation("answer", f"{where}: expected error {code}, got {got_code or got!r}")
 
-    def latency(self, stream: Delivered) -> None:
-        """Record a well-behaved response's client-side TTFT and inter-token gaps in the current phase."""
+    def latency(self, stream: Delivered, action: str = "", timing: dict | None = None) -> None:
+        """Record a well-behaved response's client-side TTFT and inter-token gaps in the current phase;
+        `action` and the server's `timing` (response.done's) say where its TTFT went."""
         if stream.first is not None:
-            self.ttft_ms[self.phase].append((stream.first - stream.sent) * 1e3)
+            ttft = (stream.first - stream.sent) * 1e3
+            self.ttft_ms[self.phase].append(ttft)
+            self.ttft_by_action[self.phase][action].append(ttft)
+        for name, value in (timing or {}).items():
+            if value is not None and name in ("queue_ms", "ttft_ms"):
+                self.server_ms[self.phase][name].append(value)
         self.itl_ms[self.phase].extend(stream.itl_ms)
 
 

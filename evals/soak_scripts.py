@@ -114,7 +114,7 @@ async def ws_reference(soak: Soak, conn: WsConn, ref: Reference, where: str, mea
     if done is not None:
         check_answer(soak, where, ref, done.get("status"), resp.seen.text, speculated)
         if measure:
-            soak.tally.latency(resp.seen)
+            soak.tally.latency(resp.seen, "ws " + ("seeded" if ref.seed is not None else "greedy"), done.get("timing"))
 
 
 async def http_reference(soak: Soak, http, ref: Reference, where: str, measure: bool, stream: bool = True,
@@ -129,7 +129,7 @@ async def http_reference(soak: Soak, http, ref: Reference, where: str, measure: 
     status = "completed" if result.finish_reason in ("stop", "length") else f"finish_reason {result.finish_reason}"
     check_answer(soak, where, ref, status, result.seen.text, extra.get("drafter") != "none")
     if measure and stream:  # a whole answer has no first token to time
-        soak.tally.latency(result.seen)
+        soak.tally.latency(result.seen, "http greedy")
 
 
 async def wait_tokens(resp: WsResponse, n: int) -> None:
@@ -171,7 +171,7 @@ async def good_http_chat(soak, conn, http, rng, where):
     if result is not None and (result.status != 200 or result.error or result.finish_reason not in ("stop", "length")):
         soak.tally.violation("answer", f"{where}: a chat completion ended {result.status} {result.error} {result.finish_reason}")
     elif result is not None:
-        soak.tally.latency(result.seen)
+        soak.tally.latency(result.seen, "http chat")
 
 
 async def good_ws_seeded(soak, conn, http, rng, where):
@@ -189,7 +189,7 @@ async def good_ws_chat(soak, conn, http, rng, where):
     done = await conn.finish(resp)
     if done is not None and done.get("status") not in FINISHED:
         soak.tally.violation("answer", f"{where}: a chat turn ended {done.get('status')!r}")
-    soak.tally.latency(resp.seen)
+    soak.tally.latency(resp.seen, "ws chat", (done or {}).get("timing"))
 
 
 async def good_ws_choice(soak, conn, http, rng, where):
@@ -202,7 +202,7 @@ async def good_ws_choice(soak, conn, http, rng, where):
     done = await conn.finish(resp)
     if done is not None and (done.get("status") != "completed" or resp.seen.text not in CHOICES):
         soak.tally.violation("answer", f"{where}: choice request ended {done.get('status')!r} with {resp.seen.text!r}")
-    soak.tally.latency(resp.seen)
+    soak.tally.latency(resp.seen, "ws choice", (done or {}).get("timing"))
 
 
 GOOD = {"ws greedy": (good_ws_greedy, 4), "http greedy": (good_http_greedy, 2), "ws seeded": (good_ws_seeded, 2),

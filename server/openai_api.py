@@ -144,9 +144,12 @@ class OpenAIApi:
             return error_response(err)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         stream = _Stream(server, rid, client, req.stream_pacing == "smooth", len(prompt.ids))
-        # Fairness across clients: the OpenAI `user` field when given (an end user), else the peer's address.
+        # Fairness across clients: the OpenAI `user` field when given (an end user), else the TCP connection
+        # (address and port), as a websocket session is one. Not the address alone: every client behind one
+        # proxy or NAT (or on loopback) would share one fair share — in the soak, well-behaved HTTP clients
+        # queued behind hostile ones for seconds.
         user = body.get("user")
-        fair = f"user:{user}" if isinstance(user, str) and user else "peer:" + client.rsplit(":", 1)[0]
+        fair = f"user:{user}" if isinstance(user, str) and user else "conn:" + client
         server.submit(rid, prompt.ids, fitted(params, prompt), drafter, received, stream.on_update, client=fair)
         shapes = Shapes(rid, chat, server.model_name)
         try:

@@ -130,7 +130,7 @@ class Request:
         self.status = Status.WAITING
         self.speculate = speculate  # False: this request decodes plainly (budget 0)
         self.drafter_parts: tuple[str, ...] | None = None  # a hybrid drafter's parts this request uses (None: all)
-        self.client: str | None = None  # who sent it (a server connection or peer): admission is fair across clients
+        self.client: str | None = None  # who sent it (a websocket session, API user or HTTP connection): admission is fair across clients
         self.grammar = None  # grammar.GrammarState of a constrained request: consumed every emitted token
         self.finish_reason: str | None = None
         self.error: str | None = None  # why, when finish_reason is "error" (the engine failed on its step)

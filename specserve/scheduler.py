@@ -6,7 +6,7 @@ per step, partially prefilled requests first, then newly admitted ones (first co
 long prompt never stalls everyone else's next token for more than one chunk's time.
 
 Admission is fair across clients: the next request admitted is the oldest waiting one of a client with
-the fewest requests running (`Request.client`: a server's connection or peer; requests without one are
+the fewest requests running (`Request.client`: a websocket session, an API user or an HTTP connection; requests without one are
 each their own client, so plain FIFO for `LLM.generate`). One client queueing a burst of long requests
 then delays another client's request by at most its share of the batch, not by the whole burst.
 

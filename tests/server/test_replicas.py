@@ -38,12 +38,12 @@ def _pool(n: int) -> ReplicaPool:
 def test_requests_go_to_the_least_loaded_replica_and_sessions_stay_put():
     pool = _pool(3)
     for i in range(6):  # in flight: spread round the replicas
-        pool.submit(f"r{i}", [1], None, False, 0.0, lambda u: None, None, f"peer:10.0.0.{i}")
+        pool.submit(f"r{i}", [1], None, False, 0.0, lambda u: None, None, f"conn:10.0.0.{i}:5000")
     assert [len(r.submitted) for r in pool.replicas] == [2, 2, 2]
     pool.submit("s1", [1], None, False, 0.0, lambda u: None, None, "sess_a")  # a session's first request
     home = next(r for r in pool.replicas if "s1" in r.submitted)
     for i in range(3):  # more load elsewhere does not move the session...
-        pool.submit(f"x{i}", [1], None, False, 0.0, lambda u: None, None, "peer:1")
+        pool.submit(f"x{i}", [1], None, False, 0.0, lambda u: None, None, "conn:10.0.0.1:5001")
     pool.submit("s2", [1], None, False, 0.0, lambda u: None, None, "sess_a")
     assert "s2" in home.submitted
     home.alive = False  # ...its replica dying does
