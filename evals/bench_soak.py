@@ -10,7 +10,8 @@ Before the server starts, every reference is answered solo by the same LLM: gree
 its max tokens) and seeded sampled ones. Then, after a warm-up (every action once, unmeasured: first-time
 allocations and kernel shapes are not growth), two phases of ``--duration`` together:
 
-- quiet (``--quiet-share`` of it): the well-behaved clients alone — greedy requests over the websocket (text
+- quiet (``--quiet-share`` of it): the well-behaved clients alone (with ``--load-matched``, as many
+  well-behaved clients as the hostile phase has clients in all) — greedy requests over the websocket (text
   or token ids, some with stop strings, some smoothly paced) and HTTP (streamed or whole), seeded sampled
   requests, chat turns over both, choice-constrained requests;
 - hostile: the same well-behaved clients plus ``--hostile-share`` of ``--clients`` hostile ones, which
@@ -88,6 +89,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet-share", type=float, default=1 / 3,
                    help="fraction of --duration the well-behaved clients run alone first (default 1/3)")
     p.add_argument("--hostile-share", type=float, default=0.5, help="fraction of --clients that are hostile (default 0.5)")
+    p.add_argument("--load-matched", action="store_true",
+                   help="the quiet phase runs --clients well-behaved clients (as many as the hostile phase has in all), "
+                        "so the TTFT ratio measures what hostility costs beyond the load it adds")
     p.add_argument("--seed", type=int, default=0, help="seed of the clients' random scripts")
     p.add_argument("--threads", type=int, default=1, help="CPU threads of the engine (default 1)")
     p.add_argument("--max-ttft-ratio", type=float, default=2.0,
@@ -126,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
     figures["settings"] = {"model": args.model or "embedded", "drafter": soak.drafter, "speculation": args.speculation,
                            "clients": args.clients, "well_behaved": args.clients - hostile, "hostile": hostile,
                            "duration_s": args.duration, "quiet_share": args.quiet_share, "seed": args.seed,
+                           "load_matched": args.load_matched,
                            "threads": args.threads, "max_ttft_ratio": args.max_ttft_ratio}
     judge(figures, args.max_ttft_ratio)
     print_report(figures)
@@ -211,10 +216,12 @@ async def soak_run(srv, soak: Soak, args, good: int, hostile: int) -> dict:
             soak.deadline = start + seconds
             # The well-behaved clients' seeds are the same in both phases: they run the same scripts, so their
             # latencies differ by what the hostile clients add, not by what they themselves did.
-            clients = [client(soak, f"good{i}", GOOD, args.seed * 1000 + i) for i in range(good)]
+            # --load-matched: the quiet phase has as many clients as the hostile one, all well-behaved.
+            n_good = good + hostile if phase == "quiet" and args.load_matched else good
+            clients = [client(soak, f"good{i}", GOOD, args.seed * 1000 + i) for i in range(n_good)]
             clients += [client(soak, f"bad{i}", HOSTILE, args.seed * 1000 + 500 + i) for i in range(bad)]
             await asyncio.gather(*clients)
-            phases[phase] = {"seconds": round(time.perf_counter() - start, 2), "clients": good + bad}
+            phases[phase] = {"seconds": round(time.perf_counter() - start, 2), "clients": n_good + bad}
             rss_phase_end = rss_mib(collect=False)  # as the timeline reads it (no collection)
             idle[phase] = await wait_idle(srv, http, soak.http_url)
         rss_end = rss_mib()

@@ -137,3 +137,28 @@ def test_admission_is_fair_across_clients(small_vocab_dir):
         engine.step()
         order += [r.request_id for r in engine.scheduler.running if r.request_id not in before]
     assert order == ["f0", "f1", "f2"]
+
+
+def test_a_burst_leaves_the_newcomer_slots_free(small_vocab_dir):
+    """A client's burst fills the batch up to the newcomers' slots only: a client arriving later with nothing
+    running is admitted at the next step, not after one of the burst's (long) requests ends."""
+    llm = LLM(small_vocab_dir, device="cpu", max_num_seqs=8)
+    engine = llm.engine
+    assert engine.scheduler.newcomer_slots == 1
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    for i in range(10):
+        engine.add_request([1, 2, 3], long, request_id=f"a{i}", client="A")
+    engine.step()
+    engine.step()
+    assert len(engine.scheduler.running) == 7  # the eighth slot waits for a newcomer
+    engine.add_request([4, 5], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), request_id="b", client="B")
+    engine.step()
+    assert "b" in {r.request_id for r in engine.scheduler.running}
+    for i in range(10):  # requests without a client are each their own: they fill the whole batch
+        engine.abort(f"a{i}")
+    while engine.has_unfinished():
+        engine.step()
+    for i in range(8):
+        engine.add_request([1, 2, 3], long, request_id=f"n{i}")
+    engine.step()
+    assert len(engine.scheduler.running) == 8
