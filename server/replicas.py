@@ -57,8 +57,14 @@ class _ChildLoop:
 
 def _replica_main(conn, llm_args: dict, index: int) -> None:
     """A child replica: build the LLM, run an EngineWorker, apply the parent's commands until "stop"."""
+    import torch
+
     from specserve.llm import LLM
 
+    device = str(llm_args.get("device", "auto"))
+    if device in ("auto", "cuda") and torch.cuda.is_available() and torch.cuda.device_count() > 1:
+        # One GPU per replica where there are several (replica 0, the server's own, keeps cuda:0).
+        llm_args = {**llm_args, "device": f"cuda:{index % torch.cuda.device_count()}"}
     try:
         llm = LLM(**llm_args)
     except BaseException as exc:
