@@ -441,6 +441,11 @@ def print_report(f: dict) -> None:
     for phase, lat in f["latency"].items():
         rows.append((f"well-behaved TTFT ms, {phase}", f"{_lat(lat['ttft_ms'])} (p50 / p99, {lat['ttft_ms']['n']} responses)"))
         rows.append((f"well-behaved ITL ms, {phase}", f"{_lat(lat['itl_ms'])} (p50 / p99)"))
+        server = lat.get("server_ms", {})
+        if server.get("ttft_ms", {}).get("n"):  # websocket responses: what the server itself took
+            rows.append((f"  server's own TTFT / queue ms, {phase}",
+                         f"{_lat(server['ttft_ms'])} / {_lat(server['queue_ms'])} (p50 / p99; receipt -> first token "
+                         f"sampled / -> admitted)"))
     ratio = goals["p99_ttft_ratio"]
     rows.append(("p99 TTFT hostile / quiet", "n/a" if ratio is None else
                  f"{ratio:.2f} (goal <= {goals['max_ttft_ratio']:g}: {'met' if goals['ttft_goal_met'] else 'MISSED'})"))
