@@ -119,7 +119,7 @@ def measure_tp(model_dir: Path, args, batch_sizes: list[int]) -> dict:
                 for name, (llm, threads) in runs.items():
                     set_threads(threads)  # the CPU kernels' threads are process-wide: set them for each run
                     torch.set_num_threads(threads)
-                    tp = llm._tp
+                    tp = llm.tensor_parallel
                     if tp is not None:
                         tp.collective_s = 0.0
                     start = time.perf_counter()

@@ -182,13 +182,18 @@ class LLM:
     def tensor_parallel_size(self) -> int:
         return self._tp.shard.world if self._tp is not None else 1
 
+    @property
+    def tensor_parallel(self):
+        """Rank 0's `TensorParallel` handle (its collectives' time, the group), or None on one device."""
+        return self._tp
+
     def describe_ranks(self) -> list[dict]:
         """Per rank: its KV cache's shape and bytes, its heads, the checkpoint bytes it read (TP only)."""
         if self._tp is None:
             raise ValueError("describe_ranks() needs tensor_parallel_size > 1")
-        from specserve.tensor_parallel import _describe
+        from specserve.tensor_parallel import describe_rank
 
-        return self._tp.describe(_describe(self.model, self.engine.cache))
+        return self._tp.describe(describe_rank(self.model, self.engine.cache))
 
     def close(self) -> None:
         """End the other tensor-parallel ranks (nothing to do on one device). The LLM is unusable after."""

@@ -95,9 +95,9 @@ class StepBatch:
         return cached
 
     def flat_arrays(self) -> np.ndarray:
-        """int64[sum of the arrays' sizes]: every array, flattened, in `_ARRAYS` order — what travels to
+        """int64[sum of the arrays' sizes]: every array, flattened, in `ARRAY_NAMES` order — what travels to
         the device in one copy."""
-        return np.concatenate([getattr(self, name).reshape(-1).astype(np.int64, copy=False) for name in _ARRAYS])
+        return np.concatenate([getattr(self, name).reshape(-1).astype(np.int64, copy=False) for name in ARRAY_NAMES])
 
     def bind_buffer(self, device: torch.device, flat: torch.Tensor) -> None:
         """Read this batch's device arrays from `flat` (int64, on the device, holding `flat_arrays()`: a CUDA
@@ -107,7 +107,7 @@ class StepBatch:
         self._device[device] = flat
 
 
-_ARRAYS = ("input_ids", "positions", "slot_mapping", "token_seq", "cu_query_lens", "context_lens",
+ARRAY_NAMES = ("input_ids", "positions", "slot_mapping", "token_seq", "cu_query_lens", "context_lens",
            "block_tables", "mask_offsets", "mask_widths", "tree_mask", "logit_rows", "hidden_rows")
 
 
@@ -131,7 +131,7 @@ class DeviceArrays:
 
 
 def _to_device(batch: StepBatch, device: torch.device) -> DeviceArrays:
-    arrays = [getattr(batch, name) for name in _ARRAYS]
+    arrays = [getattr(batch, name) for name in ARRAY_NAMES]
     if device.type == "cpu":
         return DeviceArrays(*(torch.from_numpy(a.astype(np.bool_ if a.dtype == np.bool_ else np.int64, copy=False))
                               for a in arrays))
@@ -144,7 +144,7 @@ def _to_device(batch: StepBatch, device: torch.device) -> DeviceArrays:
 def _views(batch: StepBatch, flat: torch.Tensor) -> DeviceArrays:
     """The batch's arrays as views of `flat` (its `flat_arrays()` on a device); tree_mask converted to bool."""
     out, start = [], 0
-    for name in _ARRAYS:
+    for name in ARRAY_NAMES:
         a = getattr(batch, name)
         t = flat[start:start + a.size].view(a.shape)
         out.append(t.bool() if name == "tree_mask" else t)

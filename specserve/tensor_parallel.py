@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from specserve.config import ModelConfig
 from specserve.kv_cache import PagedKVCache
-from specserve.step_batch import _ARRAYS, StepBatch
+from specserve.step_batch import ARRAY_NAMES, StepBatch
 
 log = logging.getLogger("specserve")
 
@@ -167,7 +167,7 @@ class TensorParallel:
         self._header(MAKE_CACHE, num_blocks, block_size)
 
     def describe(self, own: dict) -> list[dict]:
-        """Every rank's description (`_describe`), rank 0's `own` first."""
+        """Every rank's description (`describe_rank`), rank 0's `own` first."""
         self._header(DESCRIBE)
         out = [None] * self.shard.world
         dist.gather_object(own, out, dst=0)
@@ -208,7 +208,7 @@ def unpack_batch(header: torch.Tensor, flat: np.ndarray) -> tuple[StepBatch, tup
     block_size, bound, n_hidden = (int(x) for x in header[7:10])
     hidden_layers = tuple(int(x) for x in header[10: 10 + n_hidden])
     arrays, start = {}, 0
-    for name, shape in zip(_ARRAYS, _shapes_of(header)):
+    for name, shape in zip(ARRAY_NAMES, _shapes_of(header)):
         size = int(np.prod(shape))
         a = flat[start:start + size].reshape(shape)
         arrays[name] = a.astype(np.bool_) if name == "tree_mask" else a
@@ -290,7 +290,7 @@ def _worker_main(rank: int, world: int, address: str, model_dir: str, device: st
                 dist.broadcast(pairs, 0)
                 cache.move(pairs[:n].to(cache.device), pairs[n:].to(cache.device))
             elif op == DESCRIBE:
-                dist.gather_object(_describe(model, cache), None, dst=0)
+                dist.gather_object(describe_rank(model, cache), None, dst=0)
     dist.destroy_process_group()
 
 
@@ -299,7 +299,7 @@ def _shapes_of(header: torch.Tensor) -> list[tuple[int, ...]]:
     return [(T,)] * 4 + [(B + 1,), (B,), (B, max_blocks), (B,), (B,), (M,), (R,), (R_h,)]
 
 
-def _describe(model, cache) -> dict:
+def describe_rank(model, cache) -> dict:
     """What a rank holds: its KV cache's shape and bytes, and the checkpoint bytes its loader read."""
     return {"rank": model.tp.shard.rank, "pid": os.getpid(),
             "kv_shape": tuple(cache.k.shape) if cache is not None else None,
