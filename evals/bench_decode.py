@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from specserve.evals import llamacpp_peer
-from specserve.evals.common import host, set_threads, use_model_dir, write_json
+from specserve.evals.common import first_divergence, host, median_spread, set_threads, use_model_dir, write_json
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -91,10 +91,6 @@ def _time_transformers(model, prompt: list[int], new_tokens: int) -> tuple[float
     return new_tokens / elapsed, out[0, len(prompt):].tolist()
 
 
-def _median_spread(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "runs": len(xs)}
-
-
 def run(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     torch.manual_seed(0)
@@ -114,9 +110,8 @@ def _time_llama_cpp(peer, prompt: list[int], new_tokens: int) -> tuple[float, li
 
 
 def _agreement(ours: list[int], theirs: list[int]) -> dict:
-    """How far two greedy continuations agree: after the first differing token they continue from
-    different prefixes, so only the common prefix is comparable."""
-    first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    """How far two greedy continuations agree (only the common prefix is comparable)."""
+    first = first_divergence(ours, theirs)
     same = len(ours) if first is None else first
     return {"greedy_tokens_match": first is None and len(ours) == len(theirs),
             "greedy_agreement": same / max(len(ours), 1), "first_divergence": first}
@@ -174,8 +169,8 @@ def _measure(args: argparse.Namespace, model_dir: Path, converter=None) -> dict:
     bw = memory_read_bandwidth()
     floor_tps = bw / plain.model.bytes_read_per_token()
     results["plain_decode"] = {
-        "specserve_tokens_per_s": _median_spread(ours),
-        "transformers_tokens_per_s": _median_spread(theirs) if theirs else None,
+        "specserve_tokens_per_s": median_spread(ours),
+        "transformers_tokens_per_s": median_spread(theirs) if theirs else None,
         "speedup_vs_transformers": statistics.median(ours) / statistics.median(theirs) if theirs else None,
         "memory_read_bandwidth_GBps": bw / 1e9,
         "bandwidth_floor_tokens_per_s": floor_tps,
@@ -185,8 +180,8 @@ def _measure(args: argparse.Namespace, model_dir: Path, converter=None) -> dict:
         results["llama_cpp"] = {
             "llama_cpp_python": llamacpp_peer.require_llama_cpp(), "gguf": str(peer.gguf), "gguf_type": peer.gguf_type,
             "specserve_dtype": str(plain.dtype).removeprefix("torch."), "threads": peer.threads,
-            "tokens_per_s": _median_spread(llama),
-            "specserve_tokens_per_s": _median_spread(ours),
+            "tokens_per_s": median_spread(llama),
+            "specserve_tokens_per_s": median_spread(ours),
             "specserve_over_llama_cpp": statistics.median(ours) / statistics.median(llama),
         } | _agreement(first_outputs["specserve"], first_outputs["llama.cpp"])
     del hf, peer
@@ -205,8 +200,8 @@ def _measure(args: argparse.Namespace, model_dir: Path, converter=None) -> dict:
         taus.append(tau)
         identical &= toks_p == toks_n
     results["ngram_repeated_prompt"] = {
-        "plain_tokens_per_s": _median_spread(plain_r),
-        "ngram_tokens_per_s": _median_spread(ngram_r),
+        "plain_tokens_per_s": median_spread(plain_r),
+        "ngram_tokens_per_s": median_spread(ngram_r),
         "speedup": statistics.median(ngram_r) / statistics.median(plain_r),
         "tau": statistics.median(taus),
         "outputs_identical": identical,

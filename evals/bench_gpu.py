@@ -51,7 +51,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specserve.evals.common import host, sync, write_json
+from specserve.cli import one_line
+from specserve.evals.common import first_divergence, host, median_spread, sync, write_json
 
 SECTION_NAMES = {1: "plain_decode", 2: "verify_cost", 3: "eagle3_head", 4: "drafters_e2e", 5: "projection"}
 SHAPES = {
@@ -207,12 +208,8 @@ def _log(message: str) -> None:
 
 
 def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return f"{type(exc).__name__}: {text}"[:300]
-
-
-def _spread(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "runs": len(xs)}
+    """An error for the report: its type, then its message on one line (the CLI's `one_line`)."""
+    return f"{type(exc).__name__}: {one_line(exc)}"[:300]
 
 
 def _timed(fn, device: torch.device) -> tuple[float, object]:
@@ -358,7 +355,7 @@ def agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
     two continue from different prefixes, so only its common prefix counts."""
     firsts, same = [], 0
     for a, b in zip(ours, theirs):
-        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        first = first_divergence(a, b)
         firsts.append(first)
         same += len(a) if first is None else first
     total = sum(len(a) for a in ours)
@@ -449,7 +446,7 @@ def compiled_decode(s: Settings, m: Models, section: dict, cases: list[DecodeCas
         theirs = [case.batch * s.new_tokens / r["seconds"] for r in runs["transformers_compiled"]]
         row["transformers_compiled"] = {
             "status": "ran", "compiled": getattr(m.hf, "_compiled_call", None) is not None,
-            "first_call_s": first["transformers_compiled"]["seconds"], "tokens_per_s": _spread(theirs),
+            "first_call_s": first["transformers_compiled"]["seconds"], "tokens_per_s": median_spread(theirs),
             "specserve_tokens_per_s_alongside": ours_tps, "specserve_speedup": ours_tps / statistics.median(theirs),
             "agreement": agreement(first["specserve"]["tokens"], first["transformers_compiled"]["tokens"])}
         _log(f"batch {case.batch}: transformers compiled timed (first call {first['transformers_compiled']['seconds']:.0f} s)")
@@ -474,11 +471,11 @@ def _decode_row(batch: int, new_tokens: int, runs: dict[str, list[dict]], floor_
     ours_decode = [r["decode_tokens"] / r["decode_seconds"] for r in runs["specserve"]]
     decode = statistics.median(ours_decode)
     return {"batch": batch,
-            "specserve": {"tokens_per_s": _spread(e2e["specserve"]), "decode_tokens_per_s": _spread(ours_decode),
+            "specserve": {"tokens_per_s": median_spread(e2e["specserve"]), "decode_tokens_per_s": median_spread(ours_decode),
                           "decode_ms_per_step": 1e3 * batch / decode},
             "floor_tokens_per_s": floor_steps * batch,
             "fraction_of_floor": decode / (floor_steps * batch),
-            "transformers": {"tokens_per_s": _spread(e2e["transformers"]),
+            "transformers": {"tokens_per_s": median_spread(e2e["transformers"]),
                              "specserve_speedup": statistics.median(e2e["specserve"]) / statistics.median(e2e["transformers"])}}
 
 

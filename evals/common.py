@@ -82,3 +82,16 @@ def forget_shared(llm) -> None:
     drafter = getattr(getattr(llm, "engine", None), "drafter", None)
     if drafter is not None:
         drafter.forget_shared()
+
+
+def median_spread(xs: list[float]) -> dict:
+    """Median, min and max of repeated timings, and how many there were."""
+    import statistics
+
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "runs": len(xs)}
+
+
+def first_divergence(ours: list[int], theirs: list[int]) -> int | None:
+    """The first position where two greedy continuations differ (None: they agree as far as both go).
+    After it they continue from different prefixes, so only the common prefix is comparable."""
+    return next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)

@@ -128,10 +128,6 @@ class RemoteReplica:
     def alive(self) -> bool:
         return self._dead is None and self.process.is_alive()
 
-    @property
-    def in_flight(self) -> int:
-        return len(self._sinks)
-
     def start(self) -> None:
         self.process.start()
         self._reader.start()
@@ -207,10 +203,9 @@ class RemoteReplica:
                 self._deliver(out)
 
     def _died(self, why: str) -> None:
-        if self._dead is None or self._dead == "stopped":
-            if self._dead is None:
-                log.error("replica %d died: %s; failing its %d request(s)", self.index, why, len(self._sinks))
-            self._dead = self._dead or why
+        if self._dead is None:  # not after stop(): that is no death
+            log.error("replica %d died: %s; failing its %d request(s)", self.index, why, len(self._sinks))
+            self._dead = why
         self._ready.set()
         with self._lock:
             rids = list(self._sinks)
@@ -241,7 +236,6 @@ class ReplicaPool:
         self._owner: dict[str, object] = {}  # request id -> replica
         self._sticky: OrderedDict[str, object] = OrderedDict()  # websocket session -> its replica
         self.served = [0] * count  # requests routed to each replica
-        self.steps = 0
 
     # ---- EngineWorker's interface -----------------------------------------------------------------
 
@@ -312,11 +306,7 @@ class ReplicaPool:
         if sticky is not None and sticky.alive:
             choice = sticky
         else:
-            counts = {id(r): 0 for r in live}
-            for owner in self._owner.values():
-                if id(owner) in counts:
-                    counts[id(owner)] += 1
-            choice = min(live, key=lambda r: counts[id(r)])  # ties: the lowest index
+            choice = min(live, key=self._in_flight)  # ties: the lowest index
         if session is not None:
             self._sticky[session] = choice
             self._sticky.move_to_end(session)

@@ -71,9 +71,8 @@ def choose_bucket(buckets: list[GraphBucket], batch: StepBatch, max_blocks: int)
     tables fit the bucket's arrays, and every mask covers only the sequence's own rows (a drafter level
     whose mask also covers cached "tail" entries is wider than any bucket's)."""
     num_seqs, query_len = batch.num_seqs, batch.max_query_len
-    lens = np.diff(batch.cu_query_lens)
-    if batch.block_tables.shape[1] > max_blocks or np.any(batch.mask_widths[batch.mask_offsets >= 0]
-                                                          != lens[batch.mask_offsets >= 0]):
+    trees = batch.mask_offsets >= 0
+    if batch.block_tables.shape[1] > max_blocks or np.any(batch.mask_widths[trees] != np.diff(batch.cu_query_lens)[trees]):
         return None
     fitting = [b for b in buckets if b.num_seqs >= num_seqs and b.query_len >= query_len]
     return min(fitting, key=lambda b: (b.rows, b.num_seqs), default=None)

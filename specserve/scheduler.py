@@ -112,8 +112,9 @@ class Scheduler:
                 prefills.append(chunk)
                 tokens_left -= chunk.end - chunk.start
         while self.waiting and len(self.running) < self.max_num_seqs and tokens_left > 0:
-            req = self._next_admission()
-            if len(self.running) >= self.max_num_seqs - self.newcomer_slots and self._running_of(req.client):
+            running = self._running_per_client()
+            req = self._next_admission(running)
+            if len(self.running) >= self.max_num_seqs - self.newcomer_slots and running.get(req.client, 0):
                 break  # only newcomers' slots are left, and the fairest waiting client already runs something
             need = self.slots_needed(req.prompt_len, req.max_tokens)
             if not self.allocator.can_allocate(need):
@@ -140,15 +141,19 @@ class Scheduler:
                 budgets.append(max(0, min(b, max_budget, remaining)) if r.speculate else 0)
         return ScheduledStep(prefills, decodes, budgets, depth)
 
-    def _next_admission(self) -> Request:
-        """The oldest waiting request of a client with the fewest running requests (see the module docstring)."""
-        first = self.waiting[0]
-        if first.client is None:
-            return first
+    def _running_per_client(self) -> dict[str, int]:
+        """Requests running per client (requests without a client are each their own: not counted)."""
         running: dict[str, int] = {}
         for r in self.running:
             if r.client is not None:
                 running[r.client] = running.get(r.client, 0) + 1
+        return running
+
+    def _next_admission(self, running: dict[str, int]) -> Request:
+        """The oldest waiting request of a client with the fewest running requests (see the module docstring)."""
+        first = self.waiting[0]
+        if first.client is None:
+            return first
         fewest = running.get(first.client, 0)
         if fewest == 0:
             return first
@@ -160,10 +165,6 @@ class Scheduler:
                 if count == 0:
                     break
         return best
-
-    def _running_of(self, client: str | None) -> int:
-        """Requests `client` has running (0 for requests without a client: each is its own)."""
-        return 0 if client is None else sum(1 for r in self.running if r.client == client)
 
     @staticmethod
     def _chunk(req: Request, tokens_left: int) -> PrefillChunk:

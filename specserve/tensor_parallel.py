@@ -131,8 +131,10 @@ class TensorParallel:
     def gather_logits(self, local: torch.Tensor) -> torch.Tensor | None:
         """local float32 [R, this rank's vocab rows] -> rank 0: [R, vocab]; other ranks: None."""
         width = -(-self.vocab_size // self.shard.world)
-        padded = torch.zeros(local.shape[0], width, dtype=local.dtype, device=local.device)
-        padded[:, : local.shape[1]] = local
+        padded = local
+        if local.shape[1] < width:  # the last rank's share of a vocabulary that does not divide evenly
+            padded = torch.zeros(local.shape[0], width, dtype=local.dtype, device=local.device)
+            padded[:, : local.shape[1]] = local
         start = time.perf_counter()
         if self.is_leader:
             parts = [torch.empty_like(padded) for _ in range(self.shard.world)]

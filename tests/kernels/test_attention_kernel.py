@@ -30,7 +30,6 @@ from random_step_batches import CONFIGS, random_batch, reference
 from specserve.attention.sdpa import SdpaBackend
 from specserve.kernels.attention import paged_attention
 from specserve.kv_cache import BlockAllocator, PagedKVCache
-from specserve.step_batch import StepBatchBuilder
 
 ATOL, RTOL = 2e-5, 1e-5
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import urllib.request
 
-import pytest
 from server_utils import greedy_text, wait_until
 from wsclient import Conn
 
