@@ -121,6 +121,7 @@ class RemoteReplica:
         self._reader = threading.Thread(target=self._read, name=f"specserve-replica-{index}-reader", daemon=True)
         self._ready = threading.Event()
         self._dead: str | None = None  # why it died
+        self._stopping = False
         self.load = EngineLoad(0, 0, 0, 0)
         self.pid: int | None = None
 
@@ -151,6 +152,7 @@ class RemoteReplica:
         self._send(("cancel_all",))
 
     def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True  # the pipe closing from here on is the stop, not a death
         self._send(("stop",))
         self.process.join(timeout)
         if self.process.is_alive():
@@ -203,9 +205,10 @@ class RemoteReplica:
                 self._deliver(out)
 
     def _died(self, why: str) -> None:
-        if self._dead is None:  # not after stop(): that is no death
-            log.error("replica %d died: %s; failing its %d request(s)", self.index, why, len(self._sinks))
-            self._dead = why
+        if self._dead is None:
+            if not self._stopping:
+                log.error("replica %d died: %s; failing its %d request(s)", self.index, why, len(self._sinks))
+            self._dead = "stopped" if self._stopping else why
         self._ready.set()
         with self._lock:
             rids = list(self._sinks)
