@@ -90,7 +90,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
               max_model_len=args.max_model_len, speculation=args.speculation, grammar_drafting=args.grammar_drafting,
               attention=args.attention, cuda_graphs=args.cuda_graphs, tensor_parallel_size=args.tensor_parallel)
     server = SpecServer(llm, config)
-    return asyncio.run(_serve(server))
+    try:
+        return asyncio.run(_serve(server))
+    finally:
+        llm.close()  # tensor-parallel ranks end here, before the interpreter tears threads down
 
 
 async def _serve(server) -> int:
