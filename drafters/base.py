@@ -212,7 +212,7 @@ def create_drafter(spec: str, target: TargetInfo, options: dict[str, Any] | None
     """
     name, path = parse_drafter_spec(spec)
     if path is None:
-        from specserve.training.bundle_paths import resolve_drafter_path
+        from specserve.bundle_paths import resolve_drafter_path
 
         path = resolve_drafter_path(name, target.model_dir)
     if name not in _REGISTRY:

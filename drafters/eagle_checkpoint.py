@@ -71,7 +71,7 @@ def target_fingerprint(model_dir: str | Path | None) -> dict:
             canon = {k: v for k, v in raw.items() if k not in _VOLATILE_CONFIG_KEYS}
             out["config_sha256"] = hashlib.sha256(json.dumps(canon, sort_keys=True).encode()).hexdigest()
     if (model_dir / "tokenizer.json").is_file():
-        from specserve.training.tokenizer import tokenizer_fingerprint
+        from specserve.tokenizer_fingerprint import tokenizer_fingerprint
 
         try:
             out["tokenizer"] = tokenizer_fingerprint(model_dir)

@@ -109,7 +109,7 @@ class LoadedHeads:
 def target_fingerprint(model_dir: str | Path) -> str:
     """sha256 over the target's architecture fields, tokenizer fingerprint and fp16 LM head."""
     from safetensors import safe_open
-    from specserve.training.tokenizer import tokenizer_fingerprint
+    from specserve.tokenizer_fingerprint import tokenizer_fingerprint
 
     from specserve.checkpoint import checkpoint_files
 

@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     if "replicas" in sections:
         model = args.replicas_model
         if model == "embedded":
-            from specserve.training.bundle_paths import default_model_dir
+            from specserve.bundle_paths import default_model_dir
 
             model = default_model_dir()
             if model is None:

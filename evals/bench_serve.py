@@ -315,7 +315,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--api takes a comma-separated list of {', '.join(APIS)}, got {args.api!r}")
     args.apis = apis
     if args.model == "embedded":
-        from specserve.training.bundle_paths import default_model_dir
+        from specserve.bundle_paths import default_model_dir
 
         if default_model_dir() is None:
             raise ValueError("--model embedded: no embedded default model is installed")

@@ -161,7 +161,7 @@ def heldout_code_prefixes(count: int | None, chars: int = 400) -> list[tuple[str
     Interleaved across modules (every module's first prefix, then every module's second, ...), so the
     first ``count`` are a fair sample of the held-out code rather than the first module or two.
     """
-    from specserve.training.bundle_paths import bundle_dir
+    from specserve.bundle_paths import bundle_dir
 
     path = bundle_dir() / "corpus_manifest.json"
     try:

@@ -46,7 +46,7 @@ def resolve_peer_draft(model_dir: str, peer_draft: str | None) -> str:
         if not (Path(peer_draft) / "config.json").is_file():
             raise ValueError(f"--peer-draft {peer_draft!r} is not a model directory (no config.json)")
         return peer_draft
-    from specserve.training.bundle_paths import default_drafters, is_default_model
+    from specserve.bundle_paths import default_drafters, is_default_model
 
     if is_default_model(model_dir) and "draft" in default_drafters():
         return default_drafters()["draft"]

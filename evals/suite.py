@@ -304,7 +304,7 @@ def _load_peers(cfg: EvalConfig, plain, llama_tree, n_ctx: int) -> dict:
 def _model_dir(model: str | None) -> str:
     if model is not None:
         return model
-    from specserve.training.bundle_paths import default_model_dir
+    from specserve.bundle_paths import default_model_dir
 
     path = default_model_dir()
     return str(path) if path is not None else ""

@@ -116,7 +116,7 @@ class SpecServer:
         engine = llm.engine
         self.context_length = engine.config.max_model_len
         self.max_in_flight = engine.config.max_num_seqs + self.config.max_queued
-        from specserve.training.bundle_paths import is_default_model
+        from specserve.bundle_paths import is_default_model
 
         # The bundle's directory is just "target": name the embedded model for what it is.
         default = is_default_model(llm.model_dir)

@@ -81,9 +81,11 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     for name, entry in BENCH_COMMANDS.items():
         _command(bench_sub, name, entry, wanted("bench", name))
     if wanted("train"):
+        from specserve.evals.default_drafter import add_default_drafter_parser
         from specserve.training.cli import add_train_parser
 
-        add_train_parser(sub, _Parser)  # train corpus | lm | distill-data | draft | bundle
+        train = add_train_parser(sub, _Parser)  # train corpus | lm | distill-data | draft | medusa | eagle | bundle
+        add_default_drafter_parser(train)  # it runs evaluations: training code does not import the evals
     else:
         sub.add_parser("train", help="train the models specserve serves: corpus, lm, distill-data, draft, medusa, eagle, bundle")
     return parser
@@ -294,7 +296,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     import specserve
     from specserve.attention import BACKENDS, default_attention
     from specserve.drafters import registered_drafters
-    from specserve.training.bundle_paths import default_drafter, default_drafters, default_model_dir
+    from specserve.bundle_paths import default_drafter, default_drafters, default_model_dir
 
     info = {
         "version": specserve.__version__,

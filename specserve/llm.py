@@ -82,7 +82,7 @@ class LLM:
         if speculation not in SPECULATION_MODES:
             raise ValueError(f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {speculation!r}")
         if model is None:
-            from specserve.training.bundle_paths import default_model_dir
+            from specserve.bundle_paths import default_model_dir
 
             model = default_model_dir()
             if model is None:
@@ -116,7 +116,7 @@ class LLM:
         if max_model_len < 2 or (limit is not None and max_model_len > limit):
             raise ValueError(f"max_model_len must be in [2, {limit if limit is not None else 'memory'}], got {max_model_len}")
         if drafter == "auto":
-            from specserve.training.bundle_paths import default_drafter
+            from specserve.bundle_paths import default_drafter
 
             drafter = default_drafter(model_dir)
         if drafter == "none":

@@ -111,7 +111,7 @@ def test_readme_main_command_runs_on_the_embedded_model():
     assert len(out["token_ids"]) == 16 and out["spec"]["num_steps"] >= 1
     info = json.loads(run("info", "--json").stdout)
     assert info["default_model"] and {"draft", "medusa", "eagle"} <= set(info["default_drafters"])
-    from specserve.training.bundle_paths import bundle_manifest
+    from specserve.bundle_paths import bundle_manifest
 
     assert out["drafter"] == info["default_drafter"] == bundle_manifest()["default_drafter"]
     plain = json.loads(run("generate", "--drafter", "none", "--prompt", "def fibonacci(n):", "--max-tokens", "16",

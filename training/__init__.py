@@ -11,8 +11,10 @@ One job per module (import what you need; nothing heavy is imported here):
 - ``distill``      ``specserve train distill-data``
 - ``draft``        ``specserve train draft`` (served by the ``draft`` drafter, `specserve.drafters.draft_model`)
 - ``bundle``       ``specserve train bundle``: the embedded default model and its draft model
-- ``bundle_paths`` where the bundle lives: `default_model_dir()`, `default_drafters()` (cheap to import)
 - ``cli``          the ``train`` subcommands
+
+Where the bundle lives is the runtime's `specserve.bundle_paths`; `specserve.evals.default_drafter` picks
+the bundle's default drafter (``specserve train default-drafter``).
 
 See training/README.md for the commands, the presets' measured figures and how the bundle is made.
 """

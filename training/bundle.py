@@ -25,7 +25,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from specserve.training import bundle_paths
+from specserve import bundle_paths
 from specserve.training.distill import GEN_THREADS_CPU, DistillSettings, cpu_threads, make_distill_data
 from specserve.training.outputs import MODEL_FILES, read_json, write_json
 

@@ -1,6 +1,7 @@
 """``specserve train ...``: corpus, lm, distill-data, draft, medusa, eagle, bundle.
 
 Registered by `specserve.cli` with `add_train_parser`; heavy imports happen inside the handlers.
+(``train default-drafter`` runs evaluations: `specserve.evals.default_drafter` registers it.)
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ import os
 import sys
 
 
-def add_train_parser(sub, parser_class) -> None:
-    """Register ``train`` and its subcommands on the top-level subparsers ``sub``."""
+def add_train_parser(sub, parser_class):
+    """Register ``train`` and its subcommands on the top-level subparsers ``sub``; return the ``train``
+    subparsers, where `specserve.cli` adds ``default-drafter`` (it runs evaluations:
+    `specserve.evals.default_drafter`, which training code does not import)."""
     from specserve.training.eagle import add_eagle_args  # light: heavy imports live in its functions
 
     train = sub.add_parser("train", help="train the models specserve serves: corpus, lm, distill-data, draft, medusa, eagle, bundle")
@@ -87,18 +90,7 @@ def add_train_parser(sub, parser_class) -> None:
     bundle.add_argument("--resume", action="store_true", help="continue the runs in --work (finished stages are skipped)")
     bundle.add_argument("--force", action="store_true", help="overwrite --work's runs and an existing bundle")
     bundle.set_defaults(handler=cmd_bundle)
-
-    pick = tsub.add_parser("default-drafter", help="measure drafters on the embedded model (held-out code, batch 1, "
-                                                   "greedy) and make the fastest its default (drafter auto)")
-    pick.add_argument("--candidates", default=None,
-                      help="comma-separated drafter specs (default: the bundle's drafters, ngram, suffix, lookahead "
-                           "and hybrids of them)")
-    pick.add_argument("--max-prompts", type=int, default=8)
-    pick.add_argument("--max-tokens", type=int, default=64)
-    pick.add_argument("--repeats", type=int, default=2)
-    pick.add_argument("--threads", type=int, default=None)
-    pick.add_argument("--out", default="runs/default-drafter", help="where the eval's report goes")
-    pick.set_defaults(handler=cmd_default_drafter)
+    return tsub
 
 
 def _corpus_args(p, default_help: str = "default: the Python standard library of this interpreter") -> None:
@@ -218,18 +210,6 @@ def cmd_eagle(args: argparse.Namespace) -> int:
     from specserve.training.eagle import cmd_eagle as run
 
     return run(args)
-
-
-def cmd_default_drafter(args: argparse.Namespace) -> int:
-    from specserve.training.default_drafter import DEFAULT_CANDIDATES, pick_default_drafter, table_markdown
-
-    candidates = [c.strip() for c in args.candidates.split(",") if c.strip()] if args.candidates else list(DEFAULT_CANDIDATES)
-    record = pick_default_drafter(candidates, args.out, max_prompts=args.max_prompts, max_tokens=args.max_tokens,
-                                  repeats=args.repeats, threads=args.threads,
-                                  command="specserve train default-drafter " + " ".join(sys.argv[3:]))
-    print(table_markdown(record))
-    print(f"default drafter: {record['default_drafter']} (recorded in the bundle's MANIFEST.json)")
-    return 0
 
 
 def cmd_bundle(args: argparse.Namespace) -> int:

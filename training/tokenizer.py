@@ -12,9 +12,9 @@ markers ``<|system|>``, ``<|user|>``, ``<|assistant|>`` used by the chat templat
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
+
+from specserve.tokenizer_fingerprint import tokenizer_fingerprint  # noqa: F401 (the runtime's; re-exported for training)
 
 EOS_TOKEN = "<|endoftext|>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
@@ -77,13 +77,6 @@ def load_tokenizer(model_dir: str | Path, what: str = "directory"):
         return AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as exc:  # transformers raises many types for a broken tokenizer
         raise ValueError(f"cannot load the tokenizer in {str(model_dir)!r}: {exc}") from exc
-
-
-def tokenizer_fingerprint(model_dir: str | Path) -> str:
-    """sha256 of the tokenizer's vocabulary, merges and added tokens (formatting-independent)."""
-    data = json.loads((Path(model_dir) / "tokenizer.json").read_text())
-    key = {"model": data.get("model"), "added_tokens": data.get("added_tokens")}
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
 def copy_tokenizer(src_dir: Path, dst_dir: Path) -> None:

@@ -10,7 +10,7 @@ import torch
 
 from specserve import LLM, SamplingParams
 from specserve.drafters.export import export_drafter
-from specserve.training.bundle_paths import default_drafters, default_model_dir
+from specserve.bundle_paths import default_drafters, default_model_dir
 
 PROMPT = "def add(a, b):\n    return a + b\n\n" * 6
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)

@@ -323,7 +323,7 @@ def test_a_long_repetitive_context_is_drafted_past_the_heads_trained_length(tmp_
     drafting a 300-token repetitive prompt well past them — and stays lossless."""
     import shutil
 
-    from specserve.training.bundle_paths import default_drafters, default_model_dir
+    from specserve.bundle_paths import default_drafters, default_model_dir
 
     target, head_dir = default_model_dir(), default_drafters().get("eagle")
     if target is None or head_dir is None:

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 from safetensors import safe_open
-from specserve.training import bundle_paths
+from specserve import bundle_paths
 from specserve.training.bundle import build_bundle
 from specserve.training.distill import DistillSettings
 from transformers import AutoModelForCausalLM
@@ -109,7 +109,7 @@ def test_existing_bundles_and_foreign_directories_are_protected(bundle, tmp_path
 def test_default_drafter_is_chosen_by_measurement(tmp_path, monkeypatch):
     """`specserve train default-drafter`: the candidates run the held-out eval at batch 1 greedy; the
     fastest becomes the bundle's default (`drafter="auto"`), with the table recorded beside it."""
-    from specserve.training.default_drafter import pick_default_drafter, table_markdown
+    from specserve.evals.default_drafter import pick_default_drafter, table_markdown
 
     if bundle_paths.default_model_dir() is None:
         pytest.skip("the embedded bundle is not installed")
@@ -119,7 +119,7 @@ def test_default_drafter_is_chosen_by_measurement(tmp_path, monkeypatch):
     record = pick_default_drafter(["ngram", "hybrid:suffix+medusa", "eagle:/elsewhere"], str(tmp_path / "run"),
                                   max_prompts=1, max_tokens=8, repeats=1)
     assert set(record["candidates"]) == {"ngram", "hybrid:suffix+medusa"} and record["not_run"] == ["eagle:/elsewhere"]
-    from specserve.training.default_drafter import TIE
+    from specserve.evals.default_drafter import TIE
 
     table = record["candidates"]
     assert record["not_eligible"] == ["hybrid:suffix+medusa"]  # it learns across requests: seeds would not reproduce

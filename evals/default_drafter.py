@@ -1,5 +1,8 @@
 """Pick the embedded bundle's default drafter by measurement (`specserve train default-drafter`).
 
+It runs evaluations, so it lives here with them; `specserve.cli` adds it to the ``train`` commands
+(`add_default_drafter_parser`), as training code does not import the evals.
+
 `drafter="auto"` (the CLI's and the server's default) gives the embedded model the drafter recorded in
 the bundle's MANIFEST. Which one that is is measured, not assumed: every candidate — the bundle's
 trained drafters, the training-free ones and hybrids of both — runs the eval suite on the held-out
@@ -13,9 +16,10 @@ speedup, τ and tokens/s), so README's table and the choice come from the same r
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 from datetime import datetime, timezone
-from pathlib import Path
 
 DATASET = "builtin:heldout-code"
 TIE = 0.02  # speedups this close to the best are a tie: two runs of the same drafter differ by about this
@@ -28,7 +32,7 @@ def pick_default_drafter(candidates: list[str], out: str, max_prompts: int = 8, 
     """Measure ``candidates`` on the embedded model and record the winner in the bundle's MANIFEST.
     Returns the recorded ``default_drafter_eval`` (with ``default_drafter``)."""
     from specserve.evals.suite import EvalConfig, run_eval
-    from specserve.training.bundle_paths import MANIFEST, bundle_dir, bundle_manifest, default_model_dir, runs_on_bundle
+    from specserve.bundle_paths import MANIFEST, bundle_dir, bundle_manifest, default_model_dir, runs_on_bundle
 
     manifest = bundle_manifest()
     if manifest is None or default_model_dir() is None:
@@ -90,3 +94,28 @@ def table_markdown(record: dict) -> str:
         lines.append(f"| `{name}`{mark} | {r['speedup']:.2f} | {r['tau']:.2f} | {r['tokens_per_s']:.0f} |")
     lines.append(f"| plain | 1.00 | 1.00 | {record['plain_tokens_per_s']:.0f} |")
     return "\n".join(lines)
+
+
+def add_default_drafter_parser(tsub) -> None:
+    """Register ``default-drafter`` on the ``train`` subparsers ``tsub``."""
+    pick = tsub.add_parser("default-drafter", help="measure drafters on the embedded model (held-out code, batch 1, "
+                                                   "greedy) and make the fastest its default (drafter auto)")
+    pick.add_argument("--candidates", default=None,
+                      help="comma-separated drafter specs (default: the bundle's drafters, ngram, suffix, lookahead "
+                           "and hybrids of them)")
+    pick.add_argument("--max-prompts", type=int, default=8)
+    pick.add_argument("--max-tokens", type=int, default=64)
+    pick.add_argument("--repeats", type=int, default=2)
+    pick.add_argument("--threads", type=int, default=None)
+    pick.add_argument("--out", default="runs/default-drafter", help="where the eval's report goes")
+    pick.set_defaults(handler=cmd_default_drafter)
+
+
+def cmd_default_drafter(args: argparse.Namespace) -> int:
+    candidates = [c.strip() for c in args.candidates.split(",") if c.strip()] if args.candidates else list(DEFAULT_CANDIDATES)
+    record = pick_default_drafter(candidates, args.out, max_prompts=args.max_prompts, max_tokens=args.max_tokens,
+                                  repeats=args.repeats, threads=args.threads,
+                                  command="specserve train default-drafter " + " ".join(sys.argv[3:]))
+    print(table_markdown(record))
+    print(f"default drafter: {record['default_drafter']} (recorded in the bundle's MANIFEST.json)")
+    return 0
