@@ -52,11 +52,12 @@ class DraftRequest:
                needs no features).
     seed:      the request's sampling seed (None when unseeded): a drafter that samples seeds its own
                generator from it, so a seeded request reproduces across calls.
-    grammar:   the request's `specserve.grammar.GrammarState` when its output is constrained and the
-               engine drafts grammar-aware: ``grammar.allowed(path)`` is the bool[V] mask of target ids
-               allowed after the root + `path`. A drafter that samples must mask its distribution with
-               it (q is then the masked one); the engine drops forbidden nodes of trees without q.
-               Read-only for drafters: they must leave the matcher as they found it.
+    mask:      a `specserve.step_hooks.DraftMask` when one of the request's rules restricts what may be
+               drafted (a constrained request drafting grammar-aware: its `GrammarState`):
+               ``mask.allowed(path)`` is the bool[V] mask of target ids allowed after the root + `path`.
+               A drafter that samples must mask its distribution with it (q is then the masked one);
+               the rule filters forbidden nodes out of trees without q. Read-only for drafters: they
+               must leave it as they found it.
     parts:     the names of a hybrid drafter's parts this request drafts with (None: all; the
                request's choice on the page or in the API). Other drafters ignore it.
     """
@@ -66,7 +67,7 @@ class DraftRequest:
     temperature: float
     hidden_states: dict[int, torch.Tensor] | None = None
     seed: int | None = None
-    grammar: Any = None
+    mask: Any = None
     parts: tuple[str, ...] | None = None
 
 
@@ -98,7 +99,8 @@ class Drafter(ABC):
       drafts_by_level:     each tree level costs one drafter forward (draft model, EAGLE), so the
                            adaptive policy chooses a depth; others draft their whole tree at once
                            (n-gram, suffix, Medusa's heads) and are always asked for all of it.
-    `max_budget` is the most nodes one tree may have; the engine's budgets never exceed it.
+    `max_budget` is the most nodes one tree may have; the engine's budgets never exceed it; `depth` the
+    most levels its trees have; `part_names` the parts a request may choose among (a hybrid's).
     """
 
     name: ClassVar[str] = ""
@@ -112,6 +114,8 @@ class Drafter(ABC):
     # depend on what else the server ran, so a seeded sampled request no longer reproduces its output.
     learns_across_requests: ClassVar[bool] = False
     max_budget: int = 0
+    depth: int = 1
+    part_names: tuple[str, ...] = ()
     # Cache slots past a request's root that the drafter's own model writes while drafting (its tree
     # levels); the engine reserves them at admission.
     kv_slots_past_root: int = 0

@@ -90,7 +90,7 @@ class HybridDrafter(Drafter):
         if len(set(names)) != len(names) or "hybrid" in names:
             raise ValueError(f"hybrid drafter parts must be distinct drafters other than hybrid, got {names}")
         self.parts: list[Drafter] = [create_drafter(spec, target) for spec in specs]
-        self.names = tuple(names)
+        self.part_names = tuple(names)
         parts = self.parts
         self.needs_hidden_states = any(p.needs_hidden_states for p in parts)
         self.hidden_layers = tuple(sorted({layer for p in parts if p.needs_hidden_states for layer in p.hidden_layers}))
@@ -104,7 +104,7 @@ class HybridDrafter(Drafter):
         self.drafts_by_level = only_costly and any(p.drafts_by_level for p in parts)
         self.wants_row_argmax = any(p.wants_row_argmax for p in parts)
         self.learns_across_requests = any(p.learns_across_requests for p in parts)
-        self.depth = max(int(getattr(p, "depth", 1) or 1) for p in parts)
+        self.depth = max(p.depth for p in parts)
         full = sum(p.max_budget for p in parts)
         self.max_budget = full if max_budget is None else min(check_int_option("hybrid", "max_budget", max_budget, 1), full)
         self.kv_slots_past_root = max(p.kv_slots_past_root for p in parts)
@@ -136,8 +136,8 @@ class HybridDrafter(Drafter):
 
     def describe(self) -> dict:
         out = super().describe()
-        out["parts"] = {name: part.describe() for name, part in zip(self.names, self.parts)}
-        out["calibration_factors"] = dict(zip(self.names, np.round(self.factors, 3).tolist()))
+        out["parts"] = {name: part.describe() for name, part in zip(self.part_names, self.parts)}
+        out["calibration_factors"] = dict(zip(self.part_names, np.round(self.factors, 3).tolist()))
         return out
 
     @property
@@ -149,7 +149,7 @@ class HybridDrafter(Drafter):
 
     def propose(self, requests: list[DraftRequest], budgets: list[int], depth: int | None = None) -> list[DraftTree]:
         budgets = [int(b) for b in budgets]
-        chosen = [[r.parts is None or name in r.parts for name in self.names] for r in requests]  # [A][P]
+        chosen = [[r.parts is None or name in r.parts for name in self.part_names] for r in requests]  # [A][P]
         # A sampled request's sampled nodes come from ONE part: the first sampling part it uses.
         samplers = [next((k for k, p in enumerate(self.parts) if p.gives_probs and use[k]), None) if r.temperature > 0
                     else None for r, use in zip(requests, chosen)]
@@ -230,7 +230,7 @@ class HybridDrafter(Drafter):
             if q_rows[n] is not None:  # a sampled node never outranks an earlier sampled sibling
                 values[n] = last_sampled[par] = min(values[n], last_sampled.get(par, np.inf))
         keep = np.sort(np.lexsort((np.arange(len(tokens)), -values))[:budget])
-        sources = tuple("+".join(self.names[k] for k in range(len(trees)) if guess_arr[n, k] > 0) for n in keep)
+        sources = tuple("+".join(self.part_names[k] for k in range(len(trees)) if guess_arr[n, k] > 0) for n in keep)
         q_ids = q_probs = None
         if sampled and any(row is not None for row in q_rows):
             width = max(len(row[0]) for row in q_rows if row is not None)

@@ -10,7 +10,7 @@ Each step, for all drafting requests of the batch together:
    give the next level.
 3. **cut** — each request keeps its best `budget` nodes (`TreeBuilder.finish`).
 
-Constrained requests (`DraftRequest.grammar`): before a level's logits reach the builder, every token
+Constrained requests (`DraftRequest.mask`): before a level's logits reach the builder, every token
 the grammar forbids after that frontier node's path gets -inf, so forbidden tokens are never drafted
 and a sampled node's q is the masked draft distribution (sampling stays exact).
 
@@ -75,7 +75,7 @@ class LevelDrafter(Drafter):
         logits = _numpy(self._catch_up(work))  # [A, V]
         temps = np.array([w.req.temperature for w in work], dtype=np.float32)
         builder = TreeBuilder(self.topk, self.depth, self.width, temps, self._uniforms(work, temps), self.vocab)
-        grammars = [w.req.grammar for w in work]
+        grammars = [w.req.mask for w in work]
         constrained = any(g is not None for g in grammars)
         if constrained:
             mask_level(logits[:, None], grammars, builder, None, None, self._target_ids, self._draft_allowed)

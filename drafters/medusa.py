@@ -204,7 +204,7 @@ class MedusaDrafter(Drafter):
         width = max(caps)
         size = self.topk + (self.depth - 1) * width * self.topk
         builder = TreeBuilder(self.topk, self.depth, width, temps, self._uniforms(reqs, temps, size), logits.shape[-1])
-        grammars = [req.grammar for req in reqs]
+        grammars = [req.mask for req in reqs]
         constrained = any(g is not None for g in grammars)
         level = logits[:, 0][:, None].copy()
         if constrained:
@@ -226,8 +226,8 @@ class MedusaDrafter(Drafter):
         uniforms = self._uniforms(reqs, temps, s.num_nodes)
         for a, cap in enumerate(caps):
             parents, depths, ranks = s.parents[:cap], s.depths[:cap], s.ranks[:cap]
-            if reqs[a].grammar is not None:
-                out.append(_constrained_static_tree(logits[a], reqs[a].grammar, parents, depths, ranks, float(temps[a]),
+            if reqs[a].mask is not None:
+                out.append(_constrained_static_tree(logits[a], reqs[a].mask, parents, depths, ranks, float(temps[a]),
                                                     uniforms[a] if uniforms is not None else None))
                 continue
             if temps[a] <= 0:

@@ -19,8 +19,8 @@ budget: a tree has at most ``spec_factor`` × the root's match length nodes, and
 ``min_prob`` (on fresh text a 1-token match would otherwise fill the budget with guesses that cost
 verify rows). Drafts are deterministic (no q: the verifier treats
 them as one-hot, which is lossless); ``DraftTree.scores`` carries the log scores for the adaptive
-policy. Under a grammar the engine drops forbidden nodes of a tree without q, so the drafter ignores
-``DraftRequest.grammar``.
+policy. Under a grammar the request's rule drops forbidden nodes of a tree without q, so the drafter ignores
+``DraftRequest.mask``.
 
 Why a hashed n-gram → next-token count index and not a suffix tree/automaton: appending a token touches
 ``max_match`` counters (O(1) amortised, no rebuild, no per-node pointers), eviction of the oldest output is

@@ -27,7 +27,7 @@ Per cell and configuration: validity (outputs that satisfy their constraint, che
 `specserve.evals.structured.check_output`, independently of the engine), τ (tokens emitted per verify
 step, bonus and forced tokens included; plain = 1), tokens/s (new tokens / wall time of the round's
 `generate` calls, median over rounds), speedup (over plain's median tokens/s in the same cell), and the
-grammar's mask cost: `engine.grammar_mask_s` after − before over the engine steps of the round (ms per
+grammar's mask cost: `LLM.constraints.mask_s` after − before over the engine steps of the round (ms per
 step, and as a fraction of the wall time: of the step time). At T = 0 every configuration's tokens must
 equal plain decoding's: a mismatch is a bug, reported loudly, and the command exits 1 (after writing its
 JSON), as it does when an output that finished ("stop") fails its constraint.
@@ -152,7 +152,7 @@ def run_config(llm, counter: StepCounter, requests: list, batch: int, temperatur
 
     params = _params(requests, temperature, max_tokens, round_index)
     outs = []
-    steps0, mask0 = counter.count, llm.engine.grammar_mask_s
+    steps0, mask0 = counter.count, llm.constraints.mask_s
     sync(device)
     t0 = time.perf_counter()
     for s in range(0, len(requests), batch):
@@ -162,7 +162,7 @@ def run_config(llm, counter: StepCounter, requests: list, batch: int, temperatur
     checks = [check_output(p.constraint, o.text) if p.constraint is not None else "" for p, o in zip(requests, outs)]
     return {
         "wall_s": wall, "tokens": sum(len(o.token_ids) for o in outs), "steps": counter.count - steps0,
-        "mask_s": llm.engine.grammar_mask_s - mask0, "stats": [o.spec for o in outs],
+        "mask_s": llm.constraints.mask_s - mask0, "stats": [o.spec for o in outs],
         "token_ids": [o.token_ids for o in outs],
         "invalid": [(p.id, o.finish_reason, why, o.text) for p, o, why in zip(requests, outs, checks) if why],
         "truncated": sum(o.finish_reason == "length" for o in outs), "outputs": len(outs),

@@ -124,7 +124,7 @@ class SpecServer:
         self.drafter_spec: str | None = llm.drafter_spec if engine.drafter is not None else None
         self.drafter_name = engine.drafter.name if engine.drafter is not None else None
         # A hybrid drafter's parts: each may also be chosen alone, per session or per request.
-        self.drafter_parts: tuple[str, ...] = tuple(getattr(engine.drafter, "names", ())) if engine.drafter else ()
+        self.drafter_parts: tuple[str, ...] = engine.drafter.part_names if engine.drafter else ()
         self.speculation = getattr(llm, "speculation", "static") if engine.drafter is not None else None
         self.default_sampling = {
             "max_output_tokens": min(self.config.default_max_output_tokens, self.context_length - 1),

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from specserve.grammar.hooks import ConstraintRule
 from specserve.sampling import SamplingParams
 from specserve.server.engine_load import EngineLoad, read_engine_load
 
@@ -238,7 +239,7 @@ class EngineWorker:
             error=req.error,
             drafted=stats.num_drafted,
             accepted=stats.num_emitted - stats.num_steps,  # each verify step emits its accepted tokens + 1 bonus
-            constraint_failed=req.grammar is not None and req.grammar.failed,
+            constraint_failed=any(isinstance(rule, ConstraintRule) and rule.state.failed for rule in req.rules),
         )
 
     def _deliver(self, out: list[tuple[Sink, Update]]) -> None:

@@ -35,7 +35,7 @@ def needs_thread(input_, messages, params: SamplingParams | None = None, server=
         return True
     if params is None or params.constraint is None:
         return False
-    return server is None or not server.llm.engine.constraint_compiled(params.constraint)
+    return server is None or not server.llm.constraints.compiled(params.constraint)
 
 
 def prepare_now(server, input_, messages, params: SamplingParams, policy: str, names: FieldNames = WEBSOCKET_NAMES,
@@ -44,7 +44,7 @@ def prepare_now(server, input_, messages, params: SamplingParams, policy: str, n
     stream compiling it) and tokenize + fit its prompt. Blocking: call it off the loop when `needs_thread`."""
     if params.constraint is not None:
         try:
-            server.llm.engine.compile_constraint(params.constraint)
+            server.llm.constraints.compile(params.constraint)
         except ValueError as exc:
             raise constraint_refusal(str(exc), constraint) from None
     return prepare_prompt(server.llm, server.context_length, input_, messages, params.max_tokens, policy, names)
@@ -76,7 +76,7 @@ def refusal(summary, constraint: ConstraintSpec | None = None) -> ProtocolError:
 
 
 def constraint_refusal(message: str, constraint: ConstraintSpec | None) -> ProtocolError:
-    """`refusal` of an engine message (add_request's or compile_constraint's ValueError)."""
+    """`refusal` of an engine message (add_request's or the constraint compiler's ValueError)."""
     if constraint is not None and message.startswith("invalid "):
         return grammar_error(message, constraint.param)
     if constraint is not None and message.startswith("constrained output"):

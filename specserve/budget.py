@@ -11,10 +11,12 @@ policy. A policy never changes what is emitted, only how much is drafted and ver
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from specserve.request import Request
 from specserve.verify import DraftTree
+
+if TYPE_CHECKING:
+    from specserve.request import Request
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,10 @@ class DraftPlan:
 
 
 class BudgetPolicy(Protocol):
+    # Whether the engine times target forwards at start and hands them to `calibrate(time_forward,
+    # max_rows, time_tree)` (`specserve.speculation.calibration`).
+    wants_calibration: bool
+
     def plan(self, requests: list[Request], fixed_rows: int) -> DraftPlan:
         """Budgets before drafting. fixed_rows: forward rows this step has whatever is drafted (every
         decode's root plus prefill chunk tokens)."""
@@ -94,6 +100,8 @@ class BudgetPolicy(Protocol):
 class StaticBudget:
     """Every request gets the same budget (the drafter's default) and keeps its whole tree; 0 means
     plain decoding."""
+
+    wants_calibration = False
 
     def __init__(self, budget: int) -> None:
         if budget < 0:

@@ -131,7 +131,8 @@ class Request:
         self.speculate = speculate  # False: this request decodes plainly (budget 0)
         self.drafter_parts: tuple[str, ...] | None = None  # a hybrid drafter's parts this request uses (None: all)
         self.client: str | None = None  # who sent it (a websocket session, API user or HTTP connection): admission is fair across clients
-        self.grammar = None  # grammar.GrammarState of a constrained request: consumed every emitted token
+        # Its step hooks (a grammar's matcher, ...): made at admission by the engine's rule factories.
+        self.rules: tuple = ()
         self.finish_reason: str | None = None
         self.error: str | None = None  # why, when finish_reason is "error" (the engine failed on its step)
         self.stats = SpecStats()
@@ -139,21 +140,10 @@ class Request:
         self.generator = torch.Generator().manual_seed(
             params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
         )
-        # Target features of committed tokens not yet handed to the drafter, one dict per step.
-        self.pending_hidden: list[dict[int, torch.Tensor]] = []
         self.arrival_time = time.perf_counter()
         self.scheduled_time: float | None = None  # admitted into the running batch (queue time ends)
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
-
-    def take_hidden(self) -> dict[int, torch.Tensor] | None:
-        """Every pending feature row, in token order ({layer: [rows, hidden]}), handed over once."""
-        if not self.pending_hidden:
-            return None
-        steps, self.pending_hidden = self.pending_hidden, []
-        if len(steps) == 1:
-            return steps[0]
-        return {layer: torch.cat([s[layer] for s in steps]) for layer in steps[0]}
 
     @property
     def token_ids(self) -> np.ndarray:

@@ -54,13 +54,7 @@ class ModelRunner:
         hidden = bool(self.hidden_layers)
         first_rows = []
         for r, tree in zip(step.decodes, trees):
-            root = r.token_ids[-1:]
-            if tree.num_nodes:
-                tokens = np.concatenate([root, tree.tokens.numpy()])
-                positions = r.num_cached + np.concatenate([[0], tree.depths.numpy()])
-                mask = tree.ancestor_mask.numpy()
-            else:
-                tokens, positions, mask = root, None, None
+            tokens, positions, mask = verify_rows(r.token_ids[-1:], r.num_cached, tree)
             first_rows.append(builder.add(r.request_id, r.num_cached, tokens, positions, mask, logits="all", hidden=hidden))
         for chunk in step.prefills:
             req = chunk.request
@@ -77,3 +71,25 @@ class ModelRunner:
             hidden=out.hidden_states,
             num_tokens=batch.num_tokens,
         )
+
+    def forward_scratch(self, seq_id: str, start: int, tokens: np.ndarray, tree: DraftTree | None = None) -> torch.Tensor:
+        """A forward of a sequence outside the scheduler (cost calibration): `tokens` at `start`, causal — or
+        laid out as a verify step when `tree` is given (tokens[0] the root, then the tree's nodes). The
+        sequence's blocks are the caller's. Returns float32[len(tokens), vocab], logits at every row."""
+        builder = StepBatchBuilder(self.cache.allocator)
+        positions = mask = None
+        if tree is not None:
+            tokens, positions, mask = verify_rows(tokens[:1], start, tree)
+        builder.add(seq_id, start, tokens, positions, mask, logits="all")
+        return self.model.forward(builder.build(), self.cache, self.hidden_layers).logits
+
+
+def verify_rows(root: np.ndarray, num_cached: int, tree: DraftTree) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """The rows a decode brings to the batch: (tokens int64[N+1] — its root then the tree's nodes,
+    positions int64[N+1] — ``num_cached + depth``, mask bool[N, N] — the tree's ancestor mask); positions
+    and mask are None for the empty tree (one causal row)."""
+    if not tree.num_nodes:
+        return root, None, None
+    tokens = np.concatenate([root, tree.tokens.numpy()])
+    positions = num_cached + np.concatenate([[0], tree.depths.numpy()])
+    return tokens, positions, tree.ancestor_mask.numpy()

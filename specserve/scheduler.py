@@ -1,7 +1,8 @@
-"""Who runs this step: admission, KV reservation, prefill chunks, and each decoding request's budget.
+"""Who runs this step: admission, KV reservation, prefill chunks, and each decoding request's hard cap
+on draft nodes (the Speculator's budget policy decides within it).
 
 Every running request whose prompt is in the cache decodes every step (with a tree sized by the
-budget policy, 0 = plain). Prompts are prefilled in chunks: at most `max_prefill_tokens` prompt tokens
+Speculator, 0 = plain). Prompts are prefilled in chunks: at most `max_prefill_tokens` prompt tokens
 per step, partially prefilled requests first, then newly admitted ones (first come, first served), so a
 long prompt never stalls everyone else's next token for more than one chunk's time.
 
@@ -48,13 +49,12 @@ class PrefillChunk:
 @dataclass(frozen=True)
 class ScheduledStep:
     """prefills: this step's prompt chunks; decodes: requests verifying a tree (possibly empty);
-    budgets: per decode, the nodes it may draft (policy and hard limits applied); depth: the most tree
-    levels this step (None: the drafter's own)."""
+    caps: per decode, the most draft nodes it may verify — the drafter's maximum, and the tokens it may
+    still emit after the bonus token; 0 for a request that decodes plainly."""
 
     prefills: list[PrefillChunk]
     decodes: list[Request]
-    budgets: list[int]
-    depth: int | None = None
+    caps: list[int]
 
     @property
     def empty(self) -> bool:
@@ -71,13 +71,11 @@ class Scheduler:
     slots_past_root: cache slots a request reserves past its root (largest tree or drafter levels).
     """
 
-    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_prefill_tokens: int, slots_past_root: int,
-                 budget_policy) -> None:
+    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_prefill_tokens: int, slots_past_root: int) -> None:
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
         self.slots_past_root = slots_past_root
-        self.budget_policy = budget_policy
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # Slots only a client with nothing running may take (see the module docstring).
@@ -102,7 +100,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self, max_budget: int) -> ScheduledStep:
-        """This step's prefill chunks, decodes and budgets. max_budget: the drafter's own cap (0: none)."""
+        """This step's prefill chunks, decodes and their caps. max_budget: the drafter's own cap (0: none)."""
         decodes = [r for r in self.running if r.prefilled]
         tokens_left = self.max_prefill_tokens
         prefills = []
@@ -127,19 +125,9 @@ class Scheduler:
             chunk = self._chunk(req, tokens_left)
             prefills.append(chunk)
             tokens_left -= chunk.end - chunk.start
-        budgets, depth = [], None
-        if decodes:
-            if max_budget:
-                fixed_rows = len(decodes) + self.max_prefill_tokens - tokens_left
-                plan = self.budget_policy.plan(decodes, fixed_rows)
-                wanted, depth = plan.budgets, plan.depth
-            else:
-                wanted = [0] * len(decodes)
-            for r, b in zip(decodes, wanted):
-                # The bonus token always comes: a tree may use at most the tokens left after it.
-                remaining = r.max_tokens - r.num_output - 1
-                budgets.append(max(0, min(b, max_budget, remaining)) if r.speculate else 0)
-        return ScheduledStep(prefills, decodes, budgets, depth)
+        # The bonus token always comes: a tree may use at most the tokens left after it.
+        caps = [max(0, min(max_budget, r.max_tokens - r.num_output - 1)) if r.speculate else 0 for r in decodes]
+        return ScheduledStep(prefills, decodes, caps)
 
     def _running_per_client(self) -> dict[str, int]:
         """Requests running per client (requests without a client are each their own: not counted)."""

@@ -39,9 +39,8 @@ def cutting_policy(max_budget: int, max_depth: int, row_cost: float = 0.3, batch
 
 
 def install(llm, policy) -> None:
-    """Make `policy` the budget policy of an LLM's engine (the scheduler asks it too)."""
-    llm.engine.budget_policy = policy
-    llm.engine.scheduler.budget_policy = policy
+    """Make `policy` the budget policy of an LLM's engine (its Speculator's)."""
+    llm.engine.speculator.policy = policy
 
 
 class IntermittentBudget(StaticBudget):

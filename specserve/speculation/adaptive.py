@@ -112,6 +112,8 @@ class AdaptiveBudget:
     # instead of a plain argmax. Calibrated at start, warm (`calibrate_tree_cost`).
     tree_s: float = 0.0
 
+    wants_calibration = True
+
     def __post_init__(self) -> None:
         self._requests: dict[str, _RequestState] = {}
         # The latest drafted tree of any greedy (False) / sampled (True) request: what a request that has

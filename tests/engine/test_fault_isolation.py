@@ -63,7 +63,7 @@ def failing_llm(small_vocab_dir, reference, **options) -> LLM:
 def assert_no_leak(llm: LLM) -> None:
     alloc = llm.engine.cache.allocator
     assert alloc.num_free_blocks == alloc.num_blocks
-    assert not llm.engine.requests and not llm.engine._drafter_off
+    assert not llm.engine.requests and not llm.engine.speculator._drafter_off
 
 
 @pytest.mark.parametrize("fail_in, fail_on", [("propose", 3), ("propose", 1), ("on_commit", 2)])
@@ -74,7 +74,7 @@ def test_drafter_failure_falls_back_to_plain_decoding(small_vocab_dir, reference
     assert [o.token_ids for o in outs] == reference
     assert all(o.finish_reason == "length" and o.error is None for o in outs)
     drafter = llm.engine.drafter
-    assert llm.engine.drafter_failures == 1
+    assert llm.engine.speculator.drafter_failures == 1
     failures = [r for r in caplog.records if "injected" in r.getMessage() or (r.exc_info and "injected" in str(r.exc_info[1]))]
     assert len(failures) == 1, caplog.text
     # The requests of the failed call are never handed to the drafter again, and it released them.
@@ -90,12 +90,12 @@ def test_drafter_failing_every_call_is_asked_once_per_request(small_vocab_dir, r
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == reference
     drafter = llm.engine.drafter
-    assert drafter.calls["propose"] == llm.engine.drafter_failures == 1  # one batch, one call, then plain
+    assert drafter.calls["propose"] == llm.engine.speculator.drafter_failures == 1  # one batch, one call, then plain
     assert all(o.spec.num_drafted == 0 for o in outs)
     # A later request is tried once more (it is a new request), then decodes plainly too.
     again = llm.generate(PROMPTS[:1], GREEDY)[0]
     assert again.token_ids == reference[0]
-    assert drafter.calls["propose"] == llm.engine.drafter_failures == 2
+    assert drafter.calls["propose"] == llm.engine.speculator.drafter_failures == 2
     assert_no_leak(llm)
 
 

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import scripted_drafter  # noqa: F401  (registers "scripted")
-import specserve.engine as engine_module
+import specserve.verify.verifier as verifier_module
 from scripted_drafter import MODES
 from specserve import LLM, SamplingParams
 from specserve import step_batch as step_batch_module
@@ -256,7 +256,7 @@ def test_each_step_moves_one_batch_to_the_device_and_brings_back_one_result(smal
         return cpu(self, *args, **kwargs)
 
     monkeypatch.setattr(step_batch_module, "_to_device", counted_to_device)
-    monkeypatch.setattr(engine_module, "accept_trees", accept_on_device_path(count))
+    monkeypatch.setattr(verifier_module, "accept_trees", accept_on_device_path(count))
     engine = make_engine(small_vocab_dir, dict(mode="mixed", seed=2, references=reference, max_budget=6),
                          executor=executor, max_prefill_tokens=6)
     sampled = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9, seed=1, ignore_eos=True)
@@ -289,7 +289,7 @@ from target_stats import SAMPLED_MAX_TOKENS, assert_follows_target  # noqa: E402
 @pytest.mark.parametrize("case", sorted(SAMPLING_CASES))
 def test_sampled_tokens_follow_target_distribution_with_on_device_acceptance(small_vocab_dir, case, monkeypatch):
     count: Counter = Counter()
-    monkeypatch.setattr(engine_module, "accept_trees", accept_on_device_path(count))
+    monkeypatch.setattr(verifier_module, "accept_trees", accept_on_device_path(count))
     spec = SAMPLING_CASES[case]
     params = [SamplingParams(max_tokens=SAMPLED_MAX_TOKENS, seed=seed, ignore_eos=True, **spec["params"])
               for seed in range(SAMPLING_N)]
@@ -370,7 +370,7 @@ def test_banned_token_never_appears_and_greedy_equals_plain_with_the_same_proces
     banned = _banned_token(reference)
     prompts = [(i, p) for i, p in enumerate(PROMPTS)]
     plain = make_engine(small_vocab_dir)
-    plain.logits_processors.append(Ban(banned))
+    plain.hooks.logits_processors.append(Ban(banned))
     plain_outs = run(plain, [(0, f"p{i}", p, GREEDY) for i, p in prompts], inference_mode=True)
     for i, _ in prompts:
         assert banned not in plain_outs[f"p{i}"]
@@ -381,7 +381,7 @@ def test_banned_token_never_appears_and_greedy_equals_plain_with_the_same_proces
     spec = make_engine(small_vocab_dir, dict(mode="mixed", seed=9, references=reference, max_budget=6), policy=policy,
                        max_prefill_tokens=7)
     ban = Ban(banned)
-    spec.logits_processors.append(ban)
+    spec.hooks.logits_processors.append(ban)
     proposed = Counter()
     propose = spec.drafter.propose
 
@@ -413,7 +413,7 @@ def test_banned_token_never_appears_in_sampled_output(small_vocab_dir, reference
                   drafter_options=dict(seed=4, references=reference, max_budget=6, **options), speculation="static")
         free = llm.generate([PROMPTS[2]] * 150, params)
         assert sum(banned in o.token_ids for o in free) > 10  # without the ban it is common
-        llm.engine.logits_processors.append(Ban(banned))
+        llm.engine.hooks.logits_processors.append(Ban(banned))
         with torch.inference_mode():
             outs = llm.generate([PROMPTS[2]] * 150, params)
         assert all(banned not in o.token_ids for o in outs), options
@@ -424,7 +424,7 @@ def test_in_place_processor_works_through_llm_generate(small_vocab_dir, referenc
     banned = _banned_token(reference)
     llm = LLM(small_vocab_dir, drafter="scripted", device="cpu",
               drafter_options=dict(mode="mixed", seed=0, references=reference, max_budget=4), speculation="static")
-    llm.engine.logits_processors.append(Ban(banned))
+    llm.engine.hooks.logits_processors.append(Ban(banned))
     outs = llm.generate(PROMPTS, GREEDY)
     assert all(banned not in o.token_ids for o in outs)
 
@@ -446,7 +446,7 @@ def _common_tokens(reference) -> list[int]:
 def test_forced_wrong_token_is_rejected_and_output_equals_plain(small_vocab_dir, reference):
     policy = RecordingBudget(0)
     engine = make_engine(small_vocab_dir, max_forced_tokens=3, policy=policy)
-    engine.forced_tokens = lambda req: [(_next_tokens(reference, req, 1)[0] + 1) % VOCAB]
+    engine.hooks.forced_tokens.append(lambda req: [(_next_tokens(reference, req, 1)[0] + 1) % VOCAB])
     outs = run(engine, [(0, f"p{i}", p, GREEDY) for i, p in enumerate(PROMPTS)])
     for i in range(len(PROMPTS)):
         assert outs[f"p{i}"] == _expected(reference, i)
@@ -470,7 +470,7 @@ def test_forced_right_tokens_are_accepted_outside_the_drafter_budget(small_vocab
     # Requests p0..p2 get their next 6 right tokens forced (capped to 4 by max_forced_tokens); the others
     # draft (all wrong) within the drafter's budget of 2.
     forced_ids = {"p0", "p1", "p2"}
-    engine.forced_tokens = lambda req: _next_tokens(reference, req, 6) if req.request_id in forced_ids else []
+    engine.hooks.forced_tokens.append(lambda req: _next_tokens(reference, req, 6) if req.request_id in forced_ids else [])
     outs = run(engine, [(0, f"p{i}", p, GREEDY) for i, p in enumerate(PROMPTS)])
     for i in range(len(PROMPTS)):
         assert outs[f"p{i}"] == _expected(reference, i)
@@ -500,8 +500,8 @@ def test_forced_tokens_are_verified_under_sampling(small_vocab_dir, reference):
     banned, liked = _common_tokens(reference)[:2]
     policy = RecordingBudget(0)
     engine = make_engine(small_vocab_dir, max_forced_tokens=2, policy=policy, max_num_seqs=64)
-    engine.logits_processors.append(Ban(banned))
-    engine.forced_tokens = lambda req: [banned, banned] if req.request_id.startswith("b") else [liked]
+    engine.hooks.logits_processors.append(Ban(banned))
+    engine.hooks.forced_tokens.append(lambda req: [banned, banned] if req.request_id.startswith("b") else [liked])
     params = [SamplingParams(max_tokens=10, temperature=0.7, seed=s, ignore_eos=True) for s in range(40)]
     outs = run(engine, [(0, f"b{s}", PROMPTS[1], params[s]) for s in range(20)]
                + [(0, f"r{s}", PROMPTS[1], params[s]) for s in range(20, 40)], inference_mode=True)

@@ -1,0 +1,80 @@
+"""The Verifier: from the step's verify-row logits to what each request accepted (ARCHITECTURE.md).
+
+In order: each request's rules edit its own rows (`RequestRule.process_logits`: grammar masks), the
+batch-level logits processors edit every row, then every row's argmax, the sampled requests' processed
+distributions (temperature, top-k, top-p, min-p) and their uniforms, and greedy / lossless stochastic
+acceptance of the packed trees (`accept_trees`: one compiled call on the CPU). Masks come before
+everything, so the argmax, the sampled distribution and the residuals all see them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from specserve.sampling import logits_to_probs
+from specserve.step_hooks import StepHooks, VerifyRows
+from specserve.verify.accept import accept_trees, draw_uniforms
+from specserve.verify.packed import pack_trees
+from specserve.verify.result import VerifyResult
+
+if TYPE_CHECKING:
+    from specserve.runner import StepForward
+
+
+class Verifier:
+    def __init__(self, hooks: StepHooks) -> None:
+        self.hooks = hooks
+
+    def accept(self, out: StepForward) -> tuple[list[VerifyResult], torch.Tensor]:
+        """One VerifyResult per verifying request (`out.verifying` order), and every verify row's argmax
+        int64[R] after rules and processors (drafters with `wants_row_argmax` are handed it at commit).
+        Edits `out.logits` in place."""
+        reqs, trees, logits = out.verifying, out.trees, out.logits  # logits: float32[R, vocab]
+        ruled = [b for b, r in enumerate(reqs) if r.rules]
+        if not self.hooks.logits_processors and not ruled and all(
+                not t.num_nodes and r.params.greedy for r, t in zip(reqs, trees)):
+            # Plain greedy decoding: each request's token is its row's argmax (the common case, kept lean:
+            # right after a forward has streamed the weights through the caches, every Python step is slow).
+            argmax = row_argmax(logits)
+            return [VerifyResult((), (), token, 0) for token in argmax.tolist()], argmax
+        packed = pack_trees(trees, logits.device)
+        cu = packed.cu_rows  # int64[B+1]
+        for b in ruled:
+            for rule in reqs[b].rules:
+                rule.process_logits(logits[int(cu[b]):int(cu[b + 1])], trees[b])
+        if self.hooks.logits_processors:
+            rows = VerifyRows(reqs, trees, cu)
+            for processor in self.hooks.logits_processors:
+                processor(logits, rows)
+        greedy = np.fromiter((r.params.greedy for r in reqs), dtype=np.bool_, count=len(reqs))
+        argmax = row_argmax(logits)  # [R]
+        probs, prob_index, uniforms = None, np.full(packed.num_rows, -1, dtype=np.int64), np.zeros(0)
+        if not greedy.all():
+            sampled = np.flatnonzero(~greedy)
+            counts = np.diff(cu)[sampled]
+            rows = np.concatenate([np.arange(cu[b], cu[b + 1]) for b in sampled])
+            prob_index[rows] = np.arange(len(rows))
+
+            def per_row(values, dtype=torch.float32) -> torch.Tensor:
+                return torch.from_numpy(np.repeat(np.asarray(values), counts)).to(logits.device, dtype)
+
+            params = [reqs[b].params for b in sampled]
+            probs = logits_to_probs(  # float32[R_s, vocab]
+                logits[torch.from_numpy(rows).to(logits.device)],
+                per_row([p.temperature for p in params]),
+                per_row([min(p.top_k, logits.shape[-1]) for p in params], torch.int64),
+                per_row([p.top_p for p in params]),
+                per_row([p.min_p for p in params]),
+            )
+            uniforms = draw_uniforms(packed, greedy, [r.generator for r in reqs])
+        return accept_trees(trees, packed, greedy, argmax, probs, prob_index, uniforms), argmax
+
+
+def row_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """int64[R] argmax per row (on the CPU through numpy: 10x cheaper than torch's op on small rows)."""
+    if logits.device.type == "cpu":
+        return torch.from_numpy(logits.numpy().argmax(axis=-1))
+    return logits.argmax(dim=-1)
