@@ -40,7 +40,7 @@ class RequestStepRecord:
 
 @dataclass(frozen=True)
 class StepRecord:
-    """What one step cost and earned (design.md §3).
+    """What one step cost and earned (ARCHITECTURE.md, "What crosses each boundary").
 
     requests:    every request that verified a tree this step (prefills finishing their prompt verify
                  the empty tree and are included with budget 0).

@@ -1,4 +1,4 @@
-"""Greedy and lossless stochastic acceptance of draft trees, for a whole step at once (design.md §4).
+"""Greedy and lossless stochastic acceptance of draft trees, for a whole step at once (ARCHITECTURE.md, "Lossless acceptance").
 
 Vocabulary (see ``tree.py`` for rows and nodes):
 
