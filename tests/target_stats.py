@@ -1,32 +1,47 @@
-"""Exact target distributions and the chi-square test that sampling-losslessness tests share."""
+"""Exact target distributions and the chi-square test that sampling-losslessness tests share.
+
+The exact distributions come from transformers' logits (not specserve's model) processed by the
+independent float64 oracle in tests/sampling_oracle.py (not specserve.sampling.logits_to_probs, the
+code under test): a bug in either specserve's forward pass or its temperature/top-k/top-p/min-p
+filters shows up as a chi-square failure instead of being reproduced by the reference."""
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
+from typing import Any
 
+import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
+from sampling_oracle import target_probs_rows
 from specserve import SamplingParams
-from specserve.sampling import logits_to_probs
 
 
-def exact_marginals(model_dir, prompt: list[int], params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+def exact_marginals(model_dir, prompt: list[int], params: SamplingParams,
+                    allowed: Callable[[list[int]], Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """P(2nd emitted token) and P(3rd emitted token) after `prompt` under the processed target
-    distribution (temperature/top-k/top-p/min-p), from transformers' logits. float64 [vocab] each."""
+    distribution (temperature/top-k/top-p/min-p), from transformers' logits through the oracle.
+    `allowed(prefix)`, if given, is the grammar mask (bool [vocab]) after the emitted tokens `prefix`:
+    forbidden tokens get probability 0 before the other filters (a prefix the grammar rules out may
+    allow nothing: it is unreachable, its row is 0). float64 [vocab] each."""
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     vocab = hf.config.vocab_size
 
     def dist(prefixes: list[list[int]]) -> torch.Tensor:
         with torch.no_grad():
-            logits = hf(torch.tensor(prefixes)).logits[:, -1]
-        m = len(prefixes)
-        return logits_to_probs(logits, torch.full((m,), params.temperature), torch.full((m,), params.top_k),
-                               torch.full((m,), params.top_p), torch.full((m,), params.min_p)).double()
+            logits = hf(torch.tensor([prompt + p for p in prefixes])).logits[:, -1]
+        if allowed is None:
+            return target_probs_rows(logits, params)
+        masks = np.stack([np.asarray(allowed(p), dtype=bool) for p in prefixes])
+        dead = ~masks.any(-1)
+        masks[dead] = True
+        return target_probs_rows(logits, params, masks) * torch.from_numpy(~dead)[:, None]
 
-    p1 = dist([prompt])[0]
-    p2_given = dist([prompt + [a] for a in range(vocab)])  # [a, b]
-    p3_given = dist([prompt + [a, b] for a, b in itertools.product(range(vocab), repeat=2)]).view(vocab, vocab, vocab)
+    p1 = dist([[]])[0]
+    p2_given = dist([[a] for a in range(vocab)])  # [a, b]
+    p3_given = dist([[a, b] for a, b in itertools.product(range(vocab), repeat=2)]).view(vocab, vocab, vocab)
     joint12 = p1[:, None] * p2_given
     return joint12.sum(0), (joint12[:, :, None] * p3_given).sum((0, 1))
 

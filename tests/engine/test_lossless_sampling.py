@@ -2,8 +2,9 @@
 
 Many requests with different seeds run as one batch (batched verification). The 2nd and 3rd emitted
 tokens come from verify steps (the 1st from prefill); their empirical marginals are compared with the
-exact target marginals — computed from transformers' logits with the same temperature/top-k/top-p/
-min-p transform — by a chi-square test at a fixed seed.
+exact target marginals — computed from transformers' logits through the independent temperature/top-k/
+top-p/min-p oracle (tests/sampling_oracle.py, not the engine's logits_to_probs) — by a chi-square test at
+a fixed seed (tests/verify/test_sampling_oracle.py shows the test rejects an off-by-one filter).
 """
 
 from __future__ import annotations

@@ -38,7 +38,16 @@ def test_bench_adaptive_smoke(llama_dir, tmp_path, capsys):
         for c in cells:
             assert c["outputs_identical"] is (True if c["temperature"] == 0 else None)
             assert c["best_static"] in entry["configs"] and c["best_static"].startswith("static:")
-            assert c["goals"]["vs_plain"] in ("met", "within noise", "missed")
+            # The verdicts, recomputed from the cell's own figures by the rule evals/bench_adaptive.py
+            # documents: goals adaptive >= 1.00 x plain and adaptive >= 0.97 x max(plain, best static);
+            # "met" at or above the goal, "missed" (beyond noise) below goal x (1 - noise), else "within noise".
+            adaptive = c["configs"]["adaptive"]["tokens_per_s"]
+            best_static = c["configs"][c["best_static"]]["tokens_per_s"]
+            for goal, ratio, target in (("vs_plain", adaptive / c["plain_tokens_per_s"], 1.00),
+                                        ("vs_max_plain_best_static", adaptive / max(c["plain_tokens_per_s"], best_static), 0.97)):
+                expected = "met" if ratio >= target else "missed" if ratio < target * (1 - c["noise"]) else "within noise"
+                assert c["goals"][goal] == expected, (goal, ratio, c["noise"], c["goals"])
+            assert c["adaptive_speedup"] == pytest.approx(adaptive / c["plain_tokens_per_s"])
             control = c["configs"]["plain:control"]["tokens_per_s"] / c["plain_tokens_per_s"]
             assert c["noise"] == pytest.approx(abs(1 - control))  # one round: no spread; the control's distance
             plain = c["configs"]["plain"]

@@ -12,6 +12,7 @@ import re
 import numpy as np
 import pytest
 import torch
+from sampling_oracle import target_probs
 from target_stats import chi_square_p_value
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -21,7 +22,6 @@ from specserve import LLM, SamplingParams
 from specserve.drafters.eagle_checkpoint import save_head
 from specserve.drafters.medusa_heads import MedusaHeads, save_heads
 from specserve.grammar import Constraint, GrammarCompiler
-from specserve.sampling import logits_to_probs
 
 SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
                                            "ok": {"type": "boolean"},
@@ -168,7 +168,8 @@ SAMPLED_REGEX = "[a-e]{6,10}"  # tokens a..e and "de" in the tiny tokenizer: at 
 
 
 def _masked_marginals(model_dir, prompt: list[int], params: SamplingParams):
-    """Exact P(2nd token) and P(3rd token) under mask-then-temperature, enumerating allowed prefixes."""
+    """Exact P(2nd token) and P(3rd token) under mask-then-temperature (then top-k/top-p/min-p), enumerating
+    allowed prefixes."""
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     vocab = hf.config.vocab_size
@@ -179,9 +180,9 @@ def _masked_marginals(model_dir, prompt: list[int], params: SamplingParams):
         state.advance(prefix)
         with torch.no_grad():
             logits = hf(torch.tensor([prompt + prefix])).logits[:, -1]
-        logits[0, ~torch.from_numpy(state.allowed())] = float("-inf")
-        one = torch.ones(1)
-        return logits_to_probs(logits, one * params.temperature, torch.zeros(1, dtype=torch.int64), one, 0 * one)[0].double()
+        # The independent oracle (tests/sampling_oracle.py), not logits_to_probs (the code under test).
+        return torch.from_numpy(target_probs(logits[0], params.temperature, params.top_k, params.top_p, params.min_p,
+                                             allowed=state.allowed()))
 
     p1 = dist([])
     second, third = torch.zeros(vocab, dtype=torch.float64), torch.zeros(vocab, dtype=torch.float64)
