@@ -16,6 +16,8 @@ streaming), ``prompts`` (messages → token ids, fitting a chat into the context
 ``cli`` (`specserve chat` / `specserve serve`).
 """
 
+from specserve.lazy import lazy_exports as _lazy_exports
+
 __all__ = ["ERROR_CODES", "BackgroundServer", "ProtocolError", "ServerConfig", "SpecServer"]
 
 # Imported on first use, so `specserve chat` and the CLI's parser do not import torch.
@@ -24,12 +26,4 @@ _LAZY = {"BackgroundServer": "specserve.server.app", "ServerConfig": "specserve.
          "ProtocolError": "specserve.server.protocol"}
 
 
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'specserve.server' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = _lazy_exports(__name__, _LAZY, globals())

@@ -5,6 +5,8 @@
     out = llm.generate("def f(x):", SamplingParams(max_tokens=64, temperature=0.0))[0]
 """
 
+from specserve.lazy import lazy_exports as _lazy_exports
+
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "SpecStats", "__version__"]
@@ -15,16 +17,4 @@ _LAZY = {"LLM": "specserve.llm", "RequestOutput": "specserve.request", "SpecStat
          "SamplingParams": "specserve.sampling"}
 
 
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'specserve' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + list(_LAZY))
+__getattr__, __dir__ = _lazy_exports(__name__, _LAZY, globals())

@@ -7,6 +7,8 @@ One job per module (import what you need; nothing heavy is imported here):
 - ``presets``      model shapes and training settings (``tiny``, ``small``; draft presets), validation
 - ``data``         token streams and deterministic, resumable batches
 - ``trainer``      the shared loop: AdamW + cosine, CUDA bf16 autocast, torchrun DDP, logs, checkpoints
+- ``setup``        what every ``train_*`` entry point shares: `RunOptions` (device, budget, resume/force,
+                   overrides), the process group, a drafter run's output directory and data, the summary
 - ``lm``           ``specserve train lm``
 - ``distill``      ``specserve train distill-data``
 - ``draft``        ``specserve train draft`` (served by the ``draft`` drafter, `specserve.drafters.draft_model`)

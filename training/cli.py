@@ -165,12 +165,8 @@ def cmd_lm(args: argparse.Namespace) -> int:
     _set_threads(args.threads)
     from specserve.training.lm import train_lm
 
-    summary = train_lm(
-        args.out, preset=args.preset, corpus=args.corpus, device=args.device, max_minutes=args.max_minutes,
-        resume=args.resume, force=args.force, max_steps=args.max_steps, batch_size=args.batch_size,
-        seq_len=args.seq_len, lr=args.lr, seed=args.seed, stop_at_step=args.stop_at_step, tokenizer=args.tokenizer,
-        heldout_fraction=args.heldout_fraction, argv=sys.argv[1:],
-    )
+    summary = train_lm(args.out, preset=args.preset, corpus=args.corpus, seq_len=args.seq_len, tokenizer=args.tokenizer,
+                       heldout_fraction=args.heldout_fraction, **run_options(args))
     _report(summary, args.out)
     return 0
 
@@ -191,11 +187,8 @@ def cmd_draft(args: argparse.Namespace) -> int:
     _set_threads(args.threads)
     from specserve.training.draft import train_draft
 
-    summary = train_draft(
-        args.target, args.out, data=args.data, preset=args.preset, device=args.device, max_minutes=args.max_minutes,
-        resume=args.resume, force=args.force, max_steps=args.max_steps, batch_size=args.batch_size, lr=args.lr,
-        seed=args.seed, stop_at_step=args.stop_at_step, distill_settings=_distill_settings(args), argv=sys.argv[1:],
-    )
+    summary = train_draft(args.target, args.out, data=args.data, preset=args.preset,
+                          distill_settings=_distill_settings(args), **run_options(args))
     _report(summary, args.out)
     return 0
 
@@ -226,6 +219,14 @@ def cmd_bundle(args: argparse.Namespace) -> int:
     )
     print(json.dumps({"bundle": manifest["bundle_dir"], "size_mb": manifest["size_mb"], "metrics": manifest["metrics"]}))
     return 0
+
+
+def run_options(args: argparse.Namespace) -> dict:
+    """The run options (`specserve.training.setup.RunOptions`) of a ``train lm | draft | medusa | eagle``
+    command line, as the keyword arguments of its ``train_*`` function."""
+    return {"device": args.device, "max_minutes": args.max_minutes, "resume": args.resume, "force": args.force,
+            "max_steps": args.max_steps, "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed,
+            "stop_at_step": args.stop_at_step, "argv": sys.argv[1:]}
 
 
 def _single_process(what: str) -> None:

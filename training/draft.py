@@ -16,41 +16,17 @@ The output is a model directory in Hugging Face layout, with the target's tokeni
 from __future__ import annotations
 
 import sys
-import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
+from specserve.training import setup
 from specserve.training.data import IndexSampler
-from specserve.training.distill import (
-    DistillSettings,
-    load_training_distill,
-    make_run_distill_data,
-    run_distill_dir,
-)
-from specserve.training.outputs import (
-    check_run_options,
-    prepare_out_dir,
-    read_json,
-    recorded_preset,
-    save_hf_model,
-    write_json,
-)
-from specserve.training.plots import plot_loss_curve
+from specserve.training.distill import DistillSettings
+from specserve.training.outputs import read_json, recorded_preset, save_hf_model, write_json
 from specserve.training.presets import get_preset
-from specserve.training.tokenizer import (
-    copy_tokenizer,
-    load_tokenizer,
-    tokenizer_fingerprint,
-)
-from specserve.training.trainer import (
-    LOG_FILE,
-    Trainer,
-    barrier,
-    read_log,
-    setup_distributed,
-    teardown_distributed,
-)
+from specserve.training.tokenizer import copy_tokenizer, load_tokenizer, tokenizer_fingerprint
+from specserve.training.trainer import Trainer, barrier
 
 
 def train_draft(
@@ -59,48 +35,28 @@ def train_draft(
     *,
     data: str | Path | None = None,
     preset: str | None = None,
-    device: str = "auto",
-    max_minutes: float | None = None,
-    resume: bool = False,
-    force: bool = False,
-    max_steps: int | None = None,
-    batch_size: int | None = None,
-    lr: float | None = None,
-    seed: int | None = None,
-    stop_at_step: int | None = None,
     distill_settings: DistillSettings | None = None,
-    argv: list[str] | None = None,
+    **options,
 ) -> dict:
-    """Train (or resume) a draft model for ``target``; return the run summary."""
+    """Train (or resume) a draft model for ``target``; return the run summary. ``options``: `setup.RunOptions`."""
     from transformers import AutoConfig, LlamaForCausalLM
 
-    check_run_options(resume=resume, force=force, stop_at_step=stop_at_step)
+    run = setup.RunOptions.of("train_draft", options)
     out_dir = Path(out).expanduser()
-    base = recorded_preset(out_dir, preset) if resume else get_preset(preset or "draft", "draft")
-    recipe = base.with_overrides(max_steps=max_steps, batch_size=batch_size, lr=lr, seed=seed, max_minutes=max_minutes)
+    base = recorded_preset(out_dir, preset) if run.resume else get_preset(preset or "draft", "draft")
+    recipe = base.with_overrides(**run.overrides())
     settings = recipe.train
     target_dir = Path(target).expanduser().resolve()
     tok = load_tokenizer(target_dir, "target directory")
     target_config = AutoConfig.from_pretrained(str(target_dir))
-    if resume and data is None:  # the run's own data unless told otherwise
+    if run.resume and data is None:  # the run's own data unless told otherwise
         data = read_json(out_dir / "run_config.json").get("data")
-    if data is None:
-        distill_settings = (distill_settings or DistillSettings()).validate(
-            target_config.max_position_embeddings, target_config.vocab_size)
-    dist = setup_distributed(device)
-    try:
-        if dist.is_main:
-            prepare_out_dir(out_dir, resume=resume, force=force)
-            if not resume:
-                write_json(out_dir / "run_config.json", {
-                    "command": "train draft", "argv": argv, "preset": recipe.to_dict(), "target": str(target_dir),
-                    "data": str(data) if data is not None else None, "device": str(dist.device), "world_size": dist.world,
-                })
-            if data is None:  # generate the distillation data inside the output directory
-                make_run_distill_data(target_dir, out_dir, distill_settings, device)
-        barrier(dist)
-        data_dir = run_distill_dir(out_dir, data)
-        train_set, heldout_set, _ = load_training_distill(data_dir, target_dir, warn=dist.is_main)
+    distill_settings = setup.distill_settings_for(data, distill_settings, target_config.max_position_embeddings,
+                                                  target_config.vocab_size)
+    with setup.distributed_run(run.device) as dist:
+        record = setup.run_record("train draft", run, dist, target_dir, data, preset=recipe.to_dict(), world_size=dist.world)
+        data_dir, train_set, heldout_set, _ = setup.start_drafter_run(dist, run, target_dir, out_dir, data,
+                                                                      distill_settings, run_config=record)
 
         shape = replace(recipe.shape, vocab_size=target_config.vocab_size,
                         max_positions=target_config.max_position_embeddings).validate()
@@ -141,8 +97,7 @@ def train_draft(
                      "data": str(data_dir.resolve()), "target": str(target_dir)},
             desc=f"train draft/{recipe.name}",
         )
-        started = time.perf_counter()
-        summary = trainer.run(resume=resume, stop_at_step=stop_at_step)
+        summary, started = setup.run_trainer(trainer, run)
         if dist.is_main:
             save_hf_model(trainer.module, out_dir, tok.eos_token_id)
             copy_tokenizer(target_dir, out_dir)
@@ -150,20 +105,13 @@ def train_draft(
                 "kind": "draft_model", "target": str(target_dir), "target_tokenizer": tokenizer_fingerprint(target_dir),
                 "target_vocab_size": target_config.vocab_size, "distill_data": str(data_dir.resolve()),
             })
-            records = read_log(out_dir / LOG_FILE)
-            plot_loss_curve(records, out_dir / "loss_curve.png",
-                            f"draft {recipe.name} ({shape.num_params() / 1e6:.2f}M params): KL to the target")
-            summary.update({
-                "kind": "draft", "preset": recipe.name, "num_params": sum(p.numel() for p in trainer.module.parameters()),
-                "shape": asdict(shape), "target": str(target_dir), "argv": argv,
-                "wall_seconds_this_session": round(time.perf_counter() - started, 2),
-                "first_loss": records[0]["loss"] if records else None, "final_loss": records[-1]["loss"] if records else None,
-            })
-            write_json(out_dir / "train_summary.json", summary)
+            setup.finish_run(out_dir, summary, started,
+                             f"draft {recipe.name} ({shape.num_params() / 1e6:.2f}M params): KL to the target",
+                             kind="draft", preset=recipe.name,
+                             num_params=sum(p.numel() for p in trainer.module.parameters()),
+                             shape=asdict(shape), target=str(target_dir), argv=run.argv)
         barrier(dist)
         return summary
-    finally:
-        teardown_distributed(dist)
 
 
 def _batch(data, ids: torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:

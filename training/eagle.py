@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -53,43 +52,28 @@ def train_eagle(
     draft_vocab: int | None = None,
     feature_layers: tuple[int, ...] | None = None,
     save_dtype: str = "float16",
-    device: str = "auto",
-    max_minutes: float | None = None,
-    resume: bool = False,
-    force: bool = False,
-    max_steps: int | None = None,
-    batch_size: int | None = None,
-    lr: float | None = None,
-    seed: int | None = None,
-    stop_at_step: int | None = None,
     distill_settings=None,
-    argv: list[str] | None = None,
+    **options,
 ) -> dict:
-    """Train (or resume) an EAGLE head for ``target``; return the run summary."""
+    """Train (or resume) an EAGLE head for ``target``; return the run summary. ``options``: `setup.RunOptions`."""
     import torch
 
     from specserve.drafters.eagle_checkpoint import new_head_config, save_head
     from specserve.drafters.eagle_head import EagleHead
+    from specserve.training import setup
     from specserve.training.data import IndexSampler
-    from specserve.training.distill import (
-        DistillSettings,
-        load_training_distill,
-        make_run_distill_data,
-        run_distill_dir,
-    )
-    from specserve.training.outputs import check_run_options, prepare_out_dir, read_json, write_json
-    from specserve.training.plots import plot_loss_curve
+    from specserve.training.outputs import read_json, write_json
     from specserve.training.presets import TrainSettings, check_int
-    from specserve.training.trainer import LOG_FILE, Trainer, read_log, setup_distributed, teardown_distributed
+    from specserve.training.trainer import Trainer
 
-    check_run_options(resume=resume, force=force, stop_at_step=stop_at_step)
+    run = setup.RunOptions.of("train_eagle", options)
     if save_dtype not in ("float16", "float32"):
         raise ValueError(f"save_dtype must be float16 or float32, got {save_dtype!r}")
     out_dir = Path(out).expanduser()
     target_dir = Path(target).expanduser().resolve()
     if not (target_dir / "config.json").is_file():
         raise ValueError(f"target directory {str(target_dir)!r} has no config.json")
-    if resume:
+    if run.resume:
         recorded = _recorded(out_dir)
         for name, given in (("mode", mode), ("ttt_steps", ttt_steps), ("draft_vocab", draft_vocab),
                             ("feature_layers", list(feature_layers) if feature_layers else None)):
@@ -107,30 +91,20 @@ def train_eagle(
         raise ValueError(f"mode must be eagle3 or eagle1, got {mode!r}")
     ttt_steps = DEFAULT_TTT[mode] if ttt_steps is None else ttt_steps
     check_int("ttt_steps", ttt_steps, 1, 16)
-    overrides = {k: v for k, v in dict(max_steps=max_steps, batch_size=batch_size, lr=lr, seed=seed,
-                                       max_minutes=max_minutes).items() if v is not None}
-    settings = TrainSettings(**{**base, **overrides}).validate()
+    settings = TrainSettings(**{**base, **run.overrides()}).validate()
     config = read_json(target_dir / "config.json")
     vocab = int(config["vocab_size"])
     if draft_vocab is not None and (isinstance(draft_vocab, bool) or not 1 <= draft_vocab <= vocab):
         raise ValueError(f"draft_vocab must be in [1, {vocab}], got {draft_vocab!r}")
     if mode == "eagle1" and draft_vocab not in (None, vocab):
         raise ValueError("--draft-vocab is for eagle3 heads: an eagle1 head uses the target's LM head (full vocabulary)")
-    if data is None:
-        distill_settings = (distill_settings or DistillSettings()).validate(int(config["max_position_embeddings"]), vocab)
+    distill_settings = setup.distill_settings_for(data, distill_settings, int(config["max_position_embeddings"]), vocab)
 
-    dist = setup_distributed(device)
-    try:
-        if dist.world > 1:
-            raise ValueError("train eagle runs as a single process, not under torchrun")
-        prepare_out_dir(out_dir, resume=resume, force=force)
-        if force:  # files prepare_out_dir does not know
-            for name in ("eagle_config.json", "eagle_head.safetensors", "agreement.png"):
-                (out_dir / name).unlink(missing_ok=True)
-        if data is None:
-            make_run_distill_data(target_dir, out_dir, distill_settings, device)
-        data_dir = run_distill_dir(out_dir, data)
-        train_set, heldout_set, _ = load_training_distill(data_dir, target_dir)
+    with setup.distributed_run(run.device, single_process="train eagle") as dist:
+        # run_config.json is written below, once the head's vocabulary is known
+        data_dir, train_set, heldout_set, _ = setup.start_drafter_run(
+            dist, run, target_dir, out_dir, data, distill_settings,
+            own_files=("eagle_config.json", "eagle_head.safetensors", "agreement.png"))
         if int(train_set.tokens.max()) >= vocab:
             raise ValueError(f"the distillation data in {str(data_dir)!r} has token ids outside the target's vocabulary")
 
@@ -151,14 +125,11 @@ def train_eagle(
             if mode == "eagle3":  # start from the target's own output layer, restricted to the draft vocabulary
                 head.norm.copy_(teacher.model.norm.weight)
                 head.lm_head.copy_(teacher.get_output_embeddings().weight[draft_ids.to(dist.device)])
-        if not resume:
-            write_json(out_dir / "run_config.json", {
-                "command": "train eagle", "argv": argv, "target": str(target_dir), "device": str(dist.device),
-                "data": str(data) if data is not None else None,
-                "eagle": {"mode": mode, "ttt_steps": ttt_steps, "draft_vocab": draft_vocab,
-                          "feature_layers": list(feature_layers) if feature_layers else None,
-                          "train": asdict(settings)},
-            })
+        if not run.resume:
+            write_json(out_dir / "run_config.json", setup.run_record(
+                "train eagle", run, dist, target_dir, data,
+                eagle={"mode": mode, "ttt_steps": ttt_steps, "draft_vocab": draft_vocab,
+                       "feature_layers": list(feature_layers) if feature_layers else None, "train": asdict(settings)}))
         print(f"eagle head ({mode}, layers {list(cfg.feature_layers)}, draft vocabulary {len(draft_ids)}): "
               f"{sum(p.numel() for p in head.parameters()) / 1e6:.2f}M parameters; {len(train_set)} train / "
               f"{len(heldout_set) if heldout_set else 0} held-out sequences; {ttt_steps} unroll step(s)", file=sys.stderr)
@@ -200,24 +171,17 @@ def train_eagle(
                      "data": str(data_dir.resolve()), "target": str(target_dir)},
             desc=f"train eagle/{mode}",
         )
-        started = time.perf_counter()
-        summary = trainer.run(resume=resume, stop_at_step=stop_at_step)
+        summary, started = setup.run_trainer(trainer, run)
         save_head(trainer.module, out_dir, getattr(torch, save_dtype))
-        records = read_log(out_dir / LOG_FILE)
-        plot_loss_curve(records, out_dir / "loss_curve.png", f"EAGLE head ({mode}, {ttt_steps} unroll steps)")
-        _plot_agreement(records, out_dir / "agreement.png", mode)
         size = sum(f.stat().st_size for f in (out_dir / "eagle_head.safetensors", out_dir / "eagle_config.json"))
-        summary.update({
-            "kind": "eagle", "mode": mode, "ttt_steps": ttt_steps, "feature_layers": list(cfg.feature_layers),
-            "draft_vocab_size": cfg.draft_vocab_size, "num_params": sum(p.numel() for p in trainer.module.parameters()),
-            "head_bytes": size, "save_dtype": save_dtype, "target": str(target_dir), "data": str(data_dir.resolve()),
-            "argv": argv, "settings": asdict(settings), "wall_seconds_this_session": round(time.perf_counter() - started, 2),
-            "first_loss": records[0]["loss"] if records else None, "final_loss": records[-1]["loss"] if records else None,
-        })
-        write_json(out_dir / "train_summary.json", summary)
+        records = setup.finish_run(
+            out_dir, summary, started, f"EAGLE head ({mode}, {ttt_steps} unroll steps)",
+            kind="eagle", mode=mode, ttt_steps=ttt_steps, feature_layers=list(cfg.feature_layers),
+            draft_vocab_size=cfg.draft_vocab_size, num_params=sum(p.numel() for p in trainer.module.parameters()),
+            head_bytes=size, save_dtype=save_dtype, target=str(target_dir), data=str(data_dir.resolve()),
+            argv=run.argv, settings=asdict(settings))
+        _plot_agreement(records, out_dir / "agreement.png", mode)
         return summary
-    finally:
-        teardown_distributed(dist)
 
 
 def default_draft_vocab(vocab: int) -> int:
@@ -388,7 +352,7 @@ def add_eagle_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_eagle(args: argparse.Namespace) -> int:
-    from specserve.training.cli import _distill_settings, _report, _set_threads
+    from specserve.training.cli import _distill_settings, _report, _set_threads, run_options
 
     _set_threads(args.threads)
     layers = None
@@ -399,9 +363,7 @@ def cmd_eagle(args: argparse.Namespace) -> int:
             raise ValueError(f"--feature-layers must be comma-separated integers, got {args.feature_layers!r}") from exc
     summary = train_eagle(
         args.target, args.out, data=args.data, mode=args.mode, ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab,
-        feature_layers=layers, save_dtype=args.save_dtype, device=args.device, max_minutes=args.max_minutes,
-        resume=args.resume, force=args.force, max_steps=args.max_steps, batch_size=args.batch_size, lr=args.lr,
-        seed=args.seed, stop_at_step=args.stop_at_step, distill_settings=_distill_settings(args), argv=sys.argv[1:],
+        feature_layers=layers, save_dtype=args.save_dtype, distill_settings=_distill_settings(args), **run_options(args),
     )
     _report(summary, args.out)
     print(json.dumps({"out": args.out, "mode": summary["mode"], "head_bytes": summary["head_bytes"],

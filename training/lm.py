@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from specserve.training import setup
 from specserve.training.corpus import build_corpus
 from specserve.training.data import (
     WindowSampler,
@@ -26,25 +27,10 @@ from specserve.training.data import (
     load_stream,
     save_stream,
 )
-from specserve.training.outputs import (
-    check_run_options,
-    prepare_out_dir,
-    read_json,
-    recorded_preset,
-    save_hf_model,
-    write_json,
-)
-from specserve.training.plots import plot_loss_curve
+from specserve.training.outputs import prepare_out_dir, read_json, recorded_preset, save_hf_model, write_json
 from specserve.training.presets import get_preset
 from specserve.training.tokenizer import copy_tokenizer, load_tokenizer, train_tokenizer
-from specserve.training.trainer import (
-    LOG_FILE,
-    Trainer,
-    barrier,
-    read_log,
-    setup_distributed,
-    teardown_distributed,
-)
+from specserve.training.trainer import Trainer, barrier
 
 
 def train_lm(
@@ -52,47 +38,36 @@ def train_lm(
     *,
     preset: str | None = None,
     corpus: list[str] | None = None,
-    device: str = "auto",
-    max_minutes: float | None = None,
-    resume: bool = False,
-    force: bool = False,
-    max_steps: int | None = None,
-    batch_size: int | None = None,
     seq_len: int | None = None,
-    lr: float | None = None,
-    seed: int | None = None,
-    stop_at_step: int | None = None,
     tokenizer: str | Path | None = None,
     heldout_fraction: float = 0.05,
-    argv: list[str] | None = None,
+    **options,
 ) -> dict:
     """Train (or resume) one LM; return the run summary (also written to ``train_summary.json``).
 
-    A resumed run takes its recipe from its own ``run_config.json``; options given explicitly
-    (e.g. ``max_minutes``, a larger ``max_steps``) override it.
+    ``options``: the `setup.RunOptions` every training command takes (device, max_minutes, resume,
+    force, max_steps, batch_size, lr, seed, stop_at_step, argv). A resumed run takes its recipe from its own
+    ``run_config.json``; options given explicitly (e.g. ``max_minutes``, a larger ``max_steps``) override it.
     """
-    check_run_options(resume=resume, force=force, stop_at_step=stop_at_step)
-    base = recorded_preset(Path(out).expanduser(), preset) if resume else get_preset(_require(preset), "lm")
-    recipe = base.with_overrides(
-        max_steps=max_steps, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed, max_minutes=max_minutes
-    )
+    run = setup.RunOptions.of("train_lm", options)
+    out_dir = Path(out).expanduser()
+    base = recorded_preset(out_dir, preset) if run.resume else get_preset(_require(preset), "lm")
+    recipe = base.with_overrides(seq_len=seq_len, **run.overrides())
     settings = recipe.train
-    dist = setup_distributed(device)
-    try:
-        out_dir = Path(out).expanduser()
+    with setup.distributed_run(run.device) as dist:
         if dist.is_main:
-            prepare_out_dir(out_dir, resume=resume, force=force)
+            prepare_out_dir(out_dir, resume=run.resume, force=run.force)
         barrier(dist)
         data_dir = out_dir / "data"
-        if dist.is_main and not resume:
+        if dist.is_main and not run.resume:
             _prepare_data(out_dir, recipe, corpus, tokenizer, heldout_fraction, settings.seed)
             write_json(out_dir / "run_config.json", {
-                "command": "train lm", "argv": argv, "preset": recipe.to_dict(), "corpus": corpus,
+                "command": "train lm", "argv": run.argv, "preset": recipe.to_dict(), "corpus": corpus,
                 "tokenizer": str(tokenizer) if tokenizer else None, "heldout_fraction": heldout_fraction,
                 "device": str(dist.device), "world_size": dist.world,
             })
         barrier(dist)
-        if resume and not (data_dir / "train.npy").is_file():
+        if run.resume and not (data_dir / "train.npy").is_file():
             raise ValueError(f"--resume: {str(out_dir)!r} has no prepared data (data/train.npy): start a fresh run")
         tok = load_tokenizer(out_dir, "output directory")
         train_tokens, heldout_tokens = load_stream(data_dir / "train.npy"), load_stream(data_dir / "heldout.npy")
@@ -127,25 +102,17 @@ def train_lm(
                      "seed": settings.seed, "lr": settings.lr},
             desc=f"train lm/{recipe.name}",
         )
-        started = time.perf_counter()
-        summary = trainer.run(resume=resume, stop_at_step=stop_at_step)
+        summary, started = setup.run_trainer(trainer, run)
         if dist.is_main:
             save_hf_model(trainer.module, out_dir, tok.eos_token_id)
-            records = read_log(out_dir / LOG_FILE)
-            plot_loss_curve(records, out_dir / "loss_curve.png", f"{recipe.name} LM ({shape.num_params() / 1e6:.2f}M params)")
-            summary.update({
-                "kind": "lm", "preset": recipe.name, "num_params": sum(p.numel() for p in trainer.module.parameters()),
-                "shape": asdict(shape), "vocab_size": len(tok),
-                "corpus_sha256": read_json(out_dir / "corpus_manifest.json").get("sha256"),
-                "wall_seconds_this_session": round(time.perf_counter() - started, 2),
-                "tokens_per_s": round(summary["tokens"] / max(summary["train_seconds"], 1e-9), 1),
-                "first_loss": records[0]["loss"] if records else None, "final_loss": records[-1]["loss"] if records else None,
-            })
-            write_json(out_dir / "train_summary.json", summary)
+            setup.finish_run(
+                out_dir, summary, started, f"{recipe.name} LM ({shape.num_params() / 1e6:.2f}M params)",
+                kind="lm", preset=recipe.name, num_params=sum(p.numel() for p in trainer.module.parameters()),
+                shape=asdict(shape), vocab_size=len(tok),
+                corpus_sha256=read_json(out_dir / "corpus_manifest.json").get("sha256"),
+                tokens_per_s=round(summary["tokens"] / max(summary["train_seconds"], 1e-9), 1))
         barrier(dist)
         return summary
-    finally:
-        teardown_distributed(dist)
 
 
 def _require(preset: str | None) -> str:

@@ -26,25 +26,18 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 from specserve.drafters.medusa_heads import CONFIG_FILE, LM_HEAD_MODES, WEIGHTS_FILE, MedusaHeads, save_heads
 from specserve.drafters.medusa_tree import choices_from_accuracies, expected_accepted
+from specserve.training import setup
 from specserve.training.data import IndexSampler
-from specserve.training.distill import (
-    DistillSet,
-    DistillSettings,
-    load_training_distill,
-    make_run_distill_data,
-    run_distill_dir,
-)
-from specserve.training.outputs import check_run_options, prepare_out_dir, read_run_config, write_json
-from specserve.training.plots import plot_loss_curve
+from specserve.training.distill import DistillSet, DistillSettings
+from specserve.training.outputs import read_run_config
 from specserve.training.presets import TrainSettings, check_float, check_int
-from specserve.training.trainer import LOG_FILE, Trainer, read_log, setup_distributed, teardown_distributed
+from specserve.training.trainer import LOG_FILE, Trainer
 from torch import nn
 
 # Sized for the small default target on 2 CPU cores: ~1.45 s/step in the first epoch (features
@@ -69,26 +62,16 @@ def train_medusa(
     num_layers: int | None = None,
     lm_head: str | None = None,
     decay: float | None = None,
-    device: str = "auto",
-    max_minutes: float | None = None,
-    resume: bool = False,
-    force: bool = False,
-    max_steps: int | None = None,
-    batch_size: int | None = None,
-    lr: float | None = None,
-    seed: int | None = None,
-    stop_at_step: int | None = None,
     distill_settings: DistillSettings | None = None,
-    argv: list[str] | None = None,
+    **options,
 ) -> dict:
-    """Train (or resume) Medusa heads for ``target``; return the run summary."""
+    """Train (or resume) Medusa heads for ``target``; return the run summary. ``options``: `setup.RunOptions`."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    check_run_options(resume=resume, force=force, stop_at_step=stop_at_step)
+    run = setup.RunOptions.of("train_medusa", options)
     out_dir = Path(out).expanduser()
     given_heads = {"num_heads": num_heads, "num_layers": num_layers, "lm_head": lm_head, "decay": decay}
-    overrides = {"max_steps": max_steps, "batch_size": batch_size, "lr": lr, "seed": seed, "max_minutes": max_minutes}
-    if resume:
+    if run.resume:
         recorded = _recorded(out_dir)
         spec = dict(recorded["heads"])
         changed = sorted(k for k, v in given_heads.items() if v is not None and v != spec[k])
@@ -100,32 +83,18 @@ def train_medusa(
     else:
         spec = {k: (DEFAULT_HEADS[k] if v is None else v) for k, v in given_heads.items()}
         base = DEFAULT_SETTINGS
-    settings = replace(base, **{k: v for k, v in overrides.items() if v is not None}).validate()
+    settings = replace(base, **run.overrides()).validate()
     _check_spec(spec)
     target_dir = Path(target).expanduser().resolve()
     if not (target_dir / "config.json").is_file():
         raise ValueError(f"target directory {str(target_dir)!r} has no config.json")
     target_config = AutoConfig.from_pretrained(str(target_dir))
-    if data is None:
-        distill_settings = (distill_settings or DistillSettings()).validate(
-            target_config.max_position_embeddings, target_config.vocab_size)
-    dist = setup_distributed(device)
-    try:
-        if dist.world > 1:  # inside try: the process group is torn down on this error too
-            raise ValueError("train medusa runs as a single process, not under torchrun")
-        prepare_out_dir(out_dir, resume=resume, force=force)
-        if force:  # prepare_out_dir removes the files every training command writes; these are ours
-            for name in (CONFIG_FILE, WEIGHTS_FILE):
-                (out_dir / name).unlink(missing_ok=True)
-        if not resume:
-            write_json(out_dir / "run_config.json", {
-                "command": "train medusa", "argv": argv, "heads": spec, "settings": asdict(settings),
-                "target": str(target_dir), "data": str(data) if data is not None else None, "device": str(dist.device),
-            })
-        if data is None:
-            make_run_distill_data(target_dir, out_dir, distill_settings, device)
-        data_dir = run_distill_dir(out_dir, data)
-        train_set, heldout_set, manifest = load_training_distill(data_dir, target_dir)
+    distill_settings = setup.distill_settings_for(data, distill_settings, target_config.max_position_embeddings,
+                                                  target_config.vocab_size)
+    with setup.distributed_run(run.device, single_process="train medusa") as dist:
+        data_dir, train_set, heldout_set, manifest = setup.start_drafter_run(
+            dist, run, target_dir, out_dir, data, distill_settings, own_files=(CONFIG_FILE, WEIGHTS_FILE),
+            run_config=setup.run_record("train medusa", run, dist, target_dir, data, heads=spec, settings=asdict(settings)))
         if manifest.get("vocab_size") not in (None, target_config.vocab_size):
             raise ValueError(f"the distillation data in {str(data_dir)!r} has vocab_size {manifest.get('vocab_size')}, "
                              f"the target {target_config.vocab_size}")
@@ -167,8 +136,7 @@ def train_medusa(
                      "data": str(data_dir.resolve()), "target": str(target_dir)},
             desc=f"train medusa/{spec['num_heads']}x{spec['lm_head']}",
         )
-        started = time.perf_counter()
-        summary = trainer.run(resume=resume, stop_at_step=stop_at_step)
+        summary, started = setup.run_trainer(trainer, run)
         if "rank_accuracy" not in latest:  # the run ended right after a log record: evaluate now
             record = {"step": trainer.step, "tokens": trainer.tokens, "elapsed_s": round(trainer.train_seconds, 2)}
             record.update({k: round(v, 5) for k, v in trainer.evaluate().items()})
@@ -182,24 +150,15 @@ def train_medusa(
             "choices": choices, "metrics": metrics, "rank_accuracy": [[round(a, 5) for a in row] for row in rank_accuracy],
             "distill_data": str(data_dir.resolve()), "decay": spec["decay"], "step": trainer.step,
         })
-        records = read_log(out_dir / LOG_FILE)
-        losses = [r["loss"] for r in records if "loss" in r]
-        plot_loss_curve(records, out_dir / "loss_curve.png",
-                        f"medusa {spec['num_heads']} heads ({spec['lm_head']} LM head): weighted KL to the target")
-        size = (out_dir / WEIGHTS_FILE).stat().st_size
-        summary.update({
-            "kind": "medusa", "heads": spec, "target": str(target_dir), "argv": argv,
-            "num_trainable_params": sum(p.numel() for p in trainer.module.heads.parameters()),
-            "checkpoint_bytes": size, "choices": choices,
-            "expected_accepted_static": round(expected_accepted(choices, rank_accuracy), 3),
-            "wall_seconds_this_session": round(time.perf_counter() - started, 2),
-            "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
-            "fingerprint": config["target"]["fingerprint"],
-        })
-        write_json(out_dir / "train_summary.json", summary)
+        setup.finish_run(
+            out_dir, summary, started,
+            f"medusa {spec['num_heads']} heads ({spec['lm_head']} LM head): weighted KL to the target",
+            kind="medusa", heads=spec, target=str(target_dir), argv=run.argv,
+            num_trainable_params=sum(p.numel() for p in trainer.module.heads.parameters()),
+            checkpoint_bytes=(out_dir / WEIGHTS_FILE).stat().st_size, choices=choices,
+            expected_accepted_static=round(expected_accepted(choices, rank_accuracy), 3),
+            fingerprint=config["target"]["fingerprint"])
         return summary
-    finally:
-        teardown_distributed(dist)
 
 
 class _Trainable(nn.Module):
@@ -347,14 +306,12 @@ def _recorded(out_dir: Path) -> dict:
 
 def cmd_medusa(args) -> int:
     """Handler of ``specserve train medusa`` (registered in training/cli.py)."""
-    from specserve.training.cli import _distill_settings, _report, _set_threads
+    from specserve.training.cli import _distill_settings, _report, _set_threads, run_options
 
     _set_threads(args.threads)
     summary = train_medusa(
         args.target, args.out, data=args.data, num_heads=args.heads, num_layers=args.layers, lm_head=args.lm_head,
-        decay=args.decay, device=args.device, max_minutes=args.max_minutes, resume=args.resume, force=args.force,
-        max_steps=args.max_steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-        stop_at_step=args.stop_at_step, distill_settings=_distill_settings(args), argv=sys.argv[1:],
+        decay=args.decay, distill_settings=_distill_settings(args), **run_options(args),
     )
     _report(summary, args.out)
     return 0
