@@ -16,7 +16,9 @@ from specserve.server.client import DEFAULT_URL
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="Hugging Face Llama-family model directory (default: the embedded model)")
+    p.add_argument("--model", default=None,
+                   help="Hugging Face Llama-family model directory (default: the embedded ~9M-parameter code model, "
+                        "512-token context)")
     p.add_argument("--drafter", default="auto",
                      help="drafter spec: 'ngram', 'NAME:PATH' or 'none' (default 'auto': the embedded model's default drafter, else none)")
     p.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE", help="drafter knob (repeatable)")
@@ -42,7 +44,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "cancel the rest (each gets its terminal event); a second signal cuts it short (default 10)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together in one batch")
     p.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for the kernels (default: every core)")
+    from specserve.cli import THREADS_HELP
+
+    p.add_argument("--threads", type=int, default=None, help=f"CPU threads for the kernels ({THREADS_HELP})")
     p.add_argument("--dtype", default=None, help="CPU: weight storage float32 (default), bfloat16 or float16")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="info (the default) logs one line per finished request; warning keeps only problems")
@@ -71,10 +75,14 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from specserve.cli import _drafter_options, check_common_arguments, import_engine, show_progress
+
+    check_common_arguments(args)  # bad values answer before torch is imported
+    show_progress(args)
+    import_engine()
     from specserve.server.app import ServerConfig, SpecServer
 
     from specserve import LLM
-    from specserve.cli import _drafter_options
 
     config = ServerConfig(
         host=args.host, port=args.port, api_key=args.api_key, allowed_origins=tuple(args.allow_origin),

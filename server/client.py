@@ -37,6 +37,9 @@ async def open_connection(url: str, api_key: str | None):
         raise ValueError(f"{url} refused the connection: HTTP {status}{hint}") from None
     except InvalidURI as exc:
         raise ValueError(f"--url is not a websocket URL: {exc}") from None
+    except ConnectionRefusedError as exc:
+        hint = " (start one with `specserve serve`" + (", or give --url" if url == DEFAULT_URL else "") + ")"
+        raise ValueError(f"no server is running at {url}: {exc or type(exc).__name__}{hint}") from None
     except (OSError, InvalidHandshake, TimeoutError) as exc:
         raise ValueError(f"cannot connect to {url}: {exc or type(exc).__name__}") from None
 
@@ -244,6 +247,8 @@ class ChatClient:
                 messages.append({"role": "assistant", "content": text})
             else:  # refused (an error) or an empty reply: the turn leaves no trace in the conversation
                 messages.pop()
+        if tty and not self.args.json:
+            self.out("\n")  # quitting at the "> " prompt (Ctrl-D, Ctrl-C) leaves the shell a fresh line
         receiver.cancel()
         await self.ws.close()
         return 130 if self.interrupted else 0

@@ -8,7 +8,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from typing import Sequence
+
+_STARTED = time.perf_counter()  # about when the process started (this module is among the first imported)
 
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, NotADirectoryError, PermissionError, MemoryError)
 
@@ -58,6 +61,8 @@ BENCH_COMMANDS: dict[str, tuple[str, str, str, str]] = {
                 "constrained plain decoding", "specserve.evals.bench_grammar", "add_arguments", "run"),
     "parallel": ("more than one device: tensor-parallel vs one device, and aggregate throughput of server replicas",
                  "specserve.evals.bench_parallel", "add_arguments", "run"),
+    "startup": ("start-up: process start to first token (generate) and to ready (serve), argument errors, imports, "
+                "calibration, a first run's compilation", "specserve.evals.bench_startup", "add_arguments", "run"),
     "soak": ("soak and chaos run: well-behaved and hostile clients against a real server; checks that nothing "
              "leaks, crosses over or dies", "specserve.evals.bench_soak", "add_arguments", "run"),
 }
@@ -130,7 +135,9 @@ def add_execution_arguments(p: argparse.ArgumentParser) -> None:
 def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
     from specserve import defaults
 
-    gen.add_argument("--model", default=None, help="Hugging Face Llama-family model directory (default: the embedded model)")
+    gen.add_argument("--model", default=None,
+                     help="Hugging Face Llama-family model directory (default: the embedded ~9M-parameter code model, "
+                          "512-token context)")
     gen.add_argument("--drafter", default="auto",
                      help="drafter spec: 'ngram', 'NAME:PATH' or 'none' (default 'auto': the embedded model's default drafter, else none)")
     gen.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
@@ -144,22 +151,31 @@ def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--top-p", type=float, default=defaults.TOP_P)
     gen.add_argument("--top-k", type=int, default=defaults.TOP_K)
     gen.add_argument("--min-p", type=float, default=defaults.MIN_P)
-    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--stop", action="append", default=[], type=unescape,
+                     help=r"stop string (repeatable); \n, \t and \\ in it are a newline, a tab and a backslash, "
+                          r"so --stop '\n\n' stops at the first blank line")
     gen.add_argument("--seed", type=int, default=defaults.SEED)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--device", default="auto", help="auto | cpu | cuda")
     gen.add_argument("--dtype", default=None,
                      help="CPU: weight storage float32 (default), bfloat16 or float16 (compute stays float32); "
                           "CUDA: compute dtype (default bfloat16)")
-    gen.add_argument("--threads", type=int, default=None, help="CPU threads for the kernels (default: every core)")
+    gen.add_argument("--threads", type=int, default=None, help=f"CPU threads for the kernels ({THREADS_HELP})")
     add_execution_arguments(gen)
+    gen.add_argument("--compare", action="store_true",
+                     help="also decode the same prompt plainly (no drafter, same settings) and report both speeds and "
+                          "the speedup (median of 3 timed runs each); greedy outputs are checked to be identical")
+    gen.add_argument("--quiet", action="store_true",
+                     help="print only the text: no start-up progress, no prompt echo, no summary line")
     gen.add_argument("--json", action="store_true",
-                     help="print token ids, text, speculation stats, TTFT and tokens/s as JSON")
+                     help="print token ids, text, speculation stats, TTFT and tokens/s as JSON (with --compare: the "
+                          "plain run's speed and the speedup too)")
     add_constraint_arguments(gen)
     add_grammar_drafting_argument(gen)
 
 
-GRAMMAR_DRAFTING = ("forced", "aware", "verify")  # specserve.engine.GRAMMAR_DRAFTING (not imported: no torch here)
+THREADS_HELP = "default: every core"
+GRAMMAR_DRAFTING = ("forced", "aware", "verify")  # specserve.grammar.hooks.GRAMMAR_DRAFTING (not imported: no torch here)
 
 
 def add_grammar_drafting_argument(parser: argparse.ArgumentParser) -> None:
@@ -254,33 +270,196 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def unescape(value: str) -> str:
+    r"""A --stop value: \n, \t and \\ become a newline, a tab and a backslash (any other backslash stays)."""
+    import re
+
+    return re.sub(r"\\([nt\\])", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], value)
+
+
+def check_common_arguments(args: argparse.Namespace) -> None:
+    """Checks of `generate` and `serve` arguments that need no torch (ValueError naming the flag), so bad
+    input answers in a fraction of a second; everything else is still checked where it is used."""
+    import math
+    from pathlib import Path
+
+    model = getattr(args, "model", None)
+    if model is not None:  # the messages specserve.config.load_config gives, before torch is imported
+        path = Path(model)
+        if not path.exists():
+            raise FileNotFoundError(f"model directory {model!r} does not exist")
+        if not path.is_dir():
+            raise FileNotFoundError(f"model path {model!r} is not a directory")
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{str(path / 'config.json')!r} not found: a model directory needs a Hugging Face "
+                                    "config.json")
+    for flag, value in (("--threads", getattr(args, "threads", None)), ("--tensor-parallel", getattr(args, "tensor_parallel", 1)),
+                        ("--max-num-seqs", getattr(args, "max_num_seqs", None)), ("--replicas", getattr(args, "replicas", None))):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be an integer >= 1, got {value}")
+    threads = getattr(args, "threads", None)
+    if threads is not None and threads > _cores():
+        raise ValueError(f"--threads {threads} but this machine has {_cores()} cores")
+    port = getattr(args, "port", None)
+    if port is not None and not 0 <= port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {port}")
+    _drafter_options(getattr(args, "drafter_option", []))
+    if getattr(args, "prompt", None) is not None:
+        if not args.prompt:
+            raise ValueError("--prompt is empty")
+        for flag, value, ok, what in (
+            ("--temperature", args.temperature, lambda v: v >= 0, ">= 0 (0 = greedy)"),
+            ("--top-p", args.top_p, lambda v: 0 < v <= 1, "in (0, 1]"),
+            ("--min-p", args.min_p, lambda v: 0 <= v <= 1, "in [0, 1]"),
+        ):
+            if not math.isfinite(value) or not ok(value):
+                raise ValueError(f"{flag} (SamplingParams.{flag[2:].replace('-', '_')}) must be {what}, got {value}")
+        if args.top_k < -1:
+            raise ValueError(f"--top-k (SamplingParams.top_k) must be an integer >= 0 (0 or -1 = off), got {args.top_k}")
+        if args.max_tokens is not None and args.max_tokens < 1:
+            raise ValueError(f"--max-tokens (SamplingParams.max_tokens) must be an integer >= 1, got {args.max_tokens}")
+        if any(not stop for stop in args.stop):
+            raise ValueError("--stop must not be empty")
+
+
+def _cores() -> int:
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def show_progress(args: argparse.Namespace) -> bool:
+    """Start-up progress lines go to stderr when it is a terminal, unless --quiet or --json."""
+    from specserve import progress
+
+    if getattr(args, "quiet", False) or getattr(args, "json", False) or not sys.stderr.isatty():
+        return False
+    progress.enable()
+    return True
+
+
+def import_engine():
+    """Import what loading a model needs (torch first: most of every start-up), as a progress phase."""
+    from specserve import progress
+
+    progress.begin("importing torch")
+    import specserve.llm  # noqa: F401  (torch, numba, the engine)
+
+    progress.end()
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    check_common_arguments(args)
+    constraints = constraint_kwargs(args)  # a missing schema file or bad JSON answers before torch loads
+    show_progress(args)
+    import_engine()
     from specserve import LLM, SamplingParams
 
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         max_tokens=args.max_tokens, stop=tuple(args.stop), seed=args.seed, ignore_eos=args.ignore_eos,
-        **constraint_kwargs(args),
+        **constraints,
     )
-    if not args.prompt:
-        raise ValueError("--prompt is empty")
-    llm = LLM(args.model, drafter=args.drafter, drafter_options=_drafter_options(args.drafter_option), device=args.device,
-              dtype=args.dtype, threads=args.threads, speculation=args.speculation, grammar_drafting=args.grammar_drafting,
-              attention=args.attention, cuda_graphs=args.cuda_graphs, tensor_parallel_size=args.tensor_parallel)
+    settings = dict(drafter_options=_drafter_options(args.drafter_option), device=args.device, dtype=args.dtype,
+                    threads=args.threads, speculation=args.speculation, grammar_drafting=args.grammar_drafting,
+                    attention=args.attention, cuda_graphs=args.cuda_graphs, tensor_parallel_size=args.tensor_parallel)
+    llm = LLM(args.model, drafter=args.drafter, **settings)
     if args.json:
         out = llm.generate([args.prompt], params)[0]
-        print(json.dumps({
+        result = {
             "model": llm.model_dir, "drafter": llm.drafter_spec, "prompt": args.prompt,
             "prompt_token_ids": out.prompt_token_ids, "token_ids": out.token_ids, "text": out.text,
             "finish_reason": out.finish_reason, "spec": out.spec.to_dict(), "tau": out.spec.mean_accepted_length,
             "ttft_s": out.ttft_s, "e2e_s": out.e2e_s, "tokens_per_s": _tokens_per_s(out),
-        }))
-    else:
-        for delta in llm.stream(args.prompt, params):
-            sys.stdout.write(delta)
-            sys.stdout.flush()
+        }
+        if args.compare:
+            result["compare"] = _compare_with_plain(llm, args, params, settings, out)
+        print(json.dumps(result))
+        return 0
+    outputs: list = []
+    if not args.quiet:
+        sys.stdout.write(args.prompt)  # the prompt, then the completion as it streams
+    text = ""
+    for delta in llm.stream(args.prompt, params, outputs=outputs):
+        text += delta
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    if not (args.prompt + text).endswith("\n") or args.quiet:
         sys.stdout.write("\n")
-    return 0
+    sys.stdout.flush()
+    out = outputs[0]
+    compare = _compare_with_plain(llm, args, params, settings, out) if args.compare else None
+    if not args.quiet:
+        print(summary_line(out, llm, compare, _STARTED), file=sys.stderr, flush=True)
+    return 1 if compare is not None and compare.get("identical") is False else 0
+
+
+def summary_line(out, llm, compare: dict | None, started: float | None = None) -> str:
+    """One line after the text: tokens, speed, TTFT, drafter, τ; with --compare the speculative and plain
+    speeds (medians of timed runs) and the speedup, and whether greedy outputs were identical."""
+    import time
+
+    speed = _tokens_per_s(out)
+    parts = [f"{len(out.token_ids)} tokens ({out.finish_reason})"]
+    if compare is None or "skipped" in compare:
+        parts.append(f"{speed:.0f} tokens/s" if speed is not None else "tokens/s n/a")
+    parts.append(f"TTFT {out.ttft_s * 1000:.0f} ms" if out.ttft_s is not None else "TTFT n/a")
+    if started is not None and out.e2e_s is not None:
+        parts.append(f"first token {time.perf_counter() - started - out.e2e_s + (out.ttft_s or 0):.1f} s after start")
+    if llm.drafter_spec is None:
+        parts.append("plain decoding (no drafter)")
+    else:
+        parts.append(f"drafter {llm.drafter_spec} ({llm.speculation} speculation), τ {out.spec.mean_accepted_length:.2f}")
+    line = "specserve: " + ", ".join(parts)
+    if compare is None:
+        return line
+    if "skipped" in compare:
+        return f"{line}; --compare: {compare['skipped']}"
+    same = {True: "greedy outputs identical", False: "OUTPUTS DIFFER (a bug: please report it)",
+            None: "sampled: different draws, speed compared only"}[compare["identical"]]
+    note = f"; {compare['note']}" if compare.get("note") else ""
+    return (f"{line}; speculative {compare['tokens_per_s']:.0f} tokens/s vs plain decoding "
+            f"{compare['plain_tokens_per_s']:.0f}: {compare['speedup']:.2f}x (median of {compare['runs']} runs each), "
+            f"{same}{note}")
+
+
+def _compare_with_plain(llm, args: argparse.Namespace, params, settings: dict, shown, runs: int = 3) -> dict:
+    """Decode the prompt plainly (a second LLM on the same model, no drafter, the same settings) and time
+    both `runs` times, interleaved, after one untimed plain run; medians of decode tokens/s after the first
+    token (the summary's tokens/s)."""
+    import statistics
+
+    from specserve import LLM, progress
+
+    if llm.drafter_spec is None:
+        return {"skipped": "the drafter is none: this is plain decoding already"}
+    progress.begin("loading a plain decoder to compare")
+    plain = LLM(args.model, drafter="none", **settings)
+    progress.end()
+    progress.begin(f"timing speculative vs plain decoding, {runs} runs each")
+    plain.generate([args.prompt], params)  # its first run pays first-call costs, as the shown run did for llm
+    spec_speeds, plain_speeds, plain_outputs = [], [], []
+    for _ in range(runs):
+        plain_out = plain.generate([args.prompt], params)[0]
+        spec_out = llm.generate([args.prompt], params)[0]
+        plain_outputs.append(plain_out.token_ids)
+        plain_speeds.append(_tokens_per_s(plain_out))
+        spec_speeds.append(_tokens_per_s(spec_out))
+    progress.end()
+    plain.close()
+    if None in spec_speeds or None in plain_speeds:
+        return {"skipped": "too few tokens to time (fewer than 2)"}
+    spec_speed, plain_speed = statistics.median(spec_speeds), statistics.median(plain_speeds)
+    identical = None if params.temperature > 0 else all(ids == shown.token_ids for ids in plain_outputs)
+    result = {"tokens_per_s": spec_speed, "plain_tokens_per_s": plain_speed, "speedup": spec_speed / plain_speed,
+              "runs": runs, "identical": identical}
+    if getattr(llm.engine.drafter, "learns_across_requests", False):
+        result["note"] = (f"{llm.drafter_spec} learns across requests and the timed runs repeat a prompt it has seen: "
+                          "an upper bound")
+    return result
 
 
 def _tokens_per_s(out) -> float | None:
@@ -351,11 +530,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.handler(args) or 0)
     except USER_ERRORS as exc:
+        _close_progress()
         print(f"specserve: error: {one_line(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        _close_progress()
         print("specserve: interrupted", file=sys.stderr)
         return 130
+    except BaseException:
+        _close_progress()
+        raise
+
+
+def _close_progress() -> None:
+    from specserve import progress
+
+    progress.abort()
 
 
 if __name__ == "__main__":

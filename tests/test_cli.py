@@ -27,18 +27,51 @@ def test_generate_json(llama_dir):
 
 
 def test_generate_streams_text(llama_dir):
+    """The prompt is echoed, the completion follows it, the output ends with one newline; one summary
+    line on stderr. Progress lines are for terminals only: a pipe gets none."""
     res = run("generate", "--model", str(llama_dir), "--prompt", "class A:", "--max-tokens", "8", "--temperature", "0.7", "--seed", "3")
     assert res.returncode == 0, res.stderr
-    assert res.stdout.endswith("\n")
+    assert res.stdout.startswith("class A:") and res.stdout.endswith("\n") and not res.stdout.endswith("\n\n")
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    assert all(field in lines[0] for field in ("8 tokens (length)", "tokens/s", "TTFT", "plain decoding")), lines[0]
+    quiet = run("generate", "--model", str(llama_dir), "--prompt", "class A:", "--max-tokens", "8", "--temperature", "0.7",
+                "--seed", "3", "--quiet")
+    assert quiet.returncode == 0 and quiet.stderr == "" and "class A:" + quiet.stdout == res.stdout
+
+
+def test_generate_compare_reports_plain_speed_and_identical_greedy_output(llama_dir):
+    args = ["generate", "--model", str(llama_dir), "--drafter", "ngram", "--prompt", "x = [1, 2, 3]\n" * 4,
+            "--max-tokens", "12", "--ignore-eos", "--temperature", "0", "--threads", "1", "--compare"]
+    res = run(*args)
+    assert res.returncode == 0, res.stderr
+    summary = res.stderr.strip().splitlines()[-1]
+    for field in ("12 tokens (length)", "TTFT", "drafter ngram (adaptive speculation)", "τ", "tokens/s vs plain decoding",
+                  "x (median of 3 runs each)", "greedy outputs identical"):
+        assert field in summary, summary
+    out = json.loads(run(*args, "--json").stdout)
+    compare = out["compare"]
+    assert compare["identical"] is True and compare["runs"] == 3
+    assert compare["speedup"] == pytest.approx(compare["tokens_per_s"] / compare["plain_tokens_per_s"])
+    plain = run("generate", "--model", str(llama_dir), "--drafter", "none", "--prompt", "x", "--max-tokens", "4", "--compare")
+    assert res.returncode == 0 and "plain decoding already" in plain.stderr
 
 
 def test_help_and_argument_errors_do_not_import_torch():
-    """`specserve --help` and a bad argument answer without importing torch (the ~2-5 s of every start)."""
+    """`specserve --help` and bad arguments answer without importing torch (~1 s of every start): argparse's
+    errors, and the values `generate` and `serve` check before loading anything (sampling ranges, a
+    missing model directory, thread counts, ports, drafter options, a missing schema file)."""
     code = ("import sys\nfrom specserve.cli import main\n"
             "for argv in (['--help'], ['generate', '--max-tokens', 'abc', '--prompt', 'x'], ['serve', '--help'],"
             " ['chat', '--port'], ['bench', '--help'], ['generate', '--regex', 'a', '--choice', 'b', '--prompt', 'x'],"
-            " ['generate', '--grammar-drafting', 'x', '--prompt', 'x'], ['serve', '--grammar-drafting', 'x']):\n"
-            "    try:\n        main(argv)\n    except SystemExit as e:\n        assert e.code in (0, 2), (argv, e.code)\n"
+            " ['generate', '--grammar-drafting', 'x', '--prompt', 'x'], ['serve', '--grammar-drafting', 'x'],"
+            " ['generate', '--prompt', 'x', '--temperature', '-1'], ['generate', '--prompt', 'x', '--top-p', '1.5'],"
+            " ['generate', '--prompt', 'x', '--max-tokens', '0'], ['generate', '--prompt', ''],"
+            " ['generate', '--model', '/no/such/dir', '--prompt', 'x'], ['generate', '--prompt', 'x', '--threads', '0'],"
+            " ['generate', '--prompt', 'x', '--drafter-option', 'depth'], ['generate', '--prompt', 'x', '--json-schema', '/no/such.json'],"
+            " ['serve', '--threads', '0'], ['serve', '--model', '/no/such/dir'], ['serve', '--port', '70000']):\n"
+            "    try:\n        code = main(argv)\n    except SystemExit as e:\n        code = e.code\n"
+            "    assert code in (0, 2), (argv, code)\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\nprint('ok')\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr
@@ -102,9 +135,36 @@ def test_generate_without_model_or_bundle_exits_2(tmp_path):
     assert len(res.stderr.strip().splitlines()) == 1
 
 
+def readme_main_command() -> list[str]:
+    """The arguments of README's main command (the `specserve generate ...` ending its set-up line)."""
+    import shlex
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    line = next(line for line in readme.splitlines() if line.startswith("python3 -m venv") and "specserve generate" in line)
+    return shlex.split(line.split("&& specserve ", 1)[1])
+
+
+def test_readme_main_command_shows_a_greedy_completion_and_its_summary():
+    """README's main command, as written: the prompt echoed with its completion (no blank line first), then
+    one summary line on stderr with tokens, tokens/s, TTFT, the drafter, τ and the speedup measured on the
+    spot over plain decoding, whose greedy output is the same."""
+    args = readme_main_command()
+    assert args[0] == "generate" and "--compare" in args and args[args.index("--temperature") + 1] == "0"
+    prompt = args[args.index("--prompt") + 1]
+    res = run(*args)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith(prompt + "\n") and res.stdout.endswith("\n") and not res.stdout.startswith("\n")
+    assert 2 <= len(res.stdout.splitlines()) <= 12, res.stdout  # short: it stops at the function's end
+    summary = res.stderr.strip().splitlines()[-1]
+    for field in ("tokens (", "TTFT", "drafter ", "τ", "tokens/s vs plain decoding", "x (median of 3 runs each)",
+                  "greedy outputs identical"):
+        assert field in summary, summary
+
+
 def test_readme_main_command_runs_on_the_embedded_model():
-    """README's first command: the bundled default model with its default drafter (the one the bundle's
-    MANIFEST records as measured fastest), no arguments."""
+    """The bundled default model with its default drafter (the one the bundle's MANIFEST records as
+    measured fastest), no model arguments."""
     res = run("generate", "--prompt", "def fibonacci(n):", "--max-tokens", "16", "--ignore-eos", "--temperature", "0", "--json")
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
@@ -117,6 +177,18 @@ def test_readme_main_command_runs_on_the_embedded_model():
     plain = json.loads(run("generate", "--drafter", "none", "--prompt", "def fibonacci(n):", "--max-tokens", "16",
                            "--ignore-eos", "--temperature", "0", "--json").stdout)
     assert plain["drafter"] is None and plain["token_ids"] == out["token_ids"]
+
+
+def test_bench_startup_prints_its_figures(tmp_path):
+    """`specserve bench startup` runs and prints every figure it was asked for (no timing is asserted)."""
+    res = run("bench", "startup", "--repeats", "1", "--skip", "serve", "--skip", "decode", "--threads", "1",
+              "--json", str(tmp_path / "s.json"))
+    assert res.returncode == 0, res.stderr
+    for label in ("generate: process start -> first token", "argument error: generate --temperature -1",
+                  "argument error: serve --threads 0", "import torch", "LLM()", "calibrating speculation"):
+        assert label in res.stdout, res.stdout
+    figures = json.loads((tmp_path / "s.json").read_text())
+    assert figures["generate_first_token_s"]["median"] > 0 and figures["calibration_s"]["median"] > 0
 
 
 def test_bench_drafters_smoke(tmp_path):
@@ -173,7 +245,7 @@ def test_generate_streams_constrained_text(capsys, llama_dir):
     from specserve.cli import main
 
     assert main(["generate", "--model", str(llama_dir), "--prompt", "hi", "--threads", "1", "--max-tokens", "64",
-                 "--json-schema", json.dumps(SCHEMA), "--json-whitespace", "compact"]) == 0
+                 "--json-schema", json.dumps(SCHEMA), "--json-whitespace", "compact", "--quiet"]) == 0
     obj = json.loads(capsys.readouterr().out)
     assert set(obj) == {"a", "b"}
 
