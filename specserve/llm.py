@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from specserve import progress
 from specserve.config import context_limit, default_context, load_config
 from specserve.device import checkpoint_dtype, resolve_device, resolve_dtype
 from specserve.kernels import kernels_unsupported
@@ -103,6 +104,7 @@ class LLM:
         self.dtype = resolve_dtype(dtype, self.device, checkpoint_dtype(cfg.hf_config),
                                    cpu_kernels and kernels_unsupported(self.device, torch.float32, cfg.head_dim) is None)
         self._tp = self._launch_tensor_parallel(tensor_parallel_size, cfg, model_dir, threads)
+        progress.begin("loading model")
         self.model = LlamaModel.from_pretrained(model_dir, self.device, self.dtype, attention, cpu_kernels=cpu_kernels,
                                                 tp=self._tp)
         if threads is not None and self.model.kernels is None and self.device.type == "cpu":
@@ -110,6 +112,7 @@ class LLM:
         cfg = self.model.config
         self.model_dir = str(model_dir)
         self.tokenizer = _load_tokenizer(model_dir)
+        progress.end(_describe_model(self.model, model_dir, max_model_len))
         if max_model_len is None:
             max_model_len = default_context(cfg)
         limit = context_limit(cfg)
@@ -133,7 +136,9 @@ class LLM:
                 model_dir=self.model_dir,
                 model=self.model,
             )
+            progress.begin(f"loading drafter {drafter}")
             drafter_obj = create_drafter(drafter, target, drafter_options)
+            progress.end()
         if kv_cache_tokens is None:
             from specserve.kv_cache import PagedKVCache
 
@@ -144,6 +149,7 @@ class LLM:
             if self.device.type == "cuda":
                 kv_bytes = self._cuda_kv_bytes(max_num_seqs, max_prefill_tokens, drafter_obj, gpu_memory_utilization)
             kv_cache_tokens = min(max_num_seqs * (max_model_len + 64), kv_bytes // per_slot)
+        progress.begin(_engine_phase_name(self.model))
         self.engine = Engine(
             self.model,
             self.tokenizer,
@@ -154,6 +160,8 @@ class LLM:
             eos_token_ids=_eos_token_ids(model_dir, cfg.hf_config, self.tokenizer),
             budget_policy=make_budget_policy(speculation, drafter_obj),
         )
+        progress.end(f"kernel warm-up {self.engine.warmup_s:.2f} s, calibrating speculation {self.engine.calibration_s:.2f} s"
+                     if getattr(self.engine, "calibration_s", 0) else None)
         self.speculation = speculation
         if cuda_graphs is None:  # the CUDA default, where the backend allows it (not across ranks yet)
             cuda_graphs = self.device.type == "cuda" and self.model.backend.name == "triton" and self._tp is None
@@ -263,8 +271,10 @@ class LLM:
             self.engine.step()
         return [self._output(self.engine.pop_finished(rid)) for rid in ids]
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield text deltas as tokens are accepted (the first comes straight from prefill)."""
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None,
+               outputs: list[RequestOutput] | None = None) -> Iterator[str]:
+        """Yield text deltas as tokens are accepted (the first comes straight from prefill). `outputs`, if
+        given, receives the finished request's RequestOutput (its statistics and timings) at the end."""
         req = self.engine.add_request(self.encode(prompt), params or SamplingParams())
         try:
             while req.finish_reason is None:
@@ -274,7 +284,9 @@ class LLM:
         finally:
             if req.finish_reason is None:
                 self.engine.abort(req.request_id)
-            self.engine.pop_finished(req.request_id)
+            done = self.engine.pop_finished(req.request_id)
+            if outputs is not None and done is not None:
+                outputs.append(self._output(done))
 
     @staticmethod
     def _output(req) -> RequestOutput:
@@ -289,6 +301,27 @@ class LLM:
             e2e_s=(req.finish_time - req.arrival_time) if req.finish_time else None,
             error=req.error,
         )
+
+
+def _describe_model(model, model_dir: Path, max_model_len: int | None) -> str:
+    """What the loading line says about the model: its size and context window (the embedded one named)."""
+    params = sum(p.numel() for p in model.parameters()) if hasattr(model, "parameters") else 0
+    context = max_model_len if max_model_len is not None else default_context(model.config)
+    from specserve.bundle_paths import default_model_dir
+
+    embedded = default_model_dir() is not None and Path(default_model_dir()).resolve() == Path(model_dir).resolve()
+    size = f"{params / 1e6:.0f}M parameters, " if params else ""
+    return f"{'the embedded code model, ' if embedded else ''}{size}{context}-token context"
+
+
+def _engine_phase_name(model) -> str:
+    """The engine's start-up line: on the CPU kernels' first run it compiles them (numba caches them on disk)."""
+    if getattr(model, "kernels", None) is not None:
+        from specserve.kernels.cache import missing_from_cache
+
+        if missing_from_cache():
+            return "compiling kernels (first run only: numba caches them on disk)"
+    return "starting engine"
 
 
 def _load_tokenizer(model_dir: Path):
