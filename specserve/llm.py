@@ -16,10 +16,12 @@ from specserve.device import checkpoint_dtype, resolve_device, resolve_dtype
 from specserve.kernels import kernels_unsupported
 from specserve.drafters import TargetInfo, create_drafter
 from specserve.engine import Engine, EngineConfig
+from specserve.grammar.hooks import GRAMMAR_DRAFTING, ConstraintRules
 from specserve.model import LlamaModel
 from specserve.request import RequestOutput
 from specserve.sampling import SamplingParams
 from specserve.speculation import SPECULATION_MODES, make_budget_policy
+from specserve.step_hooks import StepHooks
 
 Prompt = str | Sequence[int]
 _GRAPH_POSITION_MARGIN = 64  # rotary positions past max_model_len a tree can reach (graphs cover them)
@@ -82,6 +84,8 @@ class LLM:
         self.init_args = {name: value for name, value in locals().items() if name != "self"}
         if speculation not in SPECULATION_MODES:
             raise ValueError(f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {speculation!r}")
+        if grammar_drafting not in GRAMMAR_DRAFTING:
+            raise ValueError(f"grammar_drafting must be one of {', '.join(GRAMMAR_DRAFTING)}, got {grammar_drafting!r}")
         if model is None:
             from specserve.bundle_paths import default_model_dir
 
@@ -149,16 +153,20 @@ class LLM:
             if self.device.type == "cuda":
                 kv_bytes = self._cuda_kv_bytes(max_num_seqs, max_prefill_tokens, drafter_obj, gpu_memory_utilization)
             kv_cache_tokens = min(max_num_seqs * (max_model_len + 64), kv_bytes // per_slot)
+        eos_token_ids = _eos_token_ids(model_dir, cfg.hf_config, self.tokenizer)
+        # Output constraints (json_schema / regex / grammar / choice) reach the step as rules: this factory
+        # gives each constrained request its matcher; `compile`/`compiled` let a server compile off-thread.
+        self.constraints = ConstraintRules(self.tokenizer, cfg.vocab_size, eos_token_ids, grammar_drafting)
         progress.begin(_engine_phase_name(self.model))
         self.engine = Engine(
             self.model,
             self.tokenizer,
             drafter_obj,
             EngineConfig(max_model_len=max_model_len, kv_cache_slots=kv_cache_tokens, block_size=block_size,
-                         max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens,
-                         grammar_drafting=grammar_drafting),
-            eos_token_ids=_eos_token_ids(model_dir, cfg.hf_config, self.tokenizer),
+                         max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens),
+            eos_token_ids=eos_token_ids,
             budget_policy=make_budget_policy(speculation, drafter_obj),
+            hooks=StepHooks(rule_factories=[self.constraints]),
         )
         progress.end(f"kernel warm-up {self.engine.warmup_s:.2f} s, calibrating speculation {self.engine.calibration_s:.2f} s"
                      if getattr(self.engine, "calibration_s", 0) else None)

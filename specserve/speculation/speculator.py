@@ -102,6 +102,8 @@ class Speculator:
         t0 = time.perf_counter()
         trees = [_EMPTY] * len(decodes)
         for i, r in enumerate(decodes):
+            if not (r.rules or self.hooks.forced_tokens):
+                continue
             forced = self.hooks.forced(r)[: min(self.max_forced_tokens, r.max_tokens - r.num_output - 1)]
             if forced:
                 trees[i], budgets[i] = DraftTree.chain(forced), 0

@@ -277,9 +277,9 @@ def test_calibration_runs_on_the_embedded_model():
     """The cost model's own forwards run and price a verify row. How long they take is a figure, not an
     assertion (a wall-time bound flakes on a busy machine): `specserve bench startup` prints it."""
     llm = LLM(drafter="draft")
-    assert isinstance(llm.engine.budget_policy, AdaptiveBudget)
+    assert isinstance(llm.engine.speculator.policy, AdaptiveBudget)
     assert llm.engine.calibration_s > 0
-    assert llm.engine.budget_policy.verify_cost(1) > 0
+    assert llm.engine.speculator.policy.verify_cost(1) > 0
 
 
 def test_a_new_request_borrows_the_latest_tree_of_its_own_kind():

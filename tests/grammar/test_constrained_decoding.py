@@ -22,6 +22,7 @@ from specserve import LLM, SamplingParams
 from specserve.drafters.eagle_checkpoint import save_head
 from specserve.drafters.medusa_heads import MedusaHeads, save_heads
 from specserve.grammar import Constraint, GrammarCompiler
+from specserve.grammar.hooks import ConstraintRule
 
 SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
                                            "ok": {"type": "boolean"},
@@ -109,6 +110,11 @@ def test_grammar_aware_drafting_beats_masks_in_verification_only(llama_dir, draf
     assert steps["forced"] <= steps["aware"] < steps["verify"]
 
 
+
+def grammar_of(req):
+    """A constrained request's matcher state (its ConstraintRule's)."""
+    return next(rule.state for rule in req.rules if isinstance(rule, ConstraintRule))
+
 def test_matcher_state_after_steps_equals_one_fed_the_output(llama_dir, drafters):
     spec, options = drafters["draft"]
     llm = LLM(llama_dir, drafter=spec, drafter_options=options, device="cpu", speculation="static")
@@ -120,8 +126,8 @@ def test_matcher_state_after_steps_equals_one_fed_the_output(llama_dir, drafters
         engine.step()
         fresh = compiler.state(params.constraint)
         fresh.advance(req.output_ids)
-        assert (fresh.allowed() == req.grammar.allowed()).all()
-        assert fresh.accepting == req.grammar.accepting and fresh.stopped == req.grammar.stopped
+        assert (fresh.allowed() == grammar_of(req).allowed()).all()
+        assert fresh.accepting == grammar_of(req).accepting and fresh.stopped == grammar_of(req).stopped
 
 
 def test_invalid_constraints_are_clear_errors_and_leave_other_requests_alone(llama_dir):
@@ -223,10 +229,10 @@ def test_a_failed_matcher_ends_only_its_request(llama_dir):
     engine.add_request(llm.encode("x = "), free, "free")
     broken = engine.add_request(llm.encode("x = "), SamplingParams(max_tokens=12, temperature=0, **CONSTRAINTS["regex"]), "g")
     engine.step()  # prefill: the constrained request's first token
-    assert broken.grammar.accepting is False and not broken.grammar.failed
-    forbidden = int(np.flatnonzero(~broken.grammar.allowed())[0])
-    broken.grammar.matcher.consume_token(forbidden)  # the way llguidance fails: an error state
-    assert broken.grammar.failed
+    assert grammar_of(broken).accepting is False and not grammar_of(broken).failed
+    forbidden = int(np.flatnonzero(~grammar_of(broken).allowed())[0])
+    grammar_of(broken).matcher.consume_token(forbidden)  # the way llguidance fails: an error state
+    assert grammar_of(broken).failed
     emitted = list(broken.output_ids)
     while engine.has_unfinished():
         engine.step()
@@ -241,7 +247,7 @@ def test_a_failed_matcher_ends_only_its_request(llama_dir):
 def test_oversized_constraints_are_refused_and_compiles_happen_off_the_engine_thread(llama_dir):
     """Issue 19: a constraint's compile cost is bounded (definitions past MAX_DEFINITION_CHARS are refused
     before llguidance sees them; its errors carry no parser state), and a server compiles on a worker
-    thread (`Engine.compile_constraint`) so the engine thread finds the grammar cached."""
+    thread (`LLM.constraints.compile`) so the engine thread finds the grammar cached."""
     import threading
 
     from specserve.grammar.constraint import MAX_DEFINITION_CHARS
@@ -252,10 +258,10 @@ def test_oversized_constraints_are_refused_and_compiles_happen_off_the_engine_th
     llm = LLM(llama_dir, drafter=None, device="cpu")
     engine = llm.engine
     params = SamplingParams(max_tokens=4, temperature=0, **CONSTRAINTS["lark"])
-    worker = threading.Thread(target=engine.compile_constraint, args=(params.constraint,))
+    worker = threading.Thread(target=llm.constraints.compile, args=(params.constraint,))
     worker.start()
     worker.join()
-    compiler = engine.grammars
+    compiler = llm.constraints.compiler
     assert params.constraint in compiler._templates
     template = compiler._templates[params.constraint]
     engine.add_request(llm.encode("x = "), params, "c")
@@ -275,11 +281,11 @@ def test_the_template_cache_is_bounded_by_the_characters_it_holds(llama_dir, mon
     """A compiled matcher costs ~80 bytes per definition character: the cache keeps its total under
     CACHE_CHARS (oldest out first), whatever the count."""
     llm = LLM(llama_dir, drafter=None, device="cpu")
-    compiler = llm.engine.grammars
+    compiler = llm.constraints.compiler
     monkeypatch.setattr(compiler, "CACHE_CHARS", 3000)
     words = [" | ".join(f'"{tag}{i}"' for i in range(150)) for tag in "abc"]  # ~1,200 characters each
     constraints = [SamplingParams(grammar="start: " + w).constraint for w in words]
     for c in constraints:
-        llm.engine.compile_constraint(c)
-    assert [llm.engine.constraint_compiled(c) for c in constraints] == [False, True, True]
+        llm.constraints.compile(c)
+    assert [llm.constraints.compiled(c) for c in constraints] == [False, True, True]
     assert compiler._cached_chars == sum(len(c.definition) for c in constraints[1:]) <= 3000
