@@ -322,14 +322,19 @@ class SpecServer:
         if not self.access.host_allowed(headers.get("Host")):
             return _text(403, "Forbidden: this server only answers to localhost names")
         if "Upgrade" in headers and request.path != WS_PATH:
-            return _text(404, f"Not Found: the websocket endpoint is {WS_PATH}")
+            return _json_error("not_found", f"no websocket at {request.path[:100]}: the websocket endpoint is {WS_PATH}")
         if request.path.startswith(API_PREFIX) and request.path != WS_PATH:
             from specserve.server.openai_api import guard_api
 
             return await guard_api(self, request, handler)
         try:
             return await handler(request)
-        except web.HTTPException as exc:  # the router's 404/405, as plain text
+        except web.HTTPException as exc:  # the router's 404/405: JSON in OpenAI's error shape, as under /v1
+            if exc.status == 404:
+                return _json_error("not_found", f"no route {request.method} {request.path[:100]}: the page is /, the "
+                                                f"OpenAI API under {API_PREFIX}, the websocket {WS_PATH}")
+            if exc.status == 405:
+                return _json_error("method_not_allowed", f"{request.method} is not allowed on {request.path[:100]}")
             if exc.status >= 400:
                 return _text(exc.status, exc.reason)
             raise
@@ -417,6 +422,14 @@ def peer_of(request: web.Request) -> str:
         return "?"
     host, port = peer[0], peer[1]
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _json_error(code: str, message: str) -> web.Response:
+    """An error in the API's shape, ``{"error": {message, type, param, code}}``, with its status."""
+    from specserve.server.openai_api import error_response
+    from specserve.server.protocol import ProtocolError
+
+    return error_response(ProtocolError(code, message))
 
 
 def _text(status: int, text: str) -> web.Response:
