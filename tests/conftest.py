@@ -44,3 +44,23 @@ def near_draft_dir(small_vocab_dir, tmp_path_factory) -> Path:
     save_file({k: v + 0.15 * v.std() * torch.randn(v.shape, generator=gen) for k, v in state.items()},
               str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+BROWSER_TESTS = "tests/server/test_browser.py"
+CHROMIUM = "/usr/bin/chromium"
+
+
+def pytest_unconfigure(config):
+    """Say loudly, after the last line of the run, that the chat page's browser tests did not run and what
+    enables them: a `-ra` skip line among the others is easy to miss, and the page then goes untested."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None or Path(CHROMIUM).exists():
+        return
+    skipped = [r for r in reporter.stats.get("skipped", []) if getattr(r, "nodeid", "").startswith(BROWSER_TESTS)]
+    if not skipped:
+        return
+    reporter.write_sep("=", "the chat page was NOT tested", yellow=True, bold=True)
+    reporter.write_line(f"{len(skipped)} browser tests ({BROWSER_TESTS}) were skipped: they drive Debian's chromium, "
+                        f"which is not at {CHROMIUM}.")
+    reporter.write_line("Enable them with:  sudo apt-get install -y chromium   (then run the tests again; .ci/run "
+                        "does this)")
