@@ -93,8 +93,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from specserve.server.request_log import configure_logging
 
     configure_logging(args.log_level, args.log_format)
+    from specserve.cli import kernel_threads
+
+    threads = kernel_threads(args, args.replicas * args.tensor_parallel)
     llm = LLM(args.model, drafter=args.drafter, drafter_options=_drafter_options(args.drafter_option),
-              device=args.device, dtype=args.dtype, threads=args.threads, max_num_seqs=args.max_num_seqs,
+              device=args.device, dtype=args.dtype, threads=threads, max_num_seqs=args.max_num_seqs,
               max_model_len=args.max_model_len, speculation=args.speculation, grammar_drafting=args.grammar_drafting,
               attention=args.attention, cuda_graphs=args.cuda_graphs, tensor_parallel_size=args.tensor_parallel)
     server = SpecServer(llm, config)

@@ -164,7 +164,7 @@ def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
     add_execution_arguments(gen)
     gen.add_argument("--compare", action="store_true",
                      help="also decode the same prompt plainly (no drafter, same settings) and report both speeds and "
-                          "the speedup (median of 3 timed runs each); greedy outputs are checked to be identical")
+                          "the speedup (median of 5 timed runs each); greedy outputs are checked to be identical")
     gen.add_argument("--quiet", action="store_true",
                      help="print only the text: no start-up progress, no prompt echo, no summary line")
     gen.add_argument("--json", action="store_true",
@@ -174,7 +174,26 @@ def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
     add_grammar_drafting_argument(gen)
 
 
-THREADS_HELP = "default: every core"
+THREADS_HELP = ("default: every core but one, at least one, shared among --replicas; a parallel region waits for every "
+                "thread, so a core left free keeps one busy neighbour from stalling each step (BENCHMARKS.md, Start-up)")
+
+
+def default_threads(engines: int = 1) -> int:
+    """`generate`'s and `serve`'s kernel threads when --threads is not given: every core but one (at least
+    one), divided among the engines. Measured on 2 vCPUs (BENCHMARKS.md, "Start-up"): both threads gain
+    little on the embedded model when the machine is idle and lose many times over when anything else
+    runs (OpenMP's threads spin at each region's barrier, and one that the OS parked stalls the step)."""
+    return max(1, (_cores() - 1) // max(1, engines))
+
+
+def kernel_threads(args: argparse.Namespace, engines: int = 1) -> int | None:
+    """--threads, else `default_threads` on the CPU (None on CUDA: the kernels do not run there)."""
+    if args.threads is not None:
+        return args.threads
+    import torch
+
+    on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
+    return default_threads(engines) if on_cpu else None
 GRAMMAR_DRAFTING = ("forced", "aware", "verify")  # specserve.grammar.hooks.GRAMMAR_DRAFTING (not imported: no torch here)
 
 
@@ -363,8 +382,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, stop=tuple(args.stop), seed=args.seed, ignore_eos=args.ignore_eos,
         **constraints,
     )
+    threads = kernel_threads(args, args.tensor_parallel)
     settings = dict(drafter_options=_drafter_options(args.drafter_option), device=args.device, dtype=args.dtype,
-                    threads=args.threads, speculation=args.speculation, grammar_drafting=args.grammar_drafting,
+                    threads=threads, speculation=args.speculation, grammar_drafting=args.grammar_drafting,
                     attention=args.attention, cuda_graphs=args.cuda_graphs, tensor_parallel_size=args.tensor_parallel)
     llm = LLM(args.model, drafter=args.drafter, **settings)
     if args.json:
@@ -382,8 +402,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     outputs: list = []
     if not args.quiet:
         sys.stdout.write(args.prompt)  # the prompt, then the completion as it streams
-    text = ""
+    text, first_token_at = "", None
     for delta in llm.stream(args.prompt, params, outputs=outputs):
+        first_token_at = first_token_at or time.perf_counter()
         text += delta
         sys.stdout.write(delta)
         sys.stdout.flush()
@@ -393,22 +414,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     out = outputs[0]
     compare = _compare_with_plain(llm, args, params, settings, out) if args.compare else None
     if not args.quiet:
-        print(summary_line(out, llm, compare, _STARTED), file=sys.stderr, flush=True)
+        since_start = first_token_at - _STARTED if first_token_at is not None else None
+        print(summary_line(out, llm, compare, since_start), file=sys.stderr, flush=True)
     return 1 if compare is not None and compare.get("identical") is False else 0
 
 
-def summary_line(out, llm, compare: dict | None, started: float | None = None) -> str:
+def summary_line(out, llm, compare: dict | None, first_token_s: float | None = None) -> str:
     """One line after the text: tokens, speed, TTFT, drafter, τ; with --compare the speculative and plain
     speeds (medians of timed runs) and the speedup, and whether greedy outputs were identical."""
-    import time
-
     speed = _tokens_per_s(out)
     parts = [f"{len(out.token_ids)} tokens ({out.finish_reason})"]
     if compare is None or "skipped" in compare:
         parts.append(f"{speed:.0f} tokens/s" if speed is not None else "tokens/s n/a")
     parts.append(f"TTFT {out.ttft_s * 1000:.0f} ms" if out.ttft_s is not None else "TTFT n/a")
-    if started is not None and out.e2e_s is not None:
-        parts.append(f"first token {time.perf_counter() - started - out.e2e_s + (out.ttft_s or 0):.1f} s after start")
+    if first_token_s is not None:
+        parts.append(f"first token {first_token_s:.1f} s after start")
     if llm.drafter_spec is None:
         parts.append("plain decoding (no drafter)")
     else:
@@ -426,7 +446,7 @@ def summary_line(out, llm, compare: dict | None, started: float | None = None) -
             f"{same}{note}")
 
 
-def _compare_with_plain(llm, args: argparse.Namespace, params, settings: dict, shown, runs: int = 3) -> dict:
+def _compare_with_plain(llm, args: argparse.Namespace, params, settings: dict, shown, runs: int = 5) -> dict:
     """Decode the prompt plainly (a second LLM on the same model, no drafter, the same settings) and time
     both `runs` times, interleaved, after one untimed plain run; medians of decode tokens/s after the first
     token (the summary's tokens/s)."""
@@ -436,20 +456,19 @@ def _compare_with_plain(llm, args: argparse.Namespace, params, settings: dict, s
 
     if llm.drafter_spec is None:
         return {"skipped": "the drafter is none: this is plain decoding already"}
-    progress.begin("loading a plain decoder to compare")
-    plain = LLM(args.model, drafter="none", **settings)
+    progress.begin(f"comparing with plain decoding ({runs} timed runs each)")
+    with progress.suspended():
+        plain = LLM(args.model, drafter="none", **settings)
+        plain.generate([args.prompt], params)  # its first run pays first-call costs, as the shown run did for llm
+        spec_speeds, plain_speeds, plain_outputs = [], [], []
+        for _ in range(runs):
+            plain_out = plain.generate([args.prompt], params)[0]
+            spec_out = llm.generate([args.prompt], params)[0]
+            plain_outputs.append(plain_out.token_ids)
+            plain_speeds.append(_tokens_per_s(plain_out))
+            spec_speeds.append(_tokens_per_s(spec_out))
+        plain.close()
     progress.end()
-    progress.begin(f"timing speculative vs plain decoding, {runs} runs each")
-    plain.generate([args.prompt], params)  # its first run pays first-call costs, as the shown run did for llm
-    spec_speeds, plain_speeds, plain_outputs = [], [], []
-    for _ in range(runs):
-        plain_out = plain.generate([args.prompt], params)[0]
-        spec_out = llm.generate([args.prompt], params)[0]
-        plain_outputs.append(plain_out.token_ids)
-        plain_speeds.append(_tokens_per_s(plain_out))
-        spec_speeds.append(_tokens_per_s(spec_out))
-    progress.end()
-    plain.close()
     if None in spec_speeds or None in plain_speeds:
         return {"skipped": "too few tokens to time (fewer than 2)"}
     spec_speed, plain_speed = statistics.median(spec_speeds), statistics.median(plain_speeds)

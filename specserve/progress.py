@@ -97,6 +97,18 @@ def phase(name: str):
     info["seconds"] = end(info.get("detail"))
 
 
+@contextmanager
+def suspended():
+    """Print nothing inside (an inner LLM's phases while an outer phase's line is open)."""
+    global _stream, _pending
+    saved = _stream, _pending
+    _stream, _pending = None, None
+    try:
+        yield
+    finally:
+        _stream, _pending = saved
+
+
 def _isatty(stream) -> bool:
     try:
         return stream.isatty()
