@@ -119,6 +119,9 @@ class Drafter(ABC):
     # Cache slots past a request's root that the drafter's own model writes while drafting (its tree
     # levels); the engine reserves them at admission.
     kv_slots_past_root: int = 0
+    # Prefix caching (specserve/prefix_cache.py): tokens past a slot that the drafter's own KV entry at that
+    # slot depends on (EAGLE: 1, its pair at slot i is (feature i, token i+1)); 0 for the draft model.
+    kv_lookahead: int = 0
 
     def kv_bytes_per_slot(self) -> int:
         """Bytes of the drafter's own KV cache per cache slot (0: it keeps none), to size the pool."""
@@ -127,6 +130,15 @@ class Drafter(ABC):
     def attach_kv(self, allocator) -> None:
         """Make the drafter's own KV cache on the engine's `BlockAllocator`: a request's block table then
         addresses its drafter entries too, so admission counts them and nothing grows later."""
+
+    def cached_prefix_len(self, request_id: str) -> int:
+        """Leading cache slots of the request whose drafter KV entries are valid and final (0: it keeps
+        none): the prefix cache offers blocks with them to later requests that draft."""
+        return 0
+
+    def start_from_prefix(self, request_id: str, num_tokens: int) -> None:
+        """A new request's first `num_tokens` slots came from the prefix cache, drafter entries included
+        (for drafters that keep KV): start its state there, catch up over the rest only. Default: nothing."""
 
     def use_cuda_graphs(self, max_num_seqs: int, max_positions: int) -> None:
         """Capture the drafter's own model forwards in CUDA graphs (after `attach_kv`); default: none to capture."""

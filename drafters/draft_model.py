@@ -122,6 +122,9 @@ class DraftModelDrafter(LevelDrafter):
 
     # ---- the level loop's hooks -----------------------------------------------------------------
 
+    def _new_state(self, num_cached: int) -> _RequestState:
+        return _RequestState(num_cached)
+
     def _prepare(self, req: DraftRequest) -> _RequestState:
         return self._state.setdefault(req.request_id, _RequestState())
 

@@ -73,6 +73,7 @@ class EagleDrafter(LevelDrafter):
 
     needs_hidden_states = True
     gives_probs = True
+    kv_lookahead = 1  # the pair at slot i is (feature i, token i + 1)
 
     def __init__(self, target: TargetInfo, path: str | None = None, *, depth: int = 5, topk: int = 2,
                  max_budget: int | None = None, seed: int = 0) -> None:
@@ -120,6 +121,11 @@ class EagleDrafter(LevelDrafter):
         self._state.pop(request_id, None)
 
     # ---- the level loop's hooks -----------------------------------------------------------------
+
+    def _new_state(self, num_cached: int) -> _State:
+        # A prefix-cache hit of n tokens: pairs 0..n-1 are cached (the cache checked token n, the last pair's);
+        # the features of tokens n.. come from the suffix's prefill rows.
+        return _State(num_cached)
 
     @torch.inference_mode()
     def _prepare(self, req: DraftRequest) -> _State:

@@ -125,6 +125,19 @@ class HybridDrafter(Drafter):
         for p in self.parts:
             p.attach_kv(allocator)
 
+    @property
+    def kv_lookahead(self) -> int:
+        return max(p.kv_lookahead for p in self.parts)
+
+    def cached_prefix_len(self, request_id: str) -> int:
+        """The least of the parts that keep KV (a costly part that sat a request out lags behind)."""
+        kept = [p.cached_prefix_len(request_id) for p in self.parts if p.kv_bytes_per_slot() > 0]
+        return min(kept) if kept else 0
+
+    def start_from_prefix(self, request_id: str, num_tokens: int) -> None:
+        for p in self.parts:
+            p.start_from_prefix(request_id, num_tokens)
+
     def release(self, request_id: str) -> None:
         self._last.pop(request_id, None)
         for p in self.parts:

@@ -94,6 +94,19 @@ class LevelDrafter(Drafter):
                 trees[w.index] = self._tree(tokens, parents, q_ids, q_probs, scores)
         return trees
 
+    # ---- prefix caching: both subclasses keep `_state[request_id].num_cached` (their valid KV slots) ----
+
+    def cached_prefix_len(self, request_id: str) -> int:
+        state = self._state.get(request_id)
+        return state.num_cached if state is not None else 0
+
+    def start_from_prefix(self, request_id: str, num_tokens: int) -> None:
+        self._state[request_id] = self._new_state(num_tokens)
+
+    @abstractmethod
+    def _new_state(self, num_cached: int) -> object:
+        """A fresh request state whose first `num_cached` KV slots are valid."""
+
     def _target_ids(self, ids: np.ndarray) -> np.ndarray:
         """Draft-vocabulary ids as target ids (identity; EAGLE-3's reduced vocabulary maps them)."""
         return ids

@@ -24,6 +24,7 @@ from specserve.budget import BudgetPolicy
 from specserve.drafters.base import Drafter
 from specserve.kv_cache import BlockAllocator
 from specserve.model import LlamaModel
+from specserve.prefix_cache import PrefixCache
 from specserve.request import Request, RequestDelta, Status
 from specserve.runner import ModelRunner
 from specserve.sampling import SamplingParams
@@ -43,7 +44,8 @@ class EngineConfig:
 
     max_prefill_tokens: prompt tokens per step; a longer prompt is prefilled in chunks between the
     running requests' decode steps. max_forced_tokens: most tokens a rule may force per step (reserved
-    past each request's root).
+    past each request's root). enable_prefix_caching: share the KV of full blocks of earlier requests'
+    tokens with prompts that start with them (specserve/prefix_cache.py).
     """
 
     max_model_len: int
@@ -52,6 +54,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_prefill_tokens: int = 128
     max_forced_tokens: int = 8
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "kv_cache_slots", "block_size", "max_num_seqs", "max_prefill_tokens"):
@@ -90,8 +93,12 @@ class Engine:
             drafter.attach_kv(self.allocator)
         self.speculator = Speculator(drafter, self.hooks, model.config.vocab_size, config.max_forced_tokens,
                                      budget_policy)
+        self.prefix_cache = None
+        if config.enable_prefix_caching:
+            keeps_kv = drafter is not None and drafter.kv_bytes_per_slot() > 0
+            self.prefix_cache = PrefixCache(self.allocator, drafter.kv_lookahead if keeps_kv else None)
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_prefill_tokens,
-                                   self.speculator.slots_past_root)
+                                   self.speculator.slots_past_root, self.prefix_cache)
         self.runner = ModelRunner(model, self.cache, self.speculator.hidden_layers)
         self.verifier = Verifier(self.hooks)
         self.requests: dict[str, Request] = {}
@@ -196,6 +203,8 @@ class Engine:
         req.finish_time = time.perf_counter()
         req.detok.flush()
         self.scheduler.remove(req)
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(req.request_id)
         self.allocator.free(req.request_id)
         self.speculator.release(req)
         self.hooks.release(req)
@@ -227,6 +236,9 @@ class Engine:
         step = self.scheduler.schedule(self.speculator.max_budget)
         if step.empty:
             return []
+        for chunk in step.prefills:
+            if chunk.start == chunk.request.num_cached_tokens > 0:  # a cache hit's first chunk
+                self.speculator.start_from_prefix(chunk.request)
         proposal = self.speculator.propose(step)
         try:
             out = self.runner.run(step, proposal.trees)
@@ -236,6 +248,8 @@ class Engine:
         t_verified = time.perf_counter()
         self._keep_accepted(step, results)
         self.speculator.commit(step, out, results, row_argmax, proposal)
+        if self.prefix_cache is not None:
+            self._offer_blocks(step)
         deltas = [self._emit(r, res.emitted_tokens) for r, res in zip(out.verifying, results)]
         self.speculator.observe(step, out, results, proposal, verify_s=t_verified - proposal.drafted_at,
                                 step_s=time.perf_counter() - t_start)
@@ -263,6 +277,12 @@ class Engine:
                             torch.from_numpy(np.concatenate(dst)).to(device))
         for chunk in step.prefills:
             chunk.request.num_cached = chunk.end
+
+    def _offer_blocks(self, step: ScheduledStep) -> None:
+        """Blocks the step filled with committed tokens (prompt or output) join the prefix cache, before
+        emitting may finish their requests: a later prompt (the next turn of a chat) starts with them."""
+        for r in itertools.chain(step.decodes, (c.request for c in step.prefills)):
+            self.prefix_cache.commit(r.request_id, r.token_ids, r.num_cached, self.speculator.drafter_cached(r))
 
     def _emit(self, r: Request, tokens: list[int]) -> RequestDelta:
         """Append accepted tokens one by one, stopping at a rule's verdict, EOS, max_tokens or a stop string."""

@@ -9,6 +9,9 @@ drafter that runs its own model (draft model, EAGLE head) — has a `PagedKVCach
 blocks on that one allocator, so a request's block table addresses its entries in all of them and one
 reservation at admission covers both. Nothing grows or copies a pool later.
 
+Prefix caching shares full blocks between sequences (reference counts here, keys and policy in
+specserve/prefix_cache.py); no write ever lands in a shared block, so nothing is copied on write.
+
 Storage vs positions: a sequence's *slot index* s (0, 1, 2, ...) is where its s-th cached entry lives.
 Committed tokens occupy slot indices 0..committed_len-1; a step writes the root at committed_len and
 draft node i at committed_len + 1 + i; commit moves the accepted nodes down next to the root.
@@ -17,13 +20,22 @@ draft node i at committed_len + 1 + i; commit moves the accepted nodes down next
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
 
 class BlockAllocator:
-    """Hands out block ids from a free list; one block table (int32 array of block ids) per sequence."""
+    """Hands out block ids; one block table (int32 array of block ids) per sequence.
+
+    Blocks are reference-counted so that prefix caching (specserve/prefix_cache.py) can put one block in
+    several tables: a block is *free* (unreferenced, holding nothing anyone may want), *referenced* by
+    one or more tables, or *evictable* (unreferenced but cached: its KV may serve a later prompt). Fresh
+    blocks come from the free list first, then from the evictable ones, least recently used first, so a
+    cached block never keeps a running request out: `num_free_blocks` counts evictable blocks as free.
+    """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1 or block_size < 1:
@@ -32,31 +44,121 @@ class BlockAllocator:
         self.block_size = block_size
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self.tables: dict[str, np.ndarray] = {}
+        self._refs = np.zeros(num_blocks, dtype=np.int32)  # tables holding each block
+        self._cached = np.zeros(num_blocks, dtype=np.bool_)  # a prefix cache indexes it
+        # Cached and unreferenced blocks, least recently used first (the next to be evicted).
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        # Called with a cached block's id when it is evicted for reuse (the prefix cache drops its key).
+        self.on_evict: Callable[[int], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks a new sequence may take: free ones and evictable cached ones."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return int(self._cached.sum())
 
     def blocks_for(self, num_slots: int) -> int:
         return math.ceil(num_slots / self.block_size)
 
-    def can_allocate(self, num_slots: int) -> bool:
-        return self.blocks_for(num_slots) <= len(self._free)
+    def can_allocate(self, num_slots: int, shared: Sequence[int] = ()) -> bool:
+        """Whether `allocate(..., num_slots, shared)` would succeed: the fresh blocks, plus the shared ones
+        that are evictable now (taking them makes them unavailable to others), fit in the free count."""
+        return self._blocks_taken(num_slots, shared) <= self.num_free_blocks
 
-    def allocate(self, seq_id: str, num_slots: int) -> np.ndarray:
+    def _blocks_taken(self, num_slots: int, shared: Sequence[int]) -> int:
+        fresh = self.blocks_for(num_slots) - len(shared)
+        return max(fresh, 0) + sum(1 for b in shared if self._refs[b] == 0)
+
+    def allocate(self, seq_id: str, num_slots: int, shared: Sequence[int] = ()) -> np.ndarray:
+        """A block table for `num_slots` slots: the `shared` blocks first (a cached prefix; their
+        references grow), then fresh blocks. Raises MemoryError when they do not fit."""
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id!r} already holds blocks")
         need = self.blocks_for(num_slots)
-        if need > len(self._free):
-            raise MemoryError(f"KV cache: {need} blocks needed, {len(self._free)} free")
-        table = np.array([self._free.pop() for _ in range(need)], dtype=np.int32)
+        if len(shared) > need:
+            raise ValueError(f"{len(shared)} shared blocks for a sequence of {need} blocks")
+        taken = self._blocks_taken(num_slots, shared)
+        if taken > self.num_free_blocks:
+            raise MemoryError(f"KV cache: {taken} blocks needed, {self.num_free_blocks} free")
+        for b in shared:
+            if self._refs[b] == 0:
+                del self._evictable[b]
+            self._refs[b] += 1
+        fresh = [self._take() for _ in range(need - len(shared))]
+        table = np.array(list(shared) + fresh, dtype=np.int32)
         self.tables[seq_id] = table
         return table
 
+    def _take(self) -> int:
+        """One unreferenced block for a sequence's own use: a free one, else the least recently used
+        evictable one (its cache entry is dropped first)."""
+        if self._free:
+            block = self._free.pop()
+        else:
+            block, _ = self._evictable.popitem(last=False)
+            self._cached[block] = False
+            if self.on_evict is not None:
+                self.on_evict(block)
+        self._refs[block] = 1
+        return block
+
     def free(self, seq_id: str) -> None:
+        """Drop a sequence's references. Its last block goes back first, so among a freed table's cached
+        blocks the tail of the prefix is evicted before its head (a head serves more prompts)."""
         table = self.tables.pop(seq_id, None)
-        if table is not None:
-            self._free.extend(reversed(table.tolist()))
+        if table is None:
+            return
+        for b in reversed(table.tolist()):
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                if self._cached[b]:
+                    self._evictable[b] = None
+                else:
+                    self._free.append(b)
+
+    # ---- prefix caching: which blocks are cached --------------------------------------------------
+
+    def mark_cached(self, block: int) -> None:
+        """A prefix cache indexes `block` (a block some table holds): kept when unreferenced, until evicted."""
+        if self._refs[block] <= 0:
+            raise ValueError(f"block {block} is not held by any sequence: only computed blocks are cached")
+        self._cached[block] = True
+
+    def uncache(self, block: int) -> None:
+        """The prefix cache dropped `block`: unreferenced, it is free at once."""
+        if not self._cached[block]:
+            return
+        self._cached[block] = False
+        if block in self._evictable:
+            del self._evictable[block]
+            self._free.append(block)
+
+    def ref_count(self, block: int) -> int:
+        return int(self._refs[block])
+
+    def check(self) -> None:
+        """AssertionError unless the bookkeeping is consistent (tests): each block is exactly one of free,
+        referenced (count = tables holding it) or evictable (cached), and nothing is lost."""
+        counts = np.zeros(self.num_blocks, dtype=np.int64)
+        for table in self.tables.values():
+            np.add.at(counts, table, 1)
+        assert (counts == self._refs).all(), "reference counts differ from the block tables"
+        free = set(self._free)
+        assert len(free) == len(self._free), "a block is free twice"
+        evictable = set(self._evictable)
+        assert not free & evictable, "a block is both free and evictable"
+        assert all(self._refs[b] == 0 for b in free | evictable), "a free or evictable block is referenced"
+        assert not self._cached[list(free)].any() if free else True, "a free block is still cached"
+        assert all(self._cached[b] for b in evictable), "an evictable block is not cached"
+        referenced = int((self._refs > 0).sum())
+        assert len(free) + len(evictable) + referenced == self.num_blocks, "blocks were lost"
 
     def capacity(self, seq_id: str) -> int:
         return len(self.tables[seq_id]) * self.block_size

@@ -58,6 +58,8 @@ class LLM:
     it leaves no choice about are drafted for free), "aware" (no forced tokens) or "verify" (the grammar
     masks verification only). Output is the same either way; only speed differs.
     """
+    enable_prefix_caching: reuse the KV of full blocks earlier requests computed (a shared system prompt,
+    a chat's earlier turns): a prompt's prefill starts at its first uncached token; output is unchanged.
 
     def __init__(
         self,
@@ -80,6 +82,7 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         tensor_parallel_size: int = 1,
     ) -> None:
+        enable_prefix_caching: bool = True,
         # What this LLM was built from: a server's replicas rebuild it in their own processes.
         self.init_args = {name: value for name, value in locals().items() if name != "self"}
         if speculation not in SPECULATION_MODES:
@@ -163,7 +166,8 @@ class LLM:
             self.tokenizer,
             drafter_obj,
             EngineConfig(max_model_len=max_model_len, kv_cache_slots=kv_cache_tokens, block_size=block_size,
-                         max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens),
+                         max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens,
+                         enable_prefix_caching=enable_prefix_caching),
             eos_token_ids=eos_token_ids,
             budget_policy=make_budget_policy(speculation, drafter_obj),
             hooks=StepHooks(rule_factories=[self.constraints]),
@@ -311,6 +315,7 @@ class LLM:
         )
 
 
+            num_cached_tokens=req.num_cached_tokens,
 def _describe_model(model, model_dir: Path, max_model_len: int | None) -> str:
     """What the loading line says about the model: its size and context window (the embedded one named)."""
     params = sum(p.numel() for p in model.parameters()) if hasattr(model, "parameters") else 0

@@ -127,6 +127,7 @@ class Request:
         self._tokens[: self.prompt_len] = prompt_ids
         self.num_tokens = self.prompt_len
         self.num_cached = 0
+        self.num_cached_tokens = 0  # prompt tokens whose KV came from the prefix cache (set at admission)
         self.status = Status.WAITING
         self.speculate = speculate  # False: this request decodes plainly (budget 0)
         self.drafter_parts: tuple[str, ...] | None = None  # a hybrid drafter's parts this request uses (None: all)
@@ -193,3 +194,4 @@ class RequestOutput:
     ttft_s: float | None
     e2e_s: float | None
     error: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (not prefilled)

@@ -20,6 +20,10 @@ slot fell from ~200 ms to one step).
 Admission reserves every KV block a request can ever need (prompt + max_tokens + room past its root
 for the largest tree — the target's, the drafter's own levels, forced tokens), so a running request
 never fails for lack of cache; when the pool is short the queue waits.
+
+With prefix caching (specserve/prefix_cache.py) admission first looks the prompt up: the cached blocks it
+starts with head its block table (shared, not copied), only the rest are fresh, and its prefill starts at
+its first uncached token. Evictable cached blocks count as free, so a cache never keeps a request out.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from specserve.kv_cache import BlockAllocator
+from specserve.prefix_cache import PrefixCache
 from specserve.request import Request, Status
 
 
@@ -69,10 +74,13 @@ class Scheduler:
     """Owns the waiting queue and the running batch.
 
     slots_past_root: cache slots a request reserves past its root (largest tree or drafter levels).
+    prefix_cache: where admission looks prompts up (None: prefix caching is off).
     """
 
-    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_prefill_tokens: int, slots_past_root: int) -> None:
+    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_prefill_tokens: int, slots_past_root: int,
+                 prefix_cache: PrefixCache | None = None) -> None:
         self.allocator = allocator
+        self.prefix_cache = prefix_cache
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
         self.slots_past_root = slots_past_root
@@ -115,10 +123,15 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs - self.newcomer_slots and running.get(req.client, 0):
                 break  # only newcomers' slots are left, and the fairest waiting client already runs something
             need = self.slots_needed(req.prompt_len, req.max_tokens)
-            if not self.allocator.can_allocate(need):
+            cached = self._cached_prefix(req)
+            if not self.allocator.can_allocate(need, cached):
                 break  # the chosen one waits for blocks rather than let others jump ahead of it
             self.waiting.remove(req)
-            self.allocator.allocate(req.request_id, need)
+            self.allocator.allocate(req.request_id, need, cached)
+            if self.prefix_cache is not None:
+                self.prefix_cache.admitted(req.request_id, req.prompt_len, cached)
+            # Its prefill starts at its first uncached token (the shared blocks are never written).
+            req.num_cached = req.num_cached_tokens = len(cached) * self.allocator.block_size
             req.status = Status.RUNNING
             req.scheduled_time = time.perf_counter()
             self.running.append(req)
@@ -128,6 +141,12 @@ class Scheduler:
         # The bonus token always comes: a tree may use at most the tokens left after it.
         caps = [max(0, min(max_budget, r.max_tokens - r.num_output - 1)) if r.speculate else 0 for r in decodes]
         return ScheduledStep(prefills, decodes, caps)
+
+    def _cached_prefix(self, req: Request) -> list[int]:
+        """The cached blocks the request's prompt starts with (none when caching is off)."""
+        if self.prefix_cache is None:
+            return []
+        return self.prefix_cache.match(req.request_id, req.token_ids, drafts=req.speculate)
 
     def _running_per_client(self) -> dict[str, int]:
         """Requests running per client (requests without a client are each their own: not counted)."""

@@ -223,6 +223,21 @@ class Speculator:
                 log.exception("drafter %r failed to release %s", self.drafter.name, request.request_id)
         self._drafter_off.discard(request.request_id)
 
+    # ---- prefix caching -------------------------------------------------------------------------
+
+    def start_from_prefix(self, r: Request) -> None:
+        """The request's first `num_cached_tokens` KV entries came from the prefix cache: a drafter that
+        keeps KV starts from there too (the cache offered only blocks whose drafter entries are valid) and
+        catches up over the rest; the target features of the rest come from its prefill rows."""
+        if self.drafter is not None and r.speculate:
+            self.drafter.start_from_prefix(r.request_id, r.num_cached_tokens)
+
+    def drafter_cached(self, r: Request) -> int:
+        """Leading cache slots of the request whose drafter entries are valid (0: none, or no drafter)."""
+        if self.drafter is None or not r.speculate or r.request_id in self._drafter_off:
+            return 0
+        return self.drafter.cached_prefix_len(r.request_id)
+
     # ---- target features ------------------------------------------------------------------------
 
     def _queue_features(self, r: Request, rows: dict[int, torch.Tensor]) -> None:
