@@ -18,6 +18,7 @@ from specserve.drafters import TargetInfo, create_drafter
 from specserve.engine import Engine, EngineConfig
 from specserve.grammar.hooks import GRAMMAR_DRAFTING, ConstraintRules
 from specserve.model import LlamaModel
+from specserve.penalties import PenaltyRules
 from specserve.request import RequestOutput
 from specserve.sampling import SamplingParams
 from specserve.speculation import SPECULATION_MODES, make_budget_policy
@@ -57,9 +58,9 @@ class LLM:
     / `choice`) draft: "forced" (the default: drafters mask their proposals with the grammar and tokens
     it leaves no choice about are drafted for free), "aware" (no forced tokens) or "verify" (the grammar
     masks verification only). Output is the same either way; only speed differs.
-    """
     enable_prefix_caching: reuse the KV of full blocks earlier requests computed (a shared system prompt,
     a chat's earlier turns): a prompt's prefill starts at its first uncached token; output is unchanged.
+    """
 
     def __init__(
         self,
@@ -81,8 +82,8 @@ class LLM:
         cuda_graphs: bool | None = None,
         gpu_memory_utilization: float = 0.9,
         tensor_parallel_size: int = 1,
-    ) -> None:
         enable_prefix_caching: bool = True,
+    ) -> None:
         # What this LLM was built from: a server's replicas rebuild it in their own processes.
         self.init_args = {name: value for name, value in locals().items() if name != "self"}
         if speculation not in SPECULATION_MODES:
@@ -160,6 +161,8 @@ class LLM:
         # Output constraints (json_schema / regex / grammar / choice) reach the step as rules: this factory
         # gives each constrained request its matcher; `compile`/`compiled` let a server compile off-thread.
         self.constraints = ConstraintRules(self.tokenizer, cfg.vocab_size, eos_token_ids, grammar_drafting)
+        # Penalties, logit bias and min_tokens edit logits after the grammar's mask (specserve/penalties.py).
+        self.penalties = PenaltyRules(cfg.vocab_size, eos_token_ids)
         progress.begin(_engine_phase_name(self.model))
         self.engine = Engine(
             self.model,
@@ -170,7 +173,7 @@ class LLM:
                          enable_prefix_caching=enable_prefix_caching),
             eos_token_ids=eos_token_ids,
             budget_policy=make_budget_policy(speculation, drafter_obj),
-            hooks=StepHooks(rule_factories=[self.constraints]),
+            hooks=StepHooks(rule_factories=[self.constraints, self.penalties]),
         )
         progress.end(f"kernel warm-up {self.engine.warmup_s:.2f} s, calibrating speculation {self.engine.calibration_s:.2f} s"
                      if getattr(self.engine, "calibration_s", 0) else None)
@@ -312,10 +315,10 @@ class LLM:
             ttft_s=(req.first_token_time - req.arrival_time) if req.first_token_time else None,
             e2e_s=(req.finish_time - req.arrival_time) if req.finish_time else None,
             error=req.error,
+            num_cached_tokens=req.num_cached_tokens,
         )
 
 
-            num_cached_tokens=req.num_cached_tokens,
 def _describe_model(model, model_dir: Path, max_model_len: int | None) -> str:
     """What the loading line says about the model: its size and context window (the embedded one named)."""
     params = sum(p.numel() for p in model.parameters()) if hasattr(model, "parameters") else 0

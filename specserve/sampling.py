@@ -45,6 +45,21 @@ class SamplingParams:
     A constrained request finishes with "stop" when its grammar is complete and admits no more
     tokens (or the model ends it where the grammar allows), and with "length" when max_tokens cuts
     it off inside the structure: that output is incomplete.
+
+    Penalties and bias (specserve/penalties.py; applied to the logits in this order, before
+    temperature and the filters, on every verify row with the counts of that row's own path):
+    repetition_penalty: > 0, 1 = off (transformers'/vLLM's): a token seen in the prompt or the output
+                 has a positive logit divided by it, a negative one multiplied.
+    frequency_penalty, presence_penalty: in [-2, 2], 0 = off (OpenAI's): logit -= frequency_penalty ×
+                 count + presence_penalty × (count > 0), counts over the generated tokens only.
+    logit_bias:  {token id: bias in [-100, 100]} added to the logits (-100 all but bans a token).
+    min_tokens:  end-of-sequence tokens are banned until this many tokens were generated.
+
+    Log-probabilities (the target's own, before penalties, temperature and filters: vLLM's "raw"):
+    logprobs:    None (off) or k in [0, 20]: each output token's log-probability and the k most likely
+                 tokens' at its position (RequestOutput.logprobs).
+    prompt_logprobs: None or k in [0, 20]: the same for every prompt token but the first
+                 (RequestOutput.prompt_logprobs; the first entry is None).
     """
 
     temperature: float = defaults.TEMPERATURE
@@ -60,6 +75,13 @@ class SamplingParams:
     grammar: str | None = None
     choice: tuple[str, ...] | list[str] | None = None
     json_whitespace: str = "compact"
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     constraint: Any = field(init=False, default=None, repr=False, compare=False)  # grammar.Constraint | None
 
     def __post_init__(self) -> None:
@@ -94,6 +116,12 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.seed must be an integer or None, got {self.seed!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
+        self._check_penalties(number)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"SamplingParams.{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
         given = [kind for kind in ("json_schema", "regex", "grammar", "choice") if getattr(self, kind) is not None]
         if len(given) > 1:
             raise ValueError(f"SamplingParams takes at most one of json_schema, regex, grammar and choice; got {', '.join(given)}")
@@ -107,9 +135,49 @@ class SamplingParams:
         elif self.json_whitespace not in ("compact", "flexible"):
             raise ValueError(f"SamplingParams.json_whitespace must be 'compact' or 'flexible', got {self.json_whitespace!r}")
 
+    def _check_penalties(self, number) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= number(name) <= 2:
+                raise ValueError(f"SamplingParams.{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}")
+        if not number("repetition_penalty") > 0:
+            raise ValueError(f"SamplingParams.repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"SamplingParams.min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"SamplingParams.logit_bias must be a dict {{token id: bias}}, got {type(self.logit_bias).__name__}")
+            bias = {}
+            for key, value in self.logit_bias.items():
+                token = _token_id(key)
+                if token is None:
+                    raise ValueError(f"SamplingParams.logit_bias keys must be token ids (integers >= 0), got {key!r}")
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+                    raise ValueError(f"SamplingParams.logit_bias[{key!r}] must be a number in [-100, 100], got {value!r}")
+                bias[token] = float(value)
+            object.__setattr__(self, "logit_bias", bias or None)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty, bias or min_tokens edits this request's logits (a PenaltyRule is made)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias or self.min_tokens)
+
+
+#: Most top log-probabilities per position (OpenAI's limit for top_logprobs).
+MAX_LOGPROBS = 20
+
+
+def _token_id(key) -> int | None:
+    """A logit_bias key as a token id: an int, or its decimal text (JSON object keys are strings)."""
+    if isinstance(key, str) and key.isdigit():
+        return int(key)
+    if isinstance(key, int) and not isinstance(key, bool) and key >= 0:
+        return key
+    return None
 
 
 def logits_to_probs(

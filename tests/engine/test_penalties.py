@@ -1,0 +1,144 @@
+"""Penalties, logit bias and min_tokens are exact under speculation.
+
+The reference is written here from the definitions (OpenAI's frequency/presence penalties over the
+generated tokens, transformers'/vLLM's repetition penalty over prompt and output, logit_bias added,
+EOS banned before min_tokens) in float64 over transformers' logits — never specserve's penalties.py:
+greedy plain and greedy speculative output must both equal it, and sampled speculative output (many
+seeds, trees whose rows each carry their own path's counts) must follow the penalised distribution by a
+chi-square test of its 2nd and 3rd tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import scripted_drafter  # noqa: F401  (registers "scripted")
+from sampling_oracle import target_probs
+from specserve import LLM, SamplingParams
+from target_stats import SAMPLED_MAX_TOKENS, chi_square_p_value
+
+PROMPTS = ["def add(a, b):", "import os\nimport os\n", "x = [1, 2, 3]\nfor"]
+MAX_TOKENS = 24
+PENALTIES = dict(frequency_penalty=0.7, presence_penalty=0.4, repetition_penalty=1.3)
+
+
+def penalise(logits: np.ndarray, prompt: list[int], generated: list[int], params: SamplingParams,
+             eos: tuple[int, ...] = ()) -> np.ndarray:
+    """float64[V] logits after the documented penalties, from their definitions."""
+    out = logits.astype(np.float64).copy()
+    counts = np.bincount(np.asarray(generated, dtype=np.int64), minlength=out.shape[0]).astype(np.float64)
+    if params.repetition_penalty != 1:
+        for t in set(prompt) | set(generated):
+            out[t] = out[t] / params.repetition_penalty if out[t] > 0 else out[t] * params.repetition_penalty
+    out -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    for t, b in (params.logit_bias or {}).items():
+        out[t] += b
+    if len(generated) < params.min_tokens:
+        out[list(eos)] = -np.inf
+    return out
+
+
+def greedy_reference(hf, prompt: list[int], params: SamplingParams, eos: tuple[int, ...], n: int) -> list[int]:
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = hf(torch.tensor([ids])).logits[0, -1].double().numpy()
+            ids.append(int(np.argmax(penalise(logits, prompt, ids[len(prompt):], params, eos))))
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("drafter", [None, "scripted"])
+def test_penalised_greedy_equals_reference_plain_and_speculative(llama_dir, drafter):
+    hf = AutoModelForCausalLM.from_pretrained(str(llama_dir), dtype=torch.float32).eval()
+    plain_llm = LLM(llama_dir, drafter=None, device="cpu")
+    plain = plain_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    banned = plain[0].token_ids[2]  # a token greedy decoding emits: the bias must bite
+    eos = tuple(sorted(plain_llm.engine.eos_token_ids))
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logit_bias={banned: -100.0},
+                            **PENALTIES)
+    prompts = [plain_llm.encode(p) for p in PROMPTS]
+    expected = [greedy_reference(hf, p, params, eos, MAX_TOKENS) for p in prompts]
+    # The scripted drafter proposes trees mixing the penalised reference's own tokens (accepted: the rows
+    # below them carry those tokens' counts) with wrong ones (rejected).
+    llm = plain_llm if drafter is None else LLM(
+        llama_dir, drafter="scripted", device="cpu", speculation="static",
+        drafter_options={"mode": "mixed", "seed": 3, "references": [p + e for p, e in zip(prompts, expected)]})
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == expected
+    assert all(banned not in o.token_ids for o in outs)
+    assert expected != [o.token_ids for o in plain]  # the penalties changed the output
+    if drafter is not None:
+        assert sum(sum(o.spec.accepted_per_position) for o in outs) > MAX_TOKENS  # drafts were accepted, deep
+
+
+def test_min_tokens_bans_eos_until_reached(llama_dir):
+    llm = LLM(llama_dir, drafter="ngram", device="cpu", speculation="static")
+    eos = tuple(sorted(llm.engine.eos_token_ids))
+    # Bias EOS up so the model wants to end at once: min_tokens must hold it off, and no longer.
+    bias = {t: 100.0 for t in eos}
+    out = llm.generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=40, min_tokens=5, logit_bias=bias))[0]
+    assert len(out.token_ids) == 6 and out.token_ids[-1] in eos and out.finish_reason == "stop"
+
+
+def test_bad_values_name_the_field(llama_dir):
+    for kwargs, field in [(dict(frequency_penalty=2.5), "frequency_penalty"), (dict(presence_penalty=-3), "presence_penalty"),
+                          (dict(repetition_penalty=0), "repetition_penalty"), (dict(min_tokens=-1), "min_tokens"),
+                          (dict(logit_bias={"x": 1}), "logit_bias"), (dict(logit_bias={1: 101}), "logit_bias"),
+                          (dict(logprobs=21), "logprobs")]:
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**kwargs)
+    llm = LLM(llama_dir, drafter=None, device="cpu")
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate(["x"], SamplingParams(logit_bias={10**6: 1.0}, max_tokens=2))
+
+
+# ---- sampled: chi-square on trees ------------------------------------------------------------------
+
+PROMPT = [3, 1, 4, 1, 5]
+N = 1500
+
+
+def exact_penalised_joint(model_dir, params: SamplingParams) -> torch.Tensor:
+    """P(2nd token, 3rd token) [V, V] of penalised sampling after PROMPT: each prefix's logits from
+    transformers, penalised by that prefix's own counts, then temperature/top-k/top-p/min-p by the oracle.
+    The joint, not the marginals: a row that missed its own path's counts shows where the 3rd token
+    repeats the 2nd, which the 3rd token's marginal averages away."""
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    vocab = hf.config.vocab_size
+
+    def dist(prefixes):
+        with torch.no_grad():
+            logits = hf(torch.tensor([PROMPT + p for p in prefixes])).logits[:, -1].double().numpy()
+        return torch.from_numpy(np.stack([
+            target_probs(penalise(row, PROMPT, p, params), params.temperature, params.top_k, params.top_p, params.min_p)
+            for row, p in zip(logits, prefixes)]))
+
+    p1 = dist([[]])[0]
+    p2 = dist([[a] for a in range(vocab)])
+    p3 = dist([[a, b] for a, b in itertools.product(range(vocab), repeat=2)]).view(vocab, vocab, vocab)
+    return (p1[:, None, None] * p2[:, :, None] * p3).sum(0)
+
+
+@pytest.mark.parametrize("mode,with_probs", [("random", False), ("wide_fan", True)])
+def test_penalised_sampling_on_trees_follows_the_penalised_target(small_vocab_dir, mode, with_probs):
+    params = [SamplingParams(max_tokens=SAMPLED_MAX_TOKENS, seed=seed, ignore_eos=True, temperature=1.0, top_p=0.95,
+                             frequency_penalty=1.0, presence_penalty=1.0, repetition_penalty=1.2, logit_bias={2: 6.0, 11: 5.0})
+              for seed in range(N)]
+    reference = LLM(small_vocab_dir, device="cpu").generate([PROMPT], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    llm = LLM(small_vocab_dir, drafter="scripted", device="cpu", max_num_seqs=N, max_prefill_tokens=N * len(PROMPT),
+              speculation="static", drafter_options={"mode": mode, "seed": 7, "references": [PROMPT + reference[0].token_ids],
+                                                     "max_budget": 6, "with_probs": with_probs})
+    outs = llm.generate([PROMPT] * N, params)
+    exact = exact_penalised_joint(small_vocab_dir, params[0]).flatten()  # [V * V]: (2nd, 3rd) pairs
+    vocab = int(round(exact.numel() ** 0.5))
+    pairs = torch.tensor([o.token_ids[1] * vocab + o.token_ids[2] for o in outs])
+    counts = torch.bincount(pairs, minlength=exact.numel()).double()
+    assert float(counts[exact == 0].sum()) == 0, "emitted a pair the penalised target gives zero probability"
+    p_value = chi_square_p_value(counts, exact)
+    assert p_value > 1e-3, f"(2nd, 3rd) tokens: chi-square p-value {p_value:.2e}"
+    assert sum(sum(o.spec.accepted_per_position) for o in outs) > N // 10  # the trees were really used
