@@ -250,7 +250,7 @@ class Engine:
         self.speculator.commit(step, out, results, row_argmax, proposal)
         if self.prefix_cache is not None:
             self._offer_blocks(step)
-        deltas = [self._emit(r, res.emitted_tokens) for r, res in zip(out.verifying, results)]
+        deltas = [self._emit(r, res.emitted_tokens, res.logprobs) for r, res in zip(out.verifying, results)]
         self.speculator.observe(step, out, results, proposal, verify_s=t_verified - proposal.drafted_at,
                                 step_s=time.perf_counter() - t_start)
         return deltas
@@ -284,8 +284,9 @@ class Engine:
         for r in itertools.chain(step.decodes, (c.request for c in step.prefills)):
             self.prefix_cache.commit(r.request_id, r.token_ids, r.num_cached, self.speculator.drafter_cached(r))
 
-    def _emit(self, r: Request, tokens: list[int]) -> RequestDelta:
-        """Append accepted tokens one by one, stopping at a rule's verdict, EOS, max_tokens or a stop string."""
+    def _emit(self, r: Request, tokens: list[int], logprobs: tuple = ()) -> RequestDelta:
+        """Append accepted tokens one by one, stopping at a rule's verdict, EOS, max_tokens or a stop string;
+        `logprobs` (one per token, when the request asked) follow the tokens kept."""
         if r.first_token_time is None:
             r.first_token_time = time.perf_counter()
         kept: list[int] = []
@@ -307,6 +308,10 @@ class Engine:
                 reason = "length"
             if reason:
                 break
+        kept_logprobs = tuple(logprobs[:len(kept)])
+        if kept_logprobs:
+            r.logprobs.extend(kept_logprobs)
         if reason:
             self._finish(r, reason)
-        return RequestDelta(r.request_id, kept, r.detok.take_delta(final=reason is not None), reason is not None, reason)
+        return RequestDelta(r.request_id, kept, r.detok.take_delta(final=reason is not None), reason is not None, reason,
+                            kept_logprobs)

@@ -316,6 +316,8 @@ class LLM:
             e2e_s=(req.finish_time - req.arrival_time) if req.finish_time else None,
             error=req.error,
             num_cached_tokens=req.num_cached_tokens,
+            logprobs=req.logprobs,
+            prompt_logprobs=req.prompt_logprobs,
         )
 
 

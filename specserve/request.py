@@ -137,6 +137,10 @@ class Request:
         self.finish_reason: str | None = None
         self.error: str | None = None  # why, when finish_reason is "error" (the engine failed on its step)
         self.stats = SpecStats()
+        # Log-probabilities (verify/logprobs.py) when asked for: one per output token, and one per prompt
+        # token (the first has none: nothing predicts it).
+        self.logprobs: list | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.stop)
         self.generator = torch.Generator().manual_seed(
             params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
@@ -178,6 +182,7 @@ class RequestDelta:
     text: str
     finished: bool
     finish_reason: str | None
+    logprobs: tuple = ()  # one verify.logprobs.TokenLogprob per token in token_ids, when the request asked
 
 
 @dataclass(frozen=True)
@@ -194,4 +199,7 @@ class RequestOutput:
     ttft_s: float | None
     e2e_s: float | None
     error: str | None = None
+    # SamplingParams.logprobs / prompt_logprobs: TokenLogprob per output token / per prompt token (None first).
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (not prefilled)

@@ -9,7 +9,7 @@ one row per completed prompt (its first token is that empty tree's bonus token).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -33,6 +33,8 @@ class StepForward:
                 hidden states are returned for every row, so a sequence's features start there.
     hidden:     {layer: float[T, hidden]} the target features of every row (empty when no drafter reads them).
     num_tokens: rows of the batch.
+    prompt_rows: for prefill chunks of requests asking for prompt log-probabilities, (request, first
+                position predicted, raw logits float32[m, vocab]): row j predicts prompt token start + j.
     """
 
     verifying: list[Request]
@@ -41,6 +43,7 @@ class StepForward:
     first_rows: list[int]
     hidden: dict[int, torch.Tensor]
     num_tokens: int
+    prompt_rows: list = field(default_factory=list)
 
 
 class ModelRunner:
@@ -56,20 +59,45 @@ class ModelRunner:
         for r, tree in zip(step.decodes, trees):
             tokens, positions, mask = verify_rows(r.token_ids[-1:], r.num_cached, tree)
             first_rows.append(builder.add(r.request_id, r.num_cached, tokens, positions, mask, logits="all", hidden=hidden))
+        verify_count = sum(t.num_nodes + 1 for t in trees)
+        keep = None  # logit rows that are verify rows, when prompt rows sit among them
+        prompt_spans = []  # (request, first predicted position, first logit row, rows)
         for chunk in step.prefills:
             req = chunk.request
+            logits = "last" if chunk.completes_prompt else "none"
+            if req.params.prompt_logprobs is not None:
+                # Logits at every prompt row: row p predicts token p + 1 (the last completing row is the
+                # verify row of the first output token, as usual).
+                logits = "all"
+                if keep is None:
+                    keep = list(range(verify_count))
+                n = chunk.end - chunk.start
+                m = n - 1 if chunk.completes_prompt else n
+                prompt_spans.append((req, chunk.start + 1, verify_count, m))
+                if chunk.completes_prompt:
+                    keep.append(verify_count + m)
+                verify_count += n
+            elif chunk.completes_prompt:
+                if keep is not None:
+                    keep.append(verify_count)
+                verify_count += 1
             first_rows.append(builder.add(req.request_id, chunk.start, req.token_ids[chunk.start:chunk.end],
-                                          logits="last" if chunk.completes_prompt else "none", hidden=hidden))
+                                          logits=logits, hidden=hidden))
         batch = builder.build()
         out = self.model.forward(batch, self.cache, self.hidden_layers)
+        logits = out.logits
+        prompt_rows = [(req, start, logits[row:row + m]) for req, start, row, m in prompt_spans if m]
+        if keep is not None:
+            logits = logits[torch.tensor(keep, dtype=torch.int64, device=logits.device)]
         done = [c.request for c in step.prefills if c.completes_prompt]
         return StepForward(
             verifying=list(step.decodes) + done,
             trees=list(trees) + [DraftTree.empty()] * len(done),
-            logits=out.logits,
+            logits=logits,
             first_rows=first_rows,
             hidden=out.hidden_states,
             num_tokens=batch.num_tokens,
+            prompt_rows=prompt_rows,
         )
 
     def forward_scratch(self, seq_id: str, start: int, tokens: np.ndarray, tree: DraftTree | None = None) -> torch.Tensor:

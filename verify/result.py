@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -15,12 +15,15 @@ class VerifyResult:
     bonus_token:     the token sampled from the target at the last accepted row (the root's row when
                      nothing was accepted). Always emitted: a step yields len(accepted_tokens) + 1 tokens.
     num_drafted:     nodes in the tree (N).
+    logprobs:        one `verify.logprobs.TokenLogprob` per emitted token when the request asked for
+                     them (`SamplingParams.logprobs`), else empty.
     """
 
     accepted_nodes: tuple[int, ...]
     accepted_tokens: tuple[int, ...]
     bonus_token: int
     num_drafted: int
+    logprobs: tuple = field(default=(), compare=False)
 
     @property
     def num_accepted(self) -> int:

@@ -5,6 +5,10 @@ batch-level logits processors edit every row, then every row's argmax, the sampl
 distributions (temperature, top-k, top-p, min-p) and their uniforms, and greedy / lossless stochastic
 acceptance of the packed trees (`accept_trees`: one compiled call on the CPU). Masks come before
 everything, so the argmax, the sampled distribution and the residuals all see them.
+
+Log-probabilities (verify/logprobs.py) are read before any of it: the raw rows of requests that ask for
+them are copied first, and the rows of each accepted path + bonus are turned into log-probabilities once
+acceptance is known; prompt rows a prefill chunk returned (`StepForward.prompt_rows`) likewise.
 """
 
 from __future__ import annotations
@@ -14,9 +18,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+import dataclasses
+
 from specserve.sampling import logits_to_probs
 from specserve.step_hooks import StepHooks, VerifyRows
 from specserve.verify.accept import accept_trees, draw_uniforms
+from specserve.verify.logprobs import path_rows, token_logprobs
 from specserve.verify.packed import pack_trees
 from specserve.verify.result import VerifyResult
 
@@ -33,15 +40,25 @@ class Verifier:
         int64[R] after rules and processors (drafters with `wants_row_argmax` are handed it at commit).
         Edits `out.logits` in place."""
         reqs, trees, logits = out.verifying, out.trees, out.logits  # logits: float32[R, vocab]
+        for req, start, rows in out.prompt_rows:
+            req.prompt_logprobs.extend(token_logprobs(rows, req.token_ids[start:start + len(rows)].tolist(),
+                                                      req.params.prompt_logprobs))
         ruled = [b for b, r in enumerate(reqs) if r.rules]
+        wanting = [b for b, r in enumerate(reqs) if r.params.logprobs is not None]
         if not self.hooks.logits_processors and not ruled and all(
                 not t.num_nodes and r.params.greedy for r, t in zip(reqs, trees)):
             # Plain greedy decoding: each request's token is its row's argmax (the common case, kept lean:
             # right after a forward has streamed the weights through the caches, every Python step is slow).
             argmax = row_argmax(logits)
-            return [VerifyResult((), (), token, 0) for token in argmax.tolist()], argmax
+            results = [VerifyResult((), (), token, 0) for token in argmax.tolist()]
+            for b in wanting:  # one row each, unedited: row b is request b's
+                results[b] = dataclasses.replace(results[b], logprobs=tuple(
+                    token_logprobs(logits[b:b + 1], [results[b].bonus_token], reqs[b].params.logprobs)))
+            return results, argmax
         packed = pack_trees(trees, logits.device)
         cu = packed.cu_rows  # int64[B+1]
+        # The raw rows of requests that report log-probabilities, before any rule edits them.
+        raw = {b: logits[int(cu[b]):int(cu[b + 1])].clone() for b in wanting}  # b -> float32[N+1, vocab]
         for b in ruled:
             for rule in reqs[b].rules:
                 rule.process_logits(logits[int(cu[b]):int(cu[b + 1])], trees[b])
@@ -70,7 +87,13 @@ class Verifier:
                 per_row([p.min_p for p in params]),
             )
             uniforms = draw_uniforms(packed, greedy, [r.generator for r in reqs])
-        return accept_trees(trees, packed, greedy, argmax, probs, prob_index, uniforms), argmax
+        results = accept_trees(trees, packed, greedy, argmax, probs, prob_index, uniforms)
+        for b, rows in raw.items():
+            res = results[b]
+            picked = rows[torch.tensor(path_rows(res.accepted_nodes), device=rows.device)]
+            results[b] = dataclasses.replace(res, logprobs=tuple(
+                token_logprobs(picked, res.emitted_tokens, reqs[b].params.logprobs)))
+        return results, argmax
 
 
 def row_argmax(logits: torch.Tensor) -> torch.Tensor:
