@@ -63,6 +63,9 @@ BENCH_COMMANDS: dict[str, tuple[str, str, str, str]] = {
                  "specserve.evals.bench_parallel", "add_arguments", "run"),
     "startup": ("start-up: process start to first token (generate) and to ready (serve), argument errors, imports, "
                 "calibration, a first run's compilation", "specserve.evals.bench_startup", "add_arguments", "run"),
+    "overhead": ("host time per engine step by phase (schedule, draft, batch, accept, commit, emit) with every "
+                 "forward replaced by its recorded output, per drafter and batch size",
+                 "specserve.evals.bench_overhead", "add_arguments", "run"),
     "soak": ("soak and chaos run: well-behaved and hostile clients against a real server; checks that nothing "
              "leaks, crosses over or dies", "specserve.evals.bench_soak", "add_arguments", "run"),
 }
@@ -361,10 +364,12 @@ def show_progress(args: argparse.Namespace) -> bool:
 
 
 def import_engine():
-    """Import what loading a model needs (torch first: most of every start-up), as a progress phase."""
+    """Import what loading a model needs (torch and transformers: most of every start-up), as a progress phase."""
     from specserve import progress
 
-    progress.begin("importing torch")
+    progress.begin("importing torch and transformers")
+    import transformers  # noqa: F401  (its package; the model's config class comes with the model)
+
     import specserve.llm  # noqa: F401  (torch, numba, the engine)
 
     progress.end()

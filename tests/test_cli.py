@@ -321,3 +321,14 @@ def test_convert_writes_a_public_layout_and_refuses_bad_input(tmp_path):
     assert info["drafter"]["format"] == "speculators eagle3"
     bad = run("convert", "--drafter", "ngram", "--to", "specserve", "--out", str(tmp_path / "x"))
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "no weights" in bad.stderr
+
+
+def test_chat_without_a_server_says_to_start_one():
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    res = run("chat", "--url", f"ws://127.0.0.1:{port}/v1/ws")
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert "no server is running" in res.stderr and "specserve serve" in res.stderr
