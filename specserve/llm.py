@@ -104,6 +104,7 @@ class LLM:
             from specserve.kernels import set_threads
 
             set_threads(threads)
+        progress.begin("loading model")
         self.device = resolve_device(device)
         cfg = load_config(model_dir)
         # The CPU kernels run the whole layer, attention included; naming a backend asks for the torch
@@ -112,7 +113,6 @@ class LLM:
         self.dtype = resolve_dtype(dtype, self.device, checkpoint_dtype(cfg.hf_config),
                                    cpu_kernels and kernels_unsupported(self.device, torch.float32, cfg.head_dim) is None)
         self._tp = self._launch_tensor_parallel(tensor_parallel_size, cfg, model_dir, threads)
-        progress.begin("loading model")
         self.model = LlamaModel.from_pretrained(model_dir, self.device, self.dtype, attention, cpu_kernels=cpu_kernels,
                                                 tp=self._tp)
         if threads is not None and self.model.kernels is None and self.device.type == "cpu":
