@@ -99,7 +99,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     llm = LLM(args.model, drafter=args.drafter, drafter_options=_drafter_options(args.drafter_option),
               device=args.device, dtype=args.dtype, threads=threads, max_num_seqs=args.max_num_seqs,
               max_model_len=args.max_model_len, speculation=args.speculation, grammar_drafting=args.grammar_drafting,
-              attention=args.attention, cuda_graphs=args.cuda_graphs, tensor_parallel_size=args.tensor_parallel)
+              attention=args.attention, cuda_graphs=args.cuda_graphs, tensor_parallel_size=args.tensor_parallel,
+              enable_prefix_caching=args.prefix_caching)
     server = SpecServer(llm, config)
     try:
         return asyncio.run(_serve(server))

@@ -66,6 +66,8 @@ BENCH_COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "overhead": ("host time per engine step by phase (schedule, draft, batch, accept, commit, emit) with every "
                  "forward replaced by its recorded output, per drafter and batch size",
                  "specserve.evals.bench_overhead", "add_arguments", "run"),
+    "prefix": ("prefix caching on vs off: a shared system prompt's TTFT, a chat's later turns, its cost without "
+               "sharing", "specserve.evals.bench_prefix", "add_arguments", "run"),
     "soak": ("soak and chaos run: well-behaved and hostile clients against a real server; checks that nothing "
              "leaks, crosses over or dies", "specserve.evals.bench_soak", "add_arguments", "run"),
 }
@@ -125,7 +127,7 @@ def _drafter_options(items: list[str]) -> dict:
 
 
 def add_execution_arguments(p: argparse.ArgumentParser) -> None:
-    """--attention, --no-cuda-graphs and --tensor-parallel (generate and serve)."""
+    """--attention, --no-cuda-graphs, --tensor-parallel and --no-prefix-caching (generate and serve)."""
     p.add_argument("--attention", default=None, choices=["triton", "sdpa"],
                    help="attention backend (default: triton on CUDA; on the CPU the compiled kernels — naming one "
                         "runs the torch layers instead)")
@@ -133,6 +135,8 @@ def add_execution_arguments(p: argparse.ArgumentParser) -> None:
                    help="run every CUDA forward eagerly (default: decode and verify steps replay CUDA graphs)")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="split the target over N ranks (torch.distributed: N GPUs, or N CPU processes with gloo)")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="prefill every prompt whole (default: reuse the KV of full blocks earlier requests computed)")
 
 
 def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
@@ -390,7 +394,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     threads = kernel_threads(args, args.tensor_parallel)
     settings = dict(drafter_options=_drafter_options(args.drafter_option), device=args.device, dtype=args.dtype,
                     threads=threads, speculation=args.speculation, grammar_drafting=args.grammar_drafting,
-                    attention=args.attention, cuda_graphs=args.cuda_graphs, tensor_parallel_size=args.tensor_parallel)
+                    attention=args.attention, cuda_graphs=args.cuda_graphs, tensor_parallel_size=args.tensor_parallel,
+                    enable_prefix_caching=args.prefix_caching)
     llm = LLM(args.model, drafter=args.drafter, **settings)
     if args.json:
         out = llm.generate([args.prompt], params)[0]

@@ -204,6 +204,8 @@ class Engine:
         req.detok.flush()
         self.scheduler.remove(req)
         if self.prefix_cache is not None:
+            if reason != "error":  # the last step's accepted tokens were appended after its blocks were offered
+                self._offer(req)
             self.prefix_cache.release(req.request_id)
         self.allocator.free(req.request_id)
         self.speculator.release(req)
@@ -282,7 +284,10 @@ class Engine:
         """Blocks the step filled with committed tokens (prompt or output) join the prefix cache, before
         emitting may finish their requests: a later prompt (the next turn of a chat) starts with them."""
         for r in itertools.chain(step.decodes, (c.request for c in step.prefills)):
-            self.prefix_cache.commit(r.request_id, r.token_ids, r.num_cached, self.speculator.drafter_cached(r))
+            self._offer(r)
+
+    def _offer(self, r: Request) -> None:
+        self.prefix_cache.commit(r.request_id, r.token_ids, r.num_cached, self.speculator.drafter_cached(r))
 
     def _emit(self, r: Request, tokens: list[int], logprobs: tuple = ()) -> RequestDelta:
         """Append accepted tokens one by one, stopping at a rule's verdict, EOS, max_tokens or a stop string;

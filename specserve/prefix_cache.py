@@ -124,15 +124,18 @@ class PrefixCache:
     def commit(self, request_id: str, tokens: np.ndarray, num_committed: int, drafter_tokens: int) -> None:
         """Offer the request's newly filled blocks to the cache.
 
-        tokens: int64[L], its prompt and output; num_committed: tokens whose KV is in its blocks (slots
-        0..num_committed-1, final); drafter_tokens: leading slots whose drafter entries are valid
+        tokens: int64[L], its prompt and output so far; num_committed: tokens whose KV is in its blocks
+        (slots 0..num_committed-1, final; may run ahead of L within a step); drafter_tokens: leading slots whose drafter entries are valid
         (`Drafter.cached_prefix_len`; ignored when the drafter keeps no KV).
         """
         seq = self._seqs.get(request_id)
-        if seq is None:
+        table = self.allocator.tables.get(request_id)
+        if seq is None or table is None:  # a request finishing before it was admitted
             return
         b = self.block_size
-        full = num_committed // b
+        # Accepted draft tokens are in the cache before they are appended to `tokens` (the engine commits,
+        # then emits): only blocks whose tokens are known yet can be keyed.
+        full = min(num_committed, len(tokens)) // b
         if self.drafter_lookahead is None:
             drafter_full = full
         else:  # its entries in block j may read tokens up to (j+1)B - 1 + lookahead
@@ -140,7 +143,6 @@ class PrefixCache:
         if full <= seq.registered and drafter_full <= seq.drafter_ok:
             return  # the common decode step: no block boundary crossed
         self._extend_keys(seq, tokens, full)
-        table = self.allocator.tables[request_id]
         # Upgrades first (blocks offered earlier whose drafter entries became valid), then new blocks.
         for j in list(range(seq.drafter_ok, min(drafter_full, seq.registered))) + list(range(seq.registered, full)):
             tail = self._tail(tokens, j) if j < drafter_full else None

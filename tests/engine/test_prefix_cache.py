@@ -16,6 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import scripted_drafter  # noqa: F401  (registers "scripted")
 import specserve.drafters.eagle  # noqa: F401  (registers "eagle")
 import specserve.drafters.medusa  # noqa: F401  (registers "medusa")
 from specserve import LLM, SamplingParams
@@ -76,6 +77,8 @@ def medusa_dir(small_vocab_dir, tmp_path_factory):
 
 
 def _drafter_spec(kind: str, request) -> str | None:
+    if kind == "scripted":  # drafts the reference continuation: every step accepts several tokens
+        return "scripted"
     return {
         "none": None, "ngram": "ngram", "suffix": "suffix",
         "draft": f"draft:{request.getfixturevalue('near_draft_dir')}",
@@ -108,16 +111,23 @@ def _run_scenario(llm: LLM, reference) -> list:
     return outs + batch
 
 
-@pytest.mark.parametrize("kind", ["none", "ngram", "suffix", "draft", "eagle", "medusa", "hybrid"])
+@pytest.mark.parametrize("kind", ["none", "ngram", "suffix", "draft", "eagle", "medusa", "hybrid", "scripted"])
 def test_greedy_with_cache_equals_without(small_vocab_dir, reference, kind, request):
-    llm = _llm(small_vocab_dir, _drafter_spec(kind, request))
+    options = {"mode": "all_right", "references": [list(p) + out for p, out in reference.items()], "max_budget": 5}
+    llm = _llm(small_vocab_dir, _drafter_spec(kind, request), drafter_options=options if kind == "scripted" else None)
     outs = _run_scenario(llm, reference)
     by_prompt = {tuple(o.prompt_token_ids): o for o in outs[:len(PROMPTS)]}
     # The second prompt on SYSTEM reuses its three full blocks; the chat's later turns their whole history
     # but the tail block(s) a drafter keeping KV had not caught up on when the earlier turn ended.
     assert by_prompt[tuple(PROMPTS[1])].num_cached_tokens == 12
     assert by_prompt[tuple(PROMPTS[4])].num_cached_tokens == 8  # OTHER + [3]: two blocks, then its own
-    assert outs[len(PROMPTS) + 2].num_cached_tokens >= 16  # beyond SYSTEM's blocks: the chat's history
+    chat = outs[len(PROMPTS):len(PROMPTS) + 3]
+    for before, turn in zip(chat, chat[1:]):  # a turn finds the earlier one's history, its answer included
+        committed = (len(before.prompt_token_ids) + len(before.token_ids) - 1) // BLOCK * BLOCK
+        if kind in ("none", "ngram", "suffix", "medusa", "scripted"):  # all of it
+            assert turn.num_cached_tokens == committed
+        else:  # but the tail a drafter keeping KV had not caught up on when the earlier turn ended
+            assert committed - 3 * BLOCK <= turn.num_cached_tokens <= committed
     if kind != "none":  # the drafter still drafts after a cache hit (none was left unable to)
         assert by_prompt[tuple(PROMPTS[1])].spec.num_drafted > 0 or kind in ("ngram", "suffix")
         assert sum(o.spec.num_drafted for o in outs) > 0

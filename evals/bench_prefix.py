@@ -1,0 +1,201 @@
+"""`specserve bench prefix`: prefix caching on vs off, in one run, on the same model and drafter.
+
+Three workloads, each measured on two LLMs (caching on, caching off) built once, their runs alternating
+so the machine's noise falls on both alike; TTFT is the engine's (request added → first token), greedy:
+
+(a) shared system prompt — one ~330-token system prompt (``--system-tokens``) answered for several
+    questions, one request at a time: with caching, the first request is cold (the cache cleared before
+    it), the others find the system prompt's blocks. Goal: cached TTFT >= 4x lower than cold.
+(b) chat — a 10-turn conversation, each turn's prompt the chat template over every earlier message and
+    answer (what a chat client sends): median TTFT of turns 8-10 over that of turns 1-3. Goal: <= 1.3x
+    with caching (without it, every turn prefills the whole history).
+(c) no sharing — distinct raw-text prompts (no template, nothing in common): what caching costs when it
+    never hits (hashing, registering, an ever-fuller cache): TTFT and decode tokens/s (tokens after the
+    first over the time after it). Goal: <= 2 % worse.
+
+Every output with caching is checked equal to the output without (greedy: lossless).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+from specserve.evals.common import machine, set_threads, write_json
+
+QUESTIONS = ["Write a function that reverses a linked list.", "How do I read a CSV file line by line?",
+             "Explain what a Python generator is.", "Fix: list index out of range in my loop.",
+             "Sort a dict by value.", "What does `yield from` do?", "Time a block of code.",
+             "Parse JSON from a string.", "Make a dataclass immutable.", "Merge two sorted lists."]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model directory (default: the embedded model)")
+    p.add_argument("--drafter", default="auto", help="drafter spec (default: auto, the bundle's default)")
+    p.add_argument("--system-tokens", type=int, default=330, help="length of the shared system prompt (a)")
+    p.add_argument("--questions", type=int, default=6, help="requests answered on the shared system prompt (a)")
+    p.add_argument("--turns", type=int, default=10, help="turns of the chat (b)")
+    p.add_argument("--answer-tokens", type=int, default=32, help="tokens each answer/turn generates")
+    p.add_argument("--unshared", type=int, default=12, help="distinct prompts of the no-sharing workload (c)")
+    p.add_argument("--decode-tokens", type=int, default=64, help="tokens generated per no-sharing prompt (c)")
+    p.add_argument("--repeats", type=int, default=3, help="times each workload runs on each LLM (alternating)")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", default=None, metavar="FILE")
+
+
+def _generate(llm, prompt: list[int], max_tokens: int):
+    from specserve import SamplingParams
+
+    return llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))[0]
+
+
+def _chat_prompt(llm, messages: list[dict]) -> list[int]:
+    from specserve.server.prompts import messages_to_text
+
+    text, special = messages_to_text(llm.tokenizer, messages)
+    return list(llm.tokenizer.encode(text, add_special_tokens=special))
+
+
+def _clear(llm) -> None:
+    if llm.engine.prefix_cache is not None:
+        llm.engine.prefix_cache.clear()
+
+
+def _shared_system(llm, system: str, questions: list[str], max_tokens: int) -> dict:
+    """(a): TTFT (ms) of each question's request, one at a time, from an empty cache."""
+    _clear(llm)
+    ttft, outputs = [], []
+    for q in questions:
+        out = _generate(llm, _chat_prompt(llm, [{"role": "system", "content": system}, {"role": "user", "content": q}]),
+                        max_tokens)
+        ttft.append(out.ttft_s * 1e3)
+        outputs.append(out.token_ids)
+    return {"ttft_ms": ttft, "outputs": outputs}
+
+
+def _chat(llm, turns: int, max_tokens: int) -> dict:
+    """(b): TTFT (ms) per turn of one conversation, each turn's prompt the whole chat so far."""
+    _clear(llm)
+    messages = [{"role": "system", "content": "You are a concise coding assistant."}]
+    ttft, outputs, lengths = [], [], []
+    for t in range(turns):
+        messages.append({"role": "user", "content": QUESTIONS[t % len(QUESTIONS)]})
+        prompt = _chat_prompt(llm, messages)
+        out = _generate(llm, prompt, max_tokens)
+        ttft.append(out.ttft_s * 1e3)
+        outputs.append(out.token_ids)
+        lengths.append(len(prompt))
+        messages.append({"role": "assistant", "content": out.text})
+    return {"ttft_ms": ttft, "outputs": outputs, "prompt_tokens": lengths}
+
+
+def _unshared(llm, prompts: list[list[int]], max_tokens: int) -> dict:
+    """(c): TTFT (ms) and decode tokens/s of prompts that share nothing (the cache is not cleared)."""
+    ttft, tps, outputs = [], [], []
+    for p in prompts:
+        out = _generate(llm, p, max_tokens)
+        ttft.append(out.ttft_s * 1e3)
+        tps.append((len(out.token_ids) - 1) / (out.e2e_s - out.ttft_s))
+        outputs.append(out.token_ids)
+    return {"ttft_ms": ttft, "tokens_per_s": tps, "outputs": outputs}
+
+
+def _system_prompt(llm, tokens: int) -> str:
+    from specserve.evals.datasets import heldout_prompts
+
+    text = "You are a coding assistant for this repository. Follow its conventions:\n"
+    for chunk in heldout_prompts(64, 600):
+        if len(llm.tokenizer.encode(text + chunk)) > tokens:
+            break
+        text += chunk + "\n"
+    return text
+
+
+def run(args: argparse.Namespace) -> int:
+    from specserve import LLM
+    from specserve.evals.datasets import heldout_prompts
+
+    set_threads(args.threads)
+    for name in ("system_tokens", "questions", "turns", "answer_tokens", "unshared", "decode_tokens", "repeats"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.questions < 2 or args.turns < 6:
+        raise ValueError("--questions must be >= 2 (one cold, the rest cached) and --turns >= 6 (first and last three)")
+    llms = {"on": LLM(args.model, drafter=args.drafter, enable_prefix_caching=True),
+            "off": LLM(args.model, drafter=args.drafter, enable_prefix_caching=False)}
+    any_llm = llms["on"]
+    system = _system_prompt(any_llm, args.system_tokens)
+    questions = [QUESTIONS[i % len(QUESTIONS)] + f" (#{i})" for i in range(args.questions)]
+    unshared = [any_llm.encode(f"# file {i}\n" + t) for i, t in enumerate(heldout_prompts(args.unshared, 400))]
+    for llm in llms.values():  # warm-up: compile and touch every path once
+        _generate(llm, unshared[0], 4)
+    runs = {mode: {"a": [], "b": [], "c": []} for mode in llms}
+    for _ in range(args.repeats):
+        for mode, llm in llms.items():
+            runs[mode]["a"].append(_shared_system(llm, system, questions, args.answer_tokens))
+            runs[mode]["b"].append(_chat(llm, args.turns, args.answer_tokens))
+            runs[mode]["c"].append(_unshared(llm, unshared, args.decode_tokens))
+    for part in "abc":  # lossless: every output with caching equals the output without
+        for on, off in zip(runs["on"][part], runs["off"][part]):
+            if on["outputs"] != off["outputs"]:
+                raise AssertionError(f"workload ({part}): greedy output with prefix caching differs from without")
+    result = _summarize(runs, args)
+    result["system_prompt_tokens"] = len(_chat_prompt(any_llm, [{"role": "system", "content": system},
+                                                               {"role": "user", "content": questions[0]}]))
+    result["machine"] = machine(any_llm)
+    _print(result, args)
+    write_json(result, args.json)
+    return 0
+
+
+def _median(values) -> float:
+    return statistics.median(values)
+
+
+def _summarize(runs: dict, args) -> dict:
+    out = {"drafter": args.drafter, "repeats": args.repeats}
+    for mode in runs:
+        a = runs[mode]["a"]
+        b = runs[mode]["b"]
+        c = runs[mode]["c"]
+        turns = [_median(r["ttft_ms"][t] for r in b) for t in range(args.turns)]
+        out[mode] = {
+            "a_cold_ttft_ms": _median(r["ttft_ms"][0] for r in a),
+            "a_cached_ttft_ms": _median(x for r in a for x in r["ttft_ms"][1:]),
+            "b_turn_ttft_ms": turns,
+            "b_first3_ttft_ms": _median(turns[:3]),
+            "b_last3_ttft_ms": _median(turns[-3:]),
+            "c_ttft_ms": _median(x for r in c for x in r["ttft_ms"]),
+            "c_tokens_per_s": _median(x for r in c for x in r["tokens_per_s"]),
+        }
+        out[mode]["a_speedup"] = out[mode]["a_cold_ttft_ms"] / out[mode]["a_cached_ttft_ms"]
+        out[mode]["b_growth"] = out[mode]["b_last3_ttft_ms"] / out[mode]["b_first3_ttft_ms"]
+    out["b_prompt_tokens"] = runs["on"]["b"][0]["prompt_tokens"]
+    out["c_ttft_cost"] = out["on"]["c_ttft_ms"] / out["off"]["c_ttft_ms"] - 1
+    out["c_decode_cost"] = 1 - out["on"]["c_tokens_per_s"] / out["off"]["c_tokens_per_s"]
+    return out
+
+
+def _print(r: dict, args) -> None:
+    on, off = r["on"], r["off"]
+    print(f"prefix caching on vs off (drafter {args.drafter}, median of {args.repeats} runs, greedy outputs identical)")
+    print(f"(a) shared {r['system_prompt_tokens']}-token system prompt, {args.questions} requests one at a time:")
+    print(f"    off: TTFT {off['a_cold_ttft_ms']:.1f} ms first, {off['a_cached_ttft_ms']:.1f} ms the others")
+    print(f"    on:  TTFT {on['a_cold_ttft_ms']:.1f} ms cold, {on['a_cached_ttft_ms']:.1f} ms cached "
+          f"({on['a_speedup']:.1f}x lower; goal >= 4x)")
+    print(f"(b) {args.turns}-turn chat (prompts {r['b_prompt_tokens'][0]} -> {r['b_prompt_tokens'][-1]} tokens), "
+          f"TTFT per turn ms:")
+    for mode in ("off", "on"):
+        print(f"    {mode:>3}: " + " ".join(f"{x:.1f}" for x in r[mode]["b_turn_ttft_ms"])
+              + f"  | turns 8-10 / 1-3: {r[mode]['b_growth']:.2f}x" + ("  (goal <= 1.3x)" if mode == "on" else ""))
+    print(f"(c) {args.unshared} prompts sharing nothing, {args.decode_tokens} tokens each:")
+    print(f"    off: TTFT {off['c_ttft_ms']:.1f} ms, decode {off['c_tokens_per_s']:.1f} tok/s")
+    print(f"    on:  TTFT {on['c_ttft_ms']:.1f} ms ({100 * r['c_ttft_cost']:+.1f} %), decode {on['c_tokens_per_s']:.1f} tok/s "
+          f"({-100 * r['c_decode_cost']:+.1f} %; goal: cost <= 2 %)")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))
