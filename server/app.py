@@ -209,7 +209,7 @@ class SpecServer:
         tps = (out - 1) / ((e2e - ttft) / 1e3) if ttft is not None and e2e is not None and e2e > ttft and out > 1 else None
         steps = (summary.spec or {}).get("steps", 0)
         log_request({"id": rid, "api": api, "client": client, "status": status, "prompt_tokens": summary.input_tokens,
-                     "output_tokens": out, "ttft_ms": ttft, "tokens_per_s": tps,
+                     "cached_tokens": summary.cached_tokens, "output_tokens": out, "ttft_ms": ttft, "tokens_per_s": tps,
                      "tau": summary.spec["tau"] if steps else None, "error": summary.error})
 
     def reject(self, api: str, client: str, err: ProtocolError) -> None:

@@ -13,7 +13,9 @@ class EngineLoad:
     waiting: int  # requests queued for a batch slot
     running: int  # sequences in the running batch
     kv_blocks_total: int
-    kv_blocks_free: int
+    kv_blocks_free: int  # evictable cached blocks count as free (a new request may take them)
+    kv_blocks_cached: int = 0  # blocks the prefix cache indexes (in use or evictable)
+    kv_blocks_evictable: int = 0  # cached blocks no request holds: kept until their space is needed
 
     @property
     def kv_blocks_used(self) -> int:
@@ -27,4 +29,6 @@ def read_engine_load(engine) -> EngineLoad:
         running=len(engine.running),
         kv_blocks_total=allocator.num_blocks,
         kv_blocks_free=allocator.num_free_blocks,
+        kv_blocks_cached=allocator.num_cached_blocks,
+        kv_blocks_evictable=allocator.num_evictable_blocks,
     )

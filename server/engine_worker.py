@@ -41,6 +41,7 @@ class Summary:
     reason: str
     input_tokens: int = 0
     output_tokens: int = 0
+    cached_tokens: int = 0  # of input_tokens, those whose KV came from the prefix cache (not prefilled)
     spec: dict = field(default_factory=dict)
     timing: dict = field(default_factory=dict)
     error: str | None = None
@@ -234,6 +235,7 @@ class EngineWorker:
                 "queue_ms": ms(req.scheduled_time, live.received),
                 "ttft_ms": ms(req.first_token_time, live.received),
                 "e2e_ms": ms(req.finish_time, live.received),
+            cached_tokens=req.num_cached_tokens,
                 "engine_ttft_ms": ms(req.first_token_time, req.arrival_time),
             },
             error=req.error,

@@ -2,9 +2,10 @@
 
 Counted as requests finish (both APIs): requests by api and status, prompt and generated tokens,
 TTFT (receipt → first token), inter-token latency (each engine delivery's gap shared by the tokens it
-carries), and speculation per drafter: draft tokens proposed and accepted, verify steps, τ per request.
-Read at scrape time: queue depth, running sequences, KV blocks used and free (the engine thread's
-snapshot after its latest step), open connections and responses in flight.
+carries), speculation per drafter: draft tokens proposed and accepted, verify steps, τ per request, and
+prefix caching: prompt tokens looked up and served from the cache. Read at scrape time: queue depth,
+running sequences, KV blocks used and free, cached and evictable (the engine thread's snapshot after its
+latest step), the prefix cache's hit rate, open connections and responses in flight.
 
 Statuses: ``completed`` (stopped by EOS or a stop string), ``length`` (max tokens or the context
 end), ``cancelled`` (by the client, or it went away), ``failed`` (the engine refused or failed it, or
@@ -47,6 +48,12 @@ class ServerMetrics:
                                     ["drafter"], registry=r)
         self.tau = Histogram("specserve_spec_tau", "Tokens per verify step of each finished request (τ, bonus included)",
                              ["drafter"], buckets=TAU_BUCKETS, registry=r)
+        self.prefix_queried = Counter("specserve_prefix_cache_queried_tokens",
+                                      "Prompt tokens looked up in the prefix cache (of requests that reached the engine)",
+                                      registry=r)
+        self.prefix_hit = Counter("specserve_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
+                                  registry=r)
+        self.prefix_totals = [0, 0]  # queried, hit: the hit-rate gauge's inputs
         r.register(_LoadCollector(server))
 
     def finished(self, api: str, status: str, summary=None, drafter: str | None = None) -> None:
@@ -56,6 +63,10 @@ class ServerMetrics:
             return
         self.prompt_tokens.labels(api).inc(summary.input_tokens)
         self.generated_tokens.labels(api).inc(summary.output_tokens)
+        self.prefix_queried.inc(summary.input_tokens)
+        self.prefix_hit.inc(summary.cached_tokens)
+        self.prefix_totals[0] += summary.input_tokens
+        self.prefix_totals[1] += summary.cached_tokens
         ttft_ms = (summary.timing or {}).get("ttft_ms")
         if ttft_ms is not None:
             self.ttft.labels(api).observe(ttft_ms / 1e3)
@@ -109,7 +120,14 @@ class _LoadCollector:
         yield _gauge("specserve_queue_depth", "Requests waiting for a batch slot", load.waiting if load else 0)
         yield _gauge("specserve_running_sequences", "Sequences in the running batch", load.running if load else 0)
         yield _gauge("specserve_kv_blocks_used", "KV cache blocks in use", load.kv_blocks_used if load else 0)
-        yield _gauge("specserve_kv_blocks_free", "KV cache blocks free", load.kv_blocks_free if load else 0)
+        yield _gauge("specserve_kv_blocks_free", "KV cache blocks free (evictable cached blocks included)",
+                     load.kv_blocks_free if load else 0)
+        yield _gauge("specserve_kv_blocks_cached", "KV cache blocks the prefix cache holds", load.kv_blocks_cached if load else 0)
+        yield _gauge("specserve_kv_blocks_evictable", "Cached KV blocks no request holds (free when space is needed)",
+                     load.kv_blocks_evictable if load else 0)
+        queried, hit = server.metrics.prefix_totals
+        yield _gauge("specserve_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens",
+                     hit / queried if queried else 0.0)
         yield _gauge("specserve_responses_in_flight", "Responses accepted and not yet finished (both APIs)", server.in_flight)
         yield _gauge("specserve_websocket_connections", "Open websocket connections", server.connections)
         yield _gauge("specserve_engine_alive", "1 while the engine thread runs", int(worker is not None and worker.alive))

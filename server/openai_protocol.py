@@ -397,7 +397,8 @@ class Shapes:
 
 def usage_of(summary) -> dict:
     return {"prompt_tokens": summary.input_tokens, "completion_tokens": summary.output_tokens,
-            "total_tokens": summary.input_tokens + summary.output_tokens}
+            "total_tokens": summary.input_tokens + summary.output_tokens,
+            "prompt_tokens_details": {"cached_tokens": summary.cached_tokens}}
 
 
 def spec_of(summary) -> dict:

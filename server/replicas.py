@@ -11,6 +11,10 @@ so the rest of the server does not know how many engines there are — routes:
   session sticks to the replica of its first request while that replica lives (its next turns find
   what the engine learnt from the earlier ones — the suffix drafter's index — warm). HTTP clients are
   not pinned: many of them share one peer address (a proxy, a benchmark), which would pin them all;
+- otherwise a prompt goes where its first tokens went before (a hash of its first
+  `PREFIX_AFFINITY_TOKENS`: a shared system prompt, a chat's history), since that replica's prefix
+  cache most likely still holds their KV — unless it has more than `PREFIX_AFFINITY_SLACK` requests in
+  flight beyond the least-loaded replica (load first: a cached prefix saves a prefill, a queue costs more);
 - cancels go to the request's replica; `cancel_all` and `stop` go to every replica;
 - a replica that dies (its process exits or its pipe breaks) ends each of its requests with an "error"
   summary naming it, is skipped from then on, and shows as dead in /health and /metrics — the others
@@ -35,6 +39,9 @@ log = logging.getLogger("specserve.server")
 
 READY_TIMEOUT_S = 300.0
 _MAX_STICKY_CLIENTS = 4096
+PREFIX_AFFINITY_TOKENS = 64  # the prompt's first blocks (4 of the default 16 tokens) that route it
+PREFIX_AFFINITY_SLACK = 4  # in-flight requests a prefix's replica may have above the least loaded and still get it
+_MAX_PREFIXES = 4096
 SESSION_PREFIX = "sess_"  # websocket sessions' client ids (session.py)
 
 
@@ -238,6 +245,7 @@ class ReplicaPool:
         self.replicas: list = [local] + [RemoteReplica(i, llm_args, loop) for i in range(1, count)]
         self._owner: dict[str, object] = {}  # request id -> replica
         self._sticky: OrderedDict[str, object] = OrderedDict()  # websocket session -> its replica
+        self._prefix_home: OrderedDict[int, object] = OrderedDict()  # hash of a prompt's first tokens -> replica
         self.served = [0] * count  # requests routed to each replica
 
     # ---- EngineWorker's interface -----------------------------------------------------------------
@@ -250,7 +258,8 @@ class ReplicaPool:
     def load(self) -> EngineLoad:
         loads = [r.load for r in self.replicas if r.alive]
         return EngineLoad(*(sum(getattr(x, f) for x in loads) for f in ("waiting", "running", "kv_blocks_total",
-                                                                         "kv_blocks_free")))
+                                                                         "kv_blocks_free", "kv_blocks_cached",
+                                                                         "kv_blocks_evictable")))
 
     def start(self, ready_timeout: float = READY_TIMEOUT_S) -> None:
         for r in self.replicas:
@@ -260,7 +269,7 @@ class ReplicaPool:
             r.wait_ready(max(1.0, deadline - time.monotonic()))
 
     def submit(self, request_id, prompt_ids, params, speculate, received, sink, drafter_parts=None, client=None) -> None:
-        replica = self._route(client)
+        replica = self._route(client, prompt_ids)
         self._owner[request_id] = replica
         self.served[self.replicas.index(replica)] += 1
 
@@ -300,19 +309,31 @@ class ReplicaPool:
     def _in_flight(self, replica) -> int:
         return sum(1 for owner in self._owner.values() if owner is replica)
 
-    def _route(self, client: str | None):
+    def _route(self, client: str | None, prompt_ids=()):
         live = [r for r in self.replicas if r.alive]
         if not live:
             return self.replicas[0]  # it answers with its own error (a dead worker's requests fail)
         session = client if client is not None and client.startswith(SESSION_PREFIX) else None
         sticky = self._sticky.get(session) if session is not None else None
+        prefix = hash(tuple(prompt_ids[:PREFIX_AFFINITY_TOKENS])) if len(prompt_ids) >= PREFIX_AFFINITY_TOKENS else None
+        home = self._prefix_home.get(prefix) if prefix is not None else None
+        least = min(live, key=self._in_flight)  # ties: the lowest index
         if sticky is not None and sticky.alive:
             choice = sticky
+        elif home is not None and home.alive and self._in_flight(home) <= self._in_flight(least) + PREFIX_AFFINITY_SLACK:
+            choice = home
         else:
-            choice = min(live, key=self._in_flight)  # ties: the lowest index
-        if session is not None:
-            self._sticky[session] = choice
-            self._sticky.move_to_end(session)
-            while len(self._sticky) > _MAX_STICKY_CLIENTS:
-                self._sticky.popitem(last=False)
+            choice = least
+        _remember(self._sticky, session, choice, _MAX_STICKY_CLIENTS)
+        _remember(self._prefix_home, prefix, choice, _MAX_PREFIXES)
         return choice
+
+
+def _remember(table: OrderedDict, key, replica, limit: int) -> None:
+    """key -> replica, most recent last, the oldest dropped past `limit` (nothing for a None key)."""
+    if key is None:
+        return
+    table[key] = replica
+    table.move_to_end(key)
+    while len(table) > limit:
+        table.popitem(last=False)

@@ -1,7 +1,7 @@
 """One log line per finished request, as text or JSON (``--log-format``), on the ``specserve.requests`` logger.
 
 Fields: request id, api (openai | websocket), client (address, and the websocket session), status,
-prompt and output tokens, TTFT (ms, receipt to first token), tokens/s after the first token, τ.
+prompt tokens (and of them those the prefix cache served), output tokens, TTFT (ms, receipt to first token), tokens/s after the first token, τ.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 log = logging.getLogger("specserve.requests")
 
 #: The order the text format prints the fields in.
-FIELDS = ("id", "api", "client", "status", "prompt_tokens", "output_tokens", "ttft_ms", "tokens_per_s", "tau", "error")
+FIELDS = ("id", "api", "client", "status", "prompt_tokens", "cached_tokens", "output_tokens", "ttft_ms", "tokens_per_s", "tau", "error")
 
 
 def log_request(record: dict) -> None:

@@ -279,7 +279,8 @@ class Session:
         if error is not None:
             body["error"] = error.to_error()
         total = summary.input_tokens + summary.output_tokens
-        body["usage"] = {"input_tokens": summary.input_tokens, "output_tokens": summary.output_tokens, "total_tokens": total}
+        body["usage"] = {"input_tokens": summary.input_tokens, "output_tokens": summary.output_tokens, "total_tokens": total,
+                         "input_tokens_details": {"cached_tokens": summary.cached_tokens}}
         body["spec"] = summary.spec or {"tau": 0.0, "steps": 0, "accepted_per_position": []}
         body["timing"] = summary.timing or {"queue_ms": None, "ttft_ms": None, "e2e_ms": None, "engine_ttft_ms": None}
         self.outbox.send({"type": "response.done", "response": body})

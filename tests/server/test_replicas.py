@@ -50,6 +50,25 @@ def test_requests_go_to_the_least_loaded_replica_and_sessions_stay_put():
     assert "s3" not in home.submitted and any("s3" in r.submitted for r in pool.replicas if r.alive)
 
 
+def test_a_prompt_goes_where_its_prefix_went_load_permitting():
+    """Prefix caching: prompts that start alike (a system prompt) follow the first one's replica, whose cache
+    holds their blocks — until that replica is PREFIX_AFFINITY_SLACK requests busier than the least loaded."""
+    from specserve.server.replicas import PREFIX_AFFINITY_SLACK, PREFIX_AFFINITY_TOKENS
+
+    pool = _pool(3)
+    system = list(range(PREFIX_AFFINITY_TOKENS))
+    sink = lambda u: None  # noqa: E731
+    pool.submit("p0", system + [1], None, False, 0.0, sink, None, "conn:a")
+    home = next(r for r in pool.replicas if "p0" in r.submitted)
+    for i in range(1, PREFIX_AFFINITY_SLACK + 1):  # the same first tokens follow p0 while home is not too busy
+        pool.submit(f"p{i}", system + [i, i], None, False, 0.0, sink, None, f"conn:{i}")
+    assert all(f"p{i}" in home.submitted for i in range(PREFIX_AFFINITY_SLACK + 1))
+    pool.submit("busy", system + [9], None, False, 0.0, sink, None, "conn:z")  # home is too far ahead now
+    assert "busy" not in home.submitted
+    pool.submit("short", [5, 6], None, False, 0.0, sink, None, "conn:y")
+    assert "short" not in home.submitted
+
+
 def _health(srv) -> tuple[int, dict]:
     try:
         with urllib.request.urlopen(srv.http_url + "health", timeout=10) as r:
