@@ -112,6 +112,9 @@ class SpecServer:
 
     def __init__(self, llm, config: ServerConfig | None = None) -> None:
         self.llm = llm
+        from specserve.server.openai_logprobs import TokenTexts
+
+        self.token_texts = TokenTexts(llm.tokenizer)  # token id -> text, for log-probabilities
         self.config = config or ServerConfig()
         engine = llm.engine
         self.context_length = engine.config.max_model_len

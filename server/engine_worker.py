@@ -50,6 +50,7 @@ class Summary:
     # reason "error" because the request's own grammar matcher gave up (llguidance's work limits on a
     # pathological constraint): the client's constraint is at fault, not the server (invalid_grammar).
     constraint_failed: bool = False
+    prompt_logprobs: list | None = None  # SamplingParams.prompt_logprobs: TokenLogprob per prompt token (None first)
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,8 @@ class Update:
     num_tokens: int
     done: Summary | None = None
     token_ids: tuple[int, ...] = ()  # the step's tokens (the pacer splits ``text`` along them)
+    logprobs: tuple = ()  # one verify.logprobs.TokenLogprob per token, when the request asked
+    prompt_logprobs: tuple | None = None  # on a request's first update, when it asked: per prompt token (None first)
 
 
 Sink = Callable[[Update], None]
@@ -70,6 +73,7 @@ Sink = Callable[[Update], None]
 class _Live:
     sink: Sink
     received: float  # perf_counter when the server received response.create
+    sent_prompt: bool = False  # its prompt log-probabilities went out (with its first update)
 
 
 class EngineWorker:
@@ -199,11 +203,17 @@ class EngineWorker:
             live = self._live.get(d.request_id)
             if live is None:
                 continue
+            req = self.engine.requests.get(d.request_id)
+            # Prompt log-probabilities go out with the request's first update (an echo leads with them).
+            prompt_logprobs = None
+            if req is not None and req.prompt_logprobs is not None and not live.sent_prompt:
+                live.sent_prompt, prompt_logprobs = True, tuple(req.prompt_logprobs)
             summary = None
             if d.finished:
                 summary = self._summary(self.engine.pop_finished(d.request_id), live)
                 del self._live[d.request_id]
-            out.append((live.sink, Update(d.request_id, d.text, len(d.token_ids), summary, tuple(d.token_ids))))
+            out.append((live.sink, Update(d.request_id, d.text, len(d.token_ids), summary, tuple(d.token_ids),
+                                          d.logprobs, prompt_logprobs)))
 
     def _fail_all(self, message: str, out) -> None:
         for rid, live in list(self._live.items()):
@@ -225,6 +235,7 @@ class EngineWorker:
             reason=req.finish_reason or "cancelled",
             input_tokens=req.prompt_len,
             output_tokens=req.num_output,
+            cached_tokens=req.num_cached_tokens,
             spec={
                 "tau": round(stats.mean_accepted_length, 4),
                 "steps": stats.num_steps,
@@ -235,13 +246,13 @@ class EngineWorker:
                 "queue_ms": ms(req.scheduled_time, live.received),
                 "ttft_ms": ms(req.first_token_time, live.received),
                 "e2e_ms": ms(req.finish_time, live.received),
-            cached_tokens=req.num_cached_tokens,
                 "engine_ttft_ms": ms(req.first_token_time, req.arrival_time),
             },
             error=req.error,
             drafted=stats.num_drafted,
             accepted=stats.num_emitted - stats.num_steps,  # each verify step emits its accepted tokens + 1 bonus
             constraint_failed=any(isinstance(rule, ConstraintRule) and rule.state.failed for rule in req.rules),
+            prompt_logprobs=req.prompt_logprobs,
         )
 
     def _deliver(self, out: list[tuple[Sink, Update]]) -> None:

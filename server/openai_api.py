@@ -13,6 +13,7 @@ off the loop when long, fitting the context (policy "error": OpenAI's 400 naming
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 
@@ -21,6 +22,7 @@ from aiohttp_sse import EventSourceResponse
 
 from specserve import defaults
 from specserve.server.engine_worker import Summary, Update
+from specserve.server.openai_choices import ChoiceWriter
 from specserve.server.openai_protocol import (
     CompletionRequest,
     Shapes,
@@ -143,39 +145,58 @@ class OpenAIApi:
             server.reject(API, client, err)
             return error_response(err)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        stream = _Stream(server, rid, client, req.stream_pacing == "smooth", len(prompt.ids))
+        # n choices are n requests of one prompt (its prefill shared through prefix caching), one queue:
+        # items are (choice index, kind, value). Each its own seed: seed + i.
+        queue: asyncio.Queue = asyncio.Queue()
+        pacing = req.stream_pacing == "smooth" and req.logprobs is None and req.tools is None
+        streams = [_Stream(server, rid if req.n == 1 else f"{rid}-{i}", client, pacing, len(prompt.ids), queue, i)
+                   for i in range(req.n)]
         # Fairness across clients: the OpenAI `user` field when given (an end user), else the TCP connection
         # (address and port), as a websocket session is one. Not the address alone: every client behind one
         # proxy or NAT (or on loopback) would share one fair share — in the soak, well-behaved HTTP clients
         # queued behind hostile ones for seconds.
         user = body.get("user")
         fair = f"user:{user}" if isinstance(user, str) and user else "conn:" + client
-        server.submit(rid, prompt.ids, fitted(params, prompt), drafter, received, stream.on_update, client=fair)
+        base = fitted(params, prompt)
+        for i, stream in enumerate(streams):
+            p = base if i == 0 or base.seed is None else dataclasses.replace(base, seed=base.seed + i)
+            server.submit(stream.rid, prompt.ids, p, drafter, received, stream.on_update, client=fair)
         shapes = Shapes(rid, chat, server.model_name)
+        texts = server.token_texts
+        prompt_text = "" if chat or not req.echo else (req.input if isinstance(req.input, str) else texts.tokenizer.decode(prompt.ids))
+        writers = [ChoiceWriter(i, req, shapes, texts, prompt.ids, prompt_text) for i in range(req.n)]
         try:
             if req.stream:
-                return await self._stream(request, req, stream, shapes)
-            return await self._whole(req, stream, shapes)
+                return await self._stream(request, req, queue, streams, writers, shapes)
+            return await self._whole(req, queue, streams, writers, shapes)
         finally:
-            if stream.summary is None:  # the client went away (or the server is stopping): free its KV now
-                server.worker.cancel(rid)
+            for stream in streams:
+                if stream.summary is None:  # the client went away (or the server is stopping): free its KV now
+                    server.worker.cancel(stream.rid)
 
-    async def _whole(self, req: CompletionRequest, stream: _Stream, shapes: Shapes) -> web.Response:
-        texts = []
-        while True:
-            kind, value = await stream.queue.get()
+    async def _whole(self, req: CompletionRequest, queue: asyncio.Queue, streams, writers, shapes: Shapes) -> web.Response:
+        summaries: list[Summary | None] = [None] * len(streams)
+        while any(s is None for s in summaries):
+            i, kind, value = await queue.get()
             if kind == "text":
-                texts.append(value[0])
+                text, _, entries, prompt_entries = value
+                if prompt_entries is not None:
+                    writers[i].prompt_entries = list(prompt_entries)
+                writers[i].text.append(text)
+                writers[i].entries.extend(entries)
                 continue
-            summary: Summary = value
+            summaries[i], leftover = value
+            writers[i].entries.extend(leftover)
+        for summary in summaries:
             failure = _failure(summary, req)
             if failure is not None:
                 return error_response(failure)
-            body = shapes.whole("".join(texts), FINISH_REASONS.get(summary.reason, "stop"), usage_of(summary), spec_of(summary),
-                                summary.timing)
-            return web.json_response(body, dumps=_dumps)
+        choices = [w.whole(FINISH_REASONS.get(s.reason, "stop")) for w, s in zip(writers, summaries)]
+        body = shapes.whole(choices, usage_of(summaries[0], summaries[1:]), spec_of(summaries[-1]), summaries[0].timing)
+        return web.json_response(body, dumps=_dumps)
 
-    async def _stream(self, request: web.Request, req: CompletionRequest, stream: _Stream, shapes: Shapes):
+    async def _stream(self, request: web.Request, req: CompletionRequest, queue: asyncio.Queue, streams, writers,
+                      shapes: Shapes):
         self.server.track_stream(asyncio.current_task())
         sse = EventSourceResponse(sep="\n", ping_interval=15, allow_all_methods=True)  # POST, as OpenAI streams
         try:
@@ -186,32 +207,52 @@ class OpenAIApi:
             # quietly; _handle's finally cancels the request.
             return sse
         sent_tokens = 0
+        summaries: list[Summary | None] = [None] * len(streams)
+        echoed = [False] * len(streams)
         try:
             if shapes.chat:
-                await sse.send(shapes.chunk(text="", role=True))
-            while True:
-                kind, value = await stream.queue.get()
+                for i in range(len(streams)):
+                    await sse.send(shapes.chunk(text="", role=True, index=i))
+            while any(s is None for s in summaries):
+                i, kind, value = await queue.get()
+                writer = writers[i]
                 if kind == "text":
-                    text, tokens = value
-                    while not stream.queue.empty() and stream.queue._queue[0][0] == "text":  # merge what queued up
-                        more = stream.queue.get_nowait()[1]
-                        text, tokens = text + more[0], tokens + more[1]
+                    text, tokens, entries, prompt_entries = value
+                    while not queue.empty() and queue._queue[0][:2] == (i, "text"):  # merge what queued up
+                        more = queue.get_nowait()[2]
+                        text, tokens, entries = text + more[0], tokens + more[1], entries + more[2]
+                    if not echoed[i]:
+                        echoed[i] = True
+                        echo = writer.echo_piece(prompt_entries)
+                        if echo is not None:
+                            await sse.send(echo)
                     sent_tokens += tokens
-                    if text or req.continuous_usage:  # a text-less piece only matters to a client counting tokens
-                        usage = stream.usage_so_far(sent_tokens) if req.continuous_usage else None
-                        await sse.send(shapes.text_chunk(text, usage))
+                    if req.continuous_usage and req.n == 1:  # usage so far rides on every chunk
+                        writer.text.append(text)
+                        writer.entries.extend(entries)
+                        await sse.send(shapes.chunk(text=text, usage=streams[i].usage_so_far(sent_tokens)))
+                        continue
+                    chunk = writer.piece(text, entries)
+                    if chunk is not None:
+                        await sse.send(chunk)
                     continue
-                summary: Summary = value
+                summary, leftover = value
+                summaries[i] = summary
                 failure = _failure(summary, req)
                 if failure is not None:
                     await sse.send(_dumps(error_body(failure)))
-                else:
-                    usage = usage_of(summary) if req.include_usage else None
-                    for chunk in shapes.final_chunk(FINISH_REASONS.get(summary.reason, "stop"), spec_of(summary), usage,
-                                                    summary.timing):
-                        await sse.send(chunk)
-                await sse.send("[DONE]")
-                break
+                    await sse.send("[DONE]")
+                    return sse
+                owed, reason = writer.finish(FINISH_REASONS.get(summary.reason, "stop"), leftover)
+                for chunk in owed:
+                    await sse.send(chunk)
+                if any(s is None for s in summaries):
+                    await sse.send(shapes.chunk(finish_reason=reason, index=i))
+                    continue
+                usage = usage_of(summary, [s for s in summaries if s is not summary]) if req.include_usage else None
+                for chunk in shapes.final_chunk(reason, spec_of(summary), usage, summary.timing, index=i):
+                    await sse.send(chunk)
+            await sse.send("[DONE]")
         except ConnectionError:  # the client went away mid-stream; _handle's finally cancels the request
             pass
         finally:
@@ -220,19 +261,26 @@ class OpenAIApi:
 
 
 class _Stream:
-    """One HTTP request's updates: text pieces (paced or not) and finally its Summary, on a queue."""
+    """One choice's updates: text pieces (paced or not) with their tokens' log-probabilities, and finally
+    its Summary, on the response's queue as (index, kind, value)."""
 
-    def __init__(self, server, rid: str, client: str, pacing: bool, prompt_tokens: int) -> None:
+    def __init__(self, server, rid: str, client: str, pacing: bool, prompt_tokens: int, queue: asyncio.Queue,
+                 index: int = 0) -> None:
         self.server, self.rid, self.client = server, rid, client
         self.prompt_tokens = prompt_tokens
-        self.queue: asyncio.Queue = asyncio.Queue()  # ("text", (text, tokens)) ... ("done", Summary)
+        self.queue, self.index = queue, index
         self.summary: Summary | None = None
         self.clock = server.metrics.token_clock(API)
         self.unsent_tokens = 0  # tokens whose text the detokenizer still holds back
+        self.unsent_logprobs: tuple = ()  # and their log-probabilities
+        self.prompt_logprobs = None  # sent with the first text piece
         self.pacer = None
         if pacing:
             loop = asyncio.get_running_loop()
-            self.pacer = Pacer(lambda text, n: self.queue.put_nowait(("text", (text, n))), loop.time, loop.call_at)
+            self.pacer = Pacer(lambda text, n: self._put("text", (text, n, (), None)), loop.time, loop.call_at)
+
+    def _put(self, kind: str, value) -> None:
+        self.queue.put_nowait((self.index, kind, value))
 
     def usage_so_far(self, completion_tokens: int) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
@@ -240,6 +288,8 @@ class _Stream:
 
     def on_update(self, update: Update) -> None:
         self.clock.tokens(time.perf_counter(), update.num_tokens)
+        if update.prompt_logprobs is not None:
+            self.prompt_logprobs = update.prompt_logprobs
         if self.pacer is not None:
             if update.text:
                 weights = token_weights(self.server.llm.tokenizer, update.token_ids) if update.token_ids else [1]
@@ -250,17 +300,21 @@ class _Stream:
                 self.pacer.push_tokens(update.num_tokens)
         else:
             self.unsent_tokens += update.num_tokens
+            self.unsent_logprobs += tuple(update.logprobs)
             if update.text:
-                self.queue.put_nowait(("text", (update.text, self.unsent_tokens)))
-                self.unsent_tokens = 0
+                self._put("text", (update.text, self.unsent_tokens, self.unsent_logprobs, self.prompt_logprobs))
+                self.unsent_tokens, self.unsent_logprobs, self.prompt_logprobs = 0, (), None
         if update.done is not None:
             summary = update.done
             self.summary = summary
             self.server.finish(self.rid, API, self.client, final_status(summary), summary)
+            leftover, self.unsent_logprobs = self.unsent_logprobs, ()
+            if self.prompt_logprobs is not None:  # no text came at all: the echo still needs its prompt
+                self._put("text", ("", 0, (), self.prompt_logprobs))
             if self.pacer is not None:
-                self.pacer.finish(lambda: self.queue.put_nowait(("done", summary)))
+                self.pacer.finish(lambda: self._put("done", (summary, leftover)))
             else:
-                self.queue.put_nowait(("done", summary))
+                self._put("done", (summary, leftover))
 
 
 def _failure(summary: Summary, req: CompletionRequest) -> ProtocolError | None:

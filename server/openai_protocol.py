@@ -27,9 +27,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from specserve.server.prompts import FieldNames
+from specserve.sampling import MAX_LOGPROBS
+from specserve.server.prompts import FieldNames, ToolMessages
+from specserve.server.tool_calls import ToolPlan, history_message, parse_tools
 from specserve.server.protocol import (
     MAX_MESSAGES,
+    PENALTY_FIELDS,
     ConstraintSpec,
     ProtocolError,
     _int,
@@ -57,27 +60,25 @@ HTTP_STATUS = {
 }
 TYPE_STATUS = {"invalid_request_error": 400, "rate_limit_error": 429, "server_error": 500}
 
-_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos")
+_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos", *PENALTY_FIELDS)
 #: Structured output: OpenAI's response_format, vLLM's guided_* fields and structured_outputs.
 _GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 _STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
 _CONSTRAINTS = ("response_format", *_GUIDED, "structured_outputs", "json_whitespace")
-_COMMON = ("model", "max_tokens", "n", "stream", "stream_options", "user", "drafter", "stream_pacing", *_SAMPLING,
+_COMMON = ("model", "max_tokens", "n", "logprobs", "stream", "stream_options", "user", "drafter", "stream_pacing", *_SAMPLING,
            *_CONSTRAINTS)
 #: Accepted only at these neutral values (the first one is what we behave as).
 _NEUTRAL: dict[str, tuple] = {
-    "presence_penalty": (0, None), "frequency_penalty": (0, None), "logit_bias": (None, {}),
-    "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None, "none", "auto"),
-    "parallel_tool_calls": (None, True, False), "functions": (None, []), "function_call": (None, "none", "auto"),
+    "functions": (None, []), "function_call": (None, "none", "auto"),
     "service_tier": (None, "auto", "default"), "store": (None, False),
     "metadata": (None,), "modalities": (None, ["text"]), "reasoning_effort": (None,), "prediction": (None,),
-    "audio": (None,), "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1),
+    "audio": (None,), "suffix": (None, ""), "best_of": (None, 1),
 }
-_CHAT_ONLY = ("messages", "max_completion_tokens")
-_CHAT_NEUTRAL = ("presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "tools",
-                 "tool_choice", "parallel_tool_calls", "functions", "function_call", "service_tier", "store", "metadata", "modalities", "reasoning_effort", "prediction", "audio")
-_COMPLETION_NEUTRAL = ("presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "echo", "suffix", "best_of")
-ROLES = ("system", "developer", "user", "assistant")
+_CHAT_ONLY = ("messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls")
+_CHAT_NEUTRAL = ("functions", "function_call", "service_tier", "store", "metadata", "modalities", "reasoning_effort", "prediction", "audio")
+_COMPLETION_NEUTRAL = ("suffix",)
+MAX_N = 16  # choices per request (n)
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 @dataclass
@@ -93,6 +94,10 @@ class CompletionRequest:
     drafter: str | None  # None: the server's choice
     stream_pacing: str
     constraint: ConstraintSpec | None = None  # structured output, not yet compiled (submit.make_params does)
+    n: int = 1  # choices: n sequences of the prompt, seeds seed + i
+    logprobs: int | None = None  # top log-probabilities per generated token (None: no logprobs)
+    echo: bool = False  # completions: the prompt's text (and, with logprobs, its log-probabilities) first
+    tools: ToolPlan | None = None  # chat: tools and tool_choice (tool_calls.py)
 
     @property
     def names(self) -> FieldNames:
@@ -114,7 +119,7 @@ def parse_body(raw: bytes) -> dict:
 def parse_request(body: dict, chat: bool, defaults: dict) -> CompletionRequest:
     """Validate a chat completion (``chat``) or completion body; ``defaults``: the sampling defaults."""
     neutral = _CHAT_NEUTRAL if chat else _COMPLETION_NEUTRAL
-    allowed = (*_COMMON, *(_CHAT_ONLY if chat else ("prompt",)), *neutral)
+    allowed = (*_COMMON, *(_CHAT_ONLY if chat else ("prompt", "echo", "best_of")), *neutral)
     for key in body:
         if key not in allowed:
             shown = key if len(key) <= 64 else key[:64] + "..."
@@ -129,13 +134,20 @@ def parse_request(body: dict, chat: bool, defaults: dict) -> CompletionRequest:
         if "messages" not in body:
             raise ProtocolError("missing_field", "messages is required: a list of {role, content} objects", "messages")
         messages, prompt = _messages(body["messages"]), None
+        tools = parse_tools(body)
+        if tools is not None and tools.template_tools():
+            messages = ToolMessages(messages)
+            messages.tools = tools.template_tools()
     else:
+        tools = None
         if "prompt" not in body:
             raise ProtocolError("missing_field", "prompt is required: a string or a list of token ids", "prompt")
         messages, prompt = None, _prompt(body["prompt"])
-    n = body.get("n")
-    if n is not None and (isinstance(n, bool) or n != 1):
-        raise ProtocolError("invalid_value", f"n must be 1: this server returns one choice per request, got {n!r}", "n")
+    n = 1 if body.get("n") is None else _int(body["n"], "n", 1, MAX_N)
+    if not chat and body.get("best_of") is not None and not _same(body["best_of"], 1):
+        raise ProtocolError("invalid_value", "best_of is not supported (it ranks hidden candidates): use n, and "
+                            "logprobs to rank the choices yourself", "best_of")
+    logprobs, echo = _logprobs(body, chat)
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -144,12 +156,48 @@ def parse_request(body: dict, chat: bool, defaults: dict) -> CompletionRequest:
     include_usage, continuous_usage = _stream_options(body.get("stream_options"), stream)
     sampling = {**defaults, **parse_sampling({k: body[k] for k in _SAMPLING if k in body and body[k] is not None}, "", None)}
     sampling["max_output_tokens"] = _max_tokens(body, chat)
+    if logprobs is not None:
+        sampling["logprobs"] = logprobs
+        if echo:
+            sampling["prompt_logprobs"] = logprobs
     drafter = body.get("drafter")
     if drafter is not None and (not isinstance(drafter, str) or not drafter):
         raise ProtocolError("invalid_type", 'drafter must be the server\'s drafter name or "none"', "drafter")
     options = parse_options({k: body[k] for k in ("stream_pacing",) if k in body and body[k] is not None}, "")
     return CompletionRequest(chat, model, prompt, messages, sampling, stream, include_usage, continuous_usage, drafter,
-                             options.get("stream_pacing", "off"), _constraint(body))
+                             options.get("stream_pacing", "off"), _tool_constraint(body, tools), n, logprobs, echo, tools)
+
+
+def _tool_constraint(body: dict, tools: ToolPlan | None) -> ConstraintSpec | None:
+    """The structured-output field, or the tool-call grammar (required / a named function): not both."""
+    spec = _constraint(body)
+    if tools is None or not tools.constrained:
+        return spec
+    if spec is not None:
+        raise grammar_error(f"tool_choice {tools.mode!r} constrains the output already: leave out {spec.param}", spec.param)
+    return tools.constraint(parse_json_whitespace(body, "json_whitespace"))
+
+
+def _logprobs(body: dict, chat: bool) -> tuple[int | None, bool]:
+    """(top log-probabilities per token or None, echo). Chat: `logprobs` true/false and `top_logprobs`
+    0..20 (only with logprobs true); completions: `logprobs` 0..20 and `echo`."""
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise ProtocolError("invalid_type", "echo must be a boolean", "echo")
+    value = body.get("logprobs")
+    if chat:
+        if value is not None and not isinstance(value, bool):
+            raise ProtocolError("invalid_type", "logprobs must be a boolean (top_logprobs says how many alternatives)",
+                                "logprobs")
+        top = body.get("top_logprobs")
+        if top is not None:
+            top = _int(top, "top_logprobs", 0, MAX_LOGPROBS)
+            if not value:
+                raise ProtocolError("invalid_value", "top_logprobs needs logprobs: true", "top_logprobs")
+        return (top or 0) if value else None, False
+    if value is None:
+        return None, bool(echo)
+    return _int(value, "logprobs", 0, MAX_LOGPROBS), bool(echo)
 
 
 def _constraint(body: dict) -> ConstraintSpec | None:
@@ -275,11 +323,17 @@ def _messages(value: Any) -> list[dict]:
         if not isinstance(msg, dict):
             raise ProtocolError("invalid_type", f"{here} must be an object with role and content", here)
         for key in msg:
-            if key not in ("role", "content", "name"):
-                raise ProtocolError("unknown_field", f"{here}.{key[:64]} is not supported (no tools here)", f"{here}.{key[:64]}")
+            if key not in ("role", "content", "name", "tool_calls", "tool_call_id"):
+                raise ProtocolError("unknown_field", f"{here}.{key[:64]} is not supported", f"{here}.{key[:64]}")
         role = msg.get("role")
         if role not in ROLES:
             raise ProtocolError("invalid_value", f"{here}.role must be one of {', '.join(ROLES)}", f"{here}.role")
+        if role == "tool" or msg.get("tool_calls") is not None:
+            if msg.get("content") is not None:
+                _content(msg["content"], f"{here}.content")
+            out.append(history_message({**msg, "content": None if msg.get("content") is None
+                                        else _content(msg["content"], f"{here}.content")}, here))
+            continue
         out.append({"role": role, "content": _content(msg.get("content"), f"{here}.content")})
     return out
 
@@ -351,30 +405,34 @@ class Shapes:
         return self._text_head + dumps(text) + self._text_tail
 
     def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False,
-              usage: dict | None = None) -> str:
+              usage: dict | None = None, index: int = 0, logprobs: dict | None = None,
+              tool_calls: list | None = None) -> str:
         if self.chat:
             delta: dict = {}
             if role:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            if tool_calls is not None:
+                delta["tool_calls"] = tool_calls
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             out = {**self._base("chat.completion.chunk"), "choices": [choice]}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
             out = {**self._base("text_completion"), "choices": [choice]}
         if usage is not None:
             out["usage"] = usage
         return dumps(out)
 
-    def final_chunk(self, finish_reason: str, spec: dict, usage: dict | None, timing: dict | None = None) -> list[str]:
+    def final_chunk(self, finish_reason: str, spec: dict, usage: dict | None, timing: dict | None = None,
+                    index: int = 0, logprobs: dict | None = None) -> list[str]:
         """The chunk with the finish reason, and the usage chunk when asked for; the last one carries ``spec``
         and ``timing`` (ms: queue_ms, ttft_ms, e2e_ms from receipt; engine_ttft_ms as LLM.generate reports)."""
         base = self._base("chat.completion.chunk" if self.chat else "text_completion")
         if self.chat:
-            choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": {}, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": "", "logprobs": logprobs, "finish_reason": finish_reason}
         chunks = [{**base, "choices": [choice]}]
         if usage is not None:
             chunks.append({**base, "choices": [], "usage": usage})
@@ -383,21 +441,28 @@ class Shapes:
             chunks[-1]["timing"] = timing
         return [dumps(c) for c in chunks]
 
-    def whole(self, text: str, finish_reason: str, usage: dict, spec: dict, timing: dict | None = None) -> dict:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        out = {**self._base(self.object), "choices": [choice], "usage": usage, "spec": spec}
+    def choice(self, index: int, text: str, finish_reason: str, logprobs: dict | None = None,
+               tool_calls: list | None = None) -> dict:
+        """One choice of a whole response."""
+        if not self.chat:
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        message = {"role": "assistant", "content": text if tool_calls is None else None}
+        if tool_calls is not None:
+            message["tool_calls"] = tool_calls
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def whole(self, choices: list[dict], usage: dict, spec: dict, timing: dict | None = None) -> dict:
+        out = {**self._base(self.object), "choices": choices, "usage": usage, "spec": spec}
         if timing:
             out["timing"] = timing
         return out
 
 
-def usage_of(summary) -> dict:
-    return {"prompt_tokens": summary.input_tokens, "completion_tokens": summary.output_tokens,
-            "total_tokens": summary.input_tokens + summary.output_tokens,
+def usage_of(summary, more=()) -> dict:
+    """Usage of a response; ``more``: the other choices' summaries (n > 1: the prompt counts once)."""
+    completion = summary.output_tokens + sum(m.output_tokens for m in more)
+    return {"prompt_tokens": summary.input_tokens, "completion_tokens": completion,
+            "total_tokens": summary.input_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": summary.cached_tokens}}
 
 

@@ -50,11 +50,27 @@ def messages_to_text(tokenizer, messages: list[dict]) -> tuple[str, bool]:
     A chat template renders its own special tokens (BOS and the role markers), so its text is
     encoded without adding them again; the plain fallback is encoded like any text prompt.
     """
+    tools = getattr(messages, "tools", None)  # a ToolMessages list carries the chat's tools (tool_calls.py)
     if has_chat_template(tokenizer):
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        extra = {"tools": tools} if tools else {}
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
         return text, False
-    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+    head = f"tools: {_signatures(tools)}\n" if tools else ""
+    text = head + "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
     return text, True
+
+
+def _signatures(tools: list[dict]) -> str:
+    """Tools as short signatures, ``name(arg, ...)``, for a model without a chat template (its context
+    is often small; a template shows the whole schemas)."""
+    return ", ".join(f"{t['function']['name']}({', '.join((t['function'].get('parameters') or {}).get('properties', {}))})"
+                     for t in tools)
+
+
+class ToolMessages(list):
+    """A chat's messages with the tools the model is shown (`tools=` of apply_chat_template)."""
+
+    tools: list[dict] | None = None
 
 
 def prompt_ids(llm, input_: str | list[int] | None, messages: list[dict] | None,

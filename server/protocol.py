@@ -263,7 +263,11 @@ _PARSERS = {"response.create": _parse_create, "response.cancel": _parse_cancel, 
 # ---- field validation ---------------------------------------------------------------------------
 
 #: Sampling fields a response (or the session defaults) may set, mapped onto SamplingParams.
-SAMPLING_FIELDS = ("max_output_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos")
+SAMPLING_FIELDS = ("max_output_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos",
+                   "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens")
+MAX_LOGIT_BIAS = 1024  # tokens one logit_bias may name (OpenAI allows 300)
+#: Penalties and bias (specserve/penalties.py), passed to SamplingParams under the same names.
+PENALTY_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens")
 
 
 #: How a response is delivered rather than sampled: set per response or as a session default.
@@ -319,6 +323,36 @@ def parse_sampling(obj: dict, prefix: str, max_output_tokens: int | None) -> dic
         if not isinstance(obj["ignore_eos"], bool):
             raise ProtocolError("invalid_type", f"{prefix}ignore_eos must be a boolean", prefix + "ignore_eos")
         out["ignore_eos"] = obj["ignore_eos"]
+    return out | _penalties(obj, prefix)
+
+
+def _penalties(obj: dict, prefix: str) -> dict[str, Any]:
+    """presence/frequency_penalty in [-2, 2], repetition_penalty > 0, logit_bias {token id: [-100, 100]},
+    min_tokens >= 0 (null: the default)."""
+    out: dict[str, Any] = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        if obj.get(name) is not None:
+            out[name] = _number(obj[name], prefix + name, -2.0, 2.0, "a number in [-2, 2]")
+    if obj.get("repetition_penalty") is not None:
+        value = _number(obj["repetition_penalty"], prefix + "repetition_penalty", 0.0, None, "a number > 0 (1 = off)")
+        if value == 0:
+            raise ProtocolError("invalid_value", f"{prefix}repetition_penalty must be a number > 0 (1 = off), got 0",
+                                prefix + "repetition_penalty")
+        out["repetition_penalty"] = value
+    if obj.get("min_tokens") is not None:
+        out["min_tokens"] = _int(obj["min_tokens"], prefix + "min_tokens", 0, None)
+    if obj.get("logit_bias") is not None:
+        bias = obj["logit_bias"]
+        path = prefix + "logit_bias"
+        if not isinstance(bias, dict):
+            raise ProtocolError("invalid_type", f"{path} must be an object {{token id: bias}}, got {_json_type(bias)}", path)
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ProtocolError("invalid_value", f"{path} may name at most {MAX_LOGIT_BIAS} tokens", path)
+        out["logit_bias"] = {}
+        for key, value in bias.items():
+            if not (isinstance(key, str) and key.isdigit() and len(key) <= 12):
+                raise ProtocolError("invalid_value", f"{path} keys must be token ids (decimal integers), got {_short(key)}", path)
+            out["logit_bias"][int(key)] = _number(value, f"{path}.{key}", -100.0, 100.0, "a number in [-100, 100]")
     return out
 
 

@@ -14,7 +14,7 @@ import dataclasses
 
 from specserve.sampling import SamplingParams
 from specserve.server.prompts import WEBSOCKET_NAMES, FieldNames, Prompt, prepare_prompt
-from specserve.server.protocol import ConstraintSpec, ProtocolError, grammar_error
+from specserve.server.protocol import PENALTY_FIELDS, ConstraintSpec, ProtocolError, grammar_error
 
 #: Texts up to this many characters are tokenized inline (well under a millisecond); longer ones on
 #: the server's tokenizer thread.
@@ -58,6 +58,9 @@ def make_params(s: dict, constraint: ConstraintSpec | None = None) -> SamplingPa
         return SamplingParams(
             temperature=s["temperature"], top_p=s["top_p"], top_k=s["top_k"], min_p=s["min_p"],
             max_tokens=s.get("max_output_tokens"), stop=tuple(s["stop"]), seed=s["seed"], ignore_eos=s["ignore_eos"],
+            **{name: s[name] for name in PENALTY_FIELDS if s.get(name) is not None},
+            **({"logprobs": s["logprobs"]} if s.get("logprobs") is not None else {}),
+            **({"prompt_logprobs": s["prompt_logprobs"]} if s.get("prompt_logprobs") is not None else {}),
             **(constraint.sampling_kwargs() if constraint is not None else {}),
         )
     except ValueError as exc:

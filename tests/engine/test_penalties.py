@@ -20,36 +20,12 @@ from transformers import AutoModelForCausalLM
 import scripted_drafter  # noqa: F401  (registers "scripted")
 from sampling_oracle import target_probs
 from specserve import LLM, SamplingParams
+from penalty_reference import greedy_reference, penalise
 from target_stats import SAMPLED_MAX_TOKENS, chi_square_p_value
 
 PROMPTS = ["def add(a, b):", "import os\nimport os\n", "x = [1, 2, 3]\nfor"]
 MAX_TOKENS = 24
 PENALTIES = dict(frequency_penalty=0.7, presence_penalty=0.4, repetition_penalty=1.3)
-
-
-def penalise(logits: np.ndarray, prompt: list[int], generated: list[int], params: SamplingParams,
-             eos: tuple[int, ...] = ()) -> np.ndarray:
-    """float64[V] logits after the documented penalties, from their definitions."""
-    out = logits.astype(np.float64).copy()
-    counts = np.bincount(np.asarray(generated, dtype=np.int64), minlength=out.shape[0]).astype(np.float64)
-    if params.repetition_penalty != 1:
-        for t in set(prompt) | set(generated):
-            out[t] = out[t] / params.repetition_penalty if out[t] > 0 else out[t] * params.repetition_penalty
-    out -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
-    for t, b in (params.logit_bias or {}).items():
-        out[t] += b
-    if len(generated) < params.min_tokens:
-        out[list(eos)] = -np.inf
-    return out
-
-
-def greedy_reference(hf, prompt: list[int], params: SamplingParams, eos: tuple[int, ...], n: int) -> list[int]:
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            logits = hf(torch.tensor([ids])).logits[0, -1].double().numpy()
-            ids.append(int(np.argmax(penalise(logits, prompt, ids[len(prompt):], params, eos))))
-    return ids[len(prompt):]
 
 
 @pytest.mark.parametrize("drafter", [None, "scripted"])

@@ -1,0 +1,187 @@
+"""OpenAI tool calls: `tools`, `tool_choice`, `parallel_tool_calls` → what the model is asked for, and
+its output → `message.tool_calls`.
+
+- ``"none"`` (or no tools): plain text; the tools are not shown to the model.
+- ``"auto"``: the tools go through the chat template (`tools=` of Hugging Face's apply_chat_template;
+  without a template, a ``tools: [...]`` line); the output is plain text unless it holds the model's
+  own tool-call syntax — Hermes-style ``<tool_call>{"name", "arguments"}</tool_call>`` (Qwen2.5/3) or
+  a whole output that is one JSON object ``{"name", "parameters" | "arguments"}`` (Llama 3.1) — which
+  becomes tool_calls.
+- ``"required"`` and a named function: the output is constrained (grammar/, llguidance) by a JSON schema
+  built from the tools' own schemas — a named function: its `parameters` schema alone (the output IS
+  the arguments); required: ``{"name": const, "arguments": schema}`` for any tool (`anyOf`), an array
+  of at least one of them when `parallel_tool_calls` (the default) allows several.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from specserve.server.protocol import ConstraintSpec, ProtocolError
+
+MAX_TOOLS = 128
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What a chat request's tools ask for. mode: "none" | "auto" | "required" | "named"."""
+
+    tools: list[dict]  # OpenAI's tool objects, validated
+    mode: str
+    name: str | None = None  # the named function
+    parallel: bool = True
+
+    @property
+    def constrained(self) -> bool:
+        return self.mode in ("required", "named")
+
+    def constraint(self, whitespace: str) -> ConstraintSpec | None:
+        """The JSON schema the output must follow (None for none/auto)."""
+        if self.mode == "named":
+            return ConstraintSpec("json_schema", _parameters(self._tool(self.name)), "tool_choice", whitespace)
+        if self.mode != "required":
+            return None
+        one = {"anyOf": [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                           "arguments": _parameters(t)},
+                          "required": ["name", "arguments"], "additionalProperties": False} for t in self.tools]}
+        schema = {"type": "array", "items": one, "minItems": 1} if self.parallel else one
+        return ConstraintSpec("json_schema", schema, "tools", whitespace)
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools shown to the model through the chat template (None: not shown)."""
+        return self.tools if self.mode != "none" else None
+
+    def _tool(self, name: str) -> dict:
+        return next(t for t in self.tools if t["function"]["name"] == name)
+
+    def calls(self, text: str) -> list[dict] | None:
+        """The output as OpenAI `tool_calls` (None: plain content)."""
+        if self.mode == "named":
+            return [tool_call(self.name, text)]
+        if self.mode == "required":
+            value = json.loads(text)  # the grammar made it valid (a complete output)
+            items = value if isinstance(value, list) else [value]
+            return [tool_call(v["name"], json.dumps(v["arguments"], separators=(", ", ": "))) for v in items]
+        if self.mode == "auto":
+            return parse_auto(text, {t["function"]["name"] for t in self.tools})
+        return None
+
+
+def tool_call(name: str, arguments: str) -> dict:
+    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+
+def parse_auto(text: str, names: set[str]) -> list[dict] | None:
+    """Tool calls in a model's own syntax (Hermes `<tool_call>` blocks, or Llama 3.1's whole-output JSON);
+    None when the text holds none (or names no known tool: then it stays content)."""
+    blocks = _HERMES.findall(text)
+    candidates = blocks if blocks else [text.strip().removeprefix("<|python_tag|>")]
+    calls = []
+    for block in candidates:
+        try:
+            value = json.loads(block)
+        except ValueError:
+            return None
+        if not isinstance(value, dict) or value.get("name") not in names:
+            return None
+        args = value.get("arguments", value.get("parameters", {}))
+        calls.append(tool_call(value["name"], args if isinstance(args, str) else json.dumps(args, separators=(", ", ": "))))
+    return calls or None
+
+
+def _parameters(tool: dict) -> dict:
+    return tool["function"].get("parameters") or {"type": "object", "properties": {}}
+
+
+def parse_tools(body: dict) -> ToolPlan | None:
+    """Validate `tools`, `tool_choice`, `parallel_tool_calls` (ProtocolError naming the field)."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise ProtocolError("invalid_type", "parallel_tool_calls must be a boolean", "parallel_tool_calls")
+    if not tools:
+        if choice not in (None, "none", "auto"):
+            raise ProtocolError("invalid_value", "tool_choice needs tools", "tool_choice")
+        return None
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise ProtocolError("invalid_type", f"tools must be a list of at most {MAX_TOOLS} tool objects", "tools")
+    names = []
+    for i, tool in enumerate(tools):
+        here = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+            raise ProtocolError("invalid_value", f'{here} must be {{"type": "function", "function": {{name, parameters}}}}', here)
+        for key in tool:
+            if key not in ("type", "function"):
+                raise ProtocolError("unknown_field", f"unknown field {here}.{key[:64]}", f"{here}.{key[:64]}")
+        fn = tool["function"]
+        for key in fn:
+            if key not in ("name", "description", "parameters", "strict"):
+                raise ProtocolError("unknown_field", f"unknown field {here}.function.{key[:64]}", f"{here}.function.{key[:64]}")
+        name = fn.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ProtocolError("invalid_value", f"{here}.function.name must be 1-64 letters, digits, _ or -", f"{here}.function.name")
+        if name in names:
+            raise ProtocolError("invalid_value", f"{here}.function.name {name!r} is given twice", f"{here}.function.name")
+        names.append(name)
+        params = fn.get("parameters")
+        if params is not None and (not isinstance(params, dict) or params.get("type", "object") != "object"):
+            raise ProtocolError("invalid_value", f"{here}.function.parameters must be a JSON schema of an object",
+                                f"{here}.function.parameters")
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise ProtocolError("invalid_type", f"{here}.function.description must be a string", f"{here}.function.description")
+    mode, name = _choice(choice, names)
+    return ToolPlan(list(tools), mode, name, parallel is not False)
+
+
+def _choice(choice: Any, names: list[str]) -> tuple[str, str | None]:
+    if choice is None:
+        return "auto", None
+    if choice in ("none", "auto", "required"):
+        return choice, None
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if name not in names:
+            raise ProtocolError("invalid_value", f"tool_choice names {str(name)[:64]!r}, which is not among tools",
+                                "tool_choice.function.name")
+        return "named", name
+    raise ProtocolError("invalid_value", 'tool_choice must be "none", "auto", "required" or '
+                        '{"type": "function", "function": {"name": ...}}', "tool_choice")
+
+
+def history_message(msg: dict, here: str) -> dict:
+    """An assistant message's `tool_calls` or a `role: "tool"` result, as the chat template takes them."""
+    out = {"role": msg["role"], "content": msg.get("content") or ""}
+    if msg["role"] == "tool":
+        call_id = msg.get("tool_call_id")
+        if not isinstance(call_id, str):
+            raise ProtocolError("missing_field", f"{here}.tool_call_id is required for a tool message", f"{here}.tool_call_id")
+        out["tool_call_id"] = call_id
+    calls = msg.get("tool_calls")
+    if calls is not None:
+        if msg["role"] != "assistant" or not isinstance(calls, list):
+            raise ProtocolError("invalid_value", f"{here}.tool_calls is a list, on assistant messages only", f"{here}.tool_calls")
+        out["tool_calls"] = []
+        for j, call in enumerate(calls):
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
+                raise ProtocolError("invalid_value", f"{here}.tool_calls[{j}] must be {{id, type, function: {{name, arguments}}}}",
+                                    f"{here}.tool_calls[{j}]")
+            try:
+                arguments = json.loads(fn["arguments"])  # templates render arguments as objects
+            except ValueError:
+                raise ProtocolError("invalid_value", f"{here}.tool_calls[{j}].function.arguments must be JSON text",
+                                    f"{here}.tool_calls[{j}].function.arguments") from None
+            out["tool_calls"].append({"id": call.get("id"), "type": "function",
+                                      "function": {"name": fn["name"], "arguments": arguments}})
+        if not out["content"]:  # the plain-text fallback shows the calls
+            out["content"] = json.dumps([c["function"] for c in out["tool_calls"]])
+    return out
