@@ -111,7 +111,7 @@ def test_eight_concurrent_streams_are_each_exact(server, reference_llm):
 @pytest.mark.parametrize("kwargs, param, needle", [
     ({"temperature": -1}, "temperature", "temperature must be"),
     ({"top_p": 2}, "top_p", "top_p must be"),
-    ({"n": 2}, "n", "n must be 1"),
+    ({"n": 17}, "n", "n must be"),
     ({"max_tokens": 0}, "max_tokens", "max_tokens must be"),
     ({"max_tokens": 600}, "max_tokens", "together"),
     ({"stop": [""]}, "stop", "stop takes"),
@@ -121,8 +121,8 @@ def test_eight_concurrent_streams_are_each_exact(server, reference_llm):
     ({"extra_body": {"temprature": 0.5}}, "temprature", "Unrecognized request argument"),
     ({"extra_body": {"drafter": "eagle"}}, "drafter", "not loaded"),
     ({"extra_body": {"stream_pacing": "fast"}}, "stream_pacing", "smooth"),
-    ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
-    ({"logprobs": True}, "logprobs", "not supported"),
+    ({"extra_body": {"functions": [{"name": "f"}]}}, "functions", "not supported"),  # penalties, logprobs: served now
+    ({"extra_body": {"prediction": {"type": "content", "content": "x"}}}, "prediction", "not supported"),
 ])
 def test_bad_requests_raise_bad_request_error_with_our_message(server, client, kwargs, param, needle):
     args = {"model": server.server.model_name, "messages": [{"role": "user", "content": "hi"}], **kwargs}
