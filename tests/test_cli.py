@@ -142,7 +142,10 @@ def readme_main_command() -> list[str]:
 
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     line = next(line for line in readme.splitlines() if line.startswith("python3 -m venv") and "specserve generate" in line)
-    return shlex.split(line.split("&& specserve ", 1)[1])
+    command = line.split("&& specserve ", 1)[1]
+    assert any(other.startswith(f"specserve {command}   # the main command") for other in readme.splitlines()), \
+        "the Command line section shows another main command than the set-up line"
+    return shlex.split(command)
 
 
 def test_readme_main_command_shows_a_greedy_completion_and_its_summary():
