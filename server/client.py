@@ -38,8 +38,8 @@ async def open_connection(url: str, api_key: str | None):
     except InvalidURI as exc:
         raise ValueError(f"--url is not a websocket URL: {exc}") from None
     except ConnectionRefusedError as exc:
-        hint = " (start one with `specserve serve`" + (", or give --url" if url == DEFAULT_URL else "") + ")"
-        raise ValueError(f"no server is running at {url}: {exc or type(exc).__name__}{hint}") from None
+        hint = "start one with `specserve serve`" + (", or give --url" if url == DEFAULT_URL else "")
+        raise ValueError(f"cannot connect to {url}: no server is running there ({exc or type(exc).__name__}); {hint}") from None
     except (OSError, InvalidHandshake, TimeoutError) as exc:
         raise ValueError(f"cannot connect to {url}: {exc or type(exc).__name__}") from None
 

@@ -334,4 +334,4 @@ def test_chat_without_a_server_says_to_start_one():
         port = s.getsockname()[1]
     res = run("chat", "--url", f"ws://127.0.0.1:{port}/v1/ws")
     assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
-    assert "no server is running" in res.stderr and "specserve serve" in res.stderr
+    assert "cannot connect" in res.stderr and "no server is running" in res.stderr and "specserve serve" in res.stderr
