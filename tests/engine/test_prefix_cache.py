@@ -271,3 +271,16 @@ def test_any_interleaving_keeps_refcounts_consistent(tight_llm, reference, ops):
     cache.clear()
     alloc.check()
     assert len(alloc._free) == alloc.num_blocks and alloc.num_cached_blocks == 0
+
+
+def test_tensor_parallel_ranks_share_cached_blocks(small_vocab_dir, near_draft_dir):
+    """Under tensor parallelism every rank runs rank 0's block tables: a cache hit needs no message of its
+    own (no block is ever copied), and output equals one device's (the torch layers, as the ranks run)."""
+    prompts = [SYSTEM + [7, 9], SYSTEM + [1], OTHER + [3], OTHER + [3, 3, 1, 1, 2]]
+    one = LLM(small_vocab_dir, drafter=None, device="cpu", attention="sdpa", enable_prefix_caching=False)
+    expected = [o.token_ids for o in one.generate(prompts, GREEDY)]
+    with LLM(small_vocab_dir, drafter=f"draft:{near_draft_dir}", tensor_parallel_size=2, block_size=BLOCK,
+             speculation="static") as llm:
+        outs = [llm.generate([p], GREEDY)[0] for p in prompts]
+        assert [o.token_ids for o in outs] == expected
+        assert [o.num_cached_tokens for o in outs] == [0, 12, 0, 8]
