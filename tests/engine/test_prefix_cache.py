@@ -20,10 +20,8 @@ import scripted_drafter  # noqa: F401  (registers "scripted")
 import specserve.drafters.eagle  # noqa: F401  (registers "eagle")
 import specserve.drafters.medusa  # noqa: F401  (registers "medusa")
 from specserve import LLM, SamplingParams
-from specserve.drafters.eagle_checkpoint import new_head_config, save_head
-from specserve.drafters.eagle_head import EagleHead
-from specserve.drafters.medusa_heads import MedusaHeads, save_heads
-from specserve.model import LlamaModel
+from specserve.drafters.eagle_checkpoint import save_head
+from specserve.drafters.medusa_heads import save_heads
 from target_stats import SAMPLED_MAX_TOKENS, assert_follows_target
 
 BLOCK = 4
@@ -55,24 +53,17 @@ def reference(small_vocab_dir) -> dict[tuple, list[int]]:
 @pytest.fixture(scope="module")
 def eagle_dir(small_vocab_dir, tmp_path_factory):
     """A random EAGLE-1 head for the 16-token target (acceptance does not matter: losslessness does)."""
-    model = LlamaModel.from_pretrained(small_vocab_dir, torch.device("cpu"), torch.float32)
-    head = EagleHead(new_head_config(small_vocab_dir, "eagle1", None), model.embed, model.lm_head)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.3 if p.dim() == 2 else 1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-    return save_head(head, tmp_path_factory.mktemp("eagle_pc"), torch.float32)
+    from tests.drafters.test_eagle import random_head
+
+    return save_head(random_head(small_vocab_dir, "eagle1"), tmp_path_factory.mktemp("eagle_pc"), torch.float32)
 
 
 @pytest.fixture(scope="module")
 def medusa_dir(small_vocab_dir, tmp_path_factory):
-    heads = MedusaHeads(64, 16, 3, 1, "own")
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.copy_((torch.randn(p.shape, generator=gen) * 0.4).half().float())
+    from tests.drafters.test_medusa import _random_heads
+
     out = tmp_path_factory.mktemp("medusa_pc")
-    save_heads(heads, out, small_vocab_dir)
+    save_heads(_random_heads(1), out, small_vocab_dir)
     return out
 
 
