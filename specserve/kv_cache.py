@@ -155,7 +155,7 @@ class BlockAllocator:
         evictable = set(self._evictable)
         assert not free & evictable, "a block is both free and evictable"
         assert all(self._refs[b] == 0 for b in free | evictable), "a free or evictable block is referenced"
-        assert not self._cached[list(free)].any() if free else True, "a free block is still cached"
+        assert not any(self._cached[b] for b in free), "a free block is still cached"
         assert all(self._cached[b] for b in evictable), "an evictable block is not cached"
         referenced = int((self._refs > 0).sum())
         assert len(free) + len(evictable) + referenced == self.num_blocks, "blocks were lost"
