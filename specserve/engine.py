@@ -25,7 +25,7 @@ from specserve.drafters.base import Drafter
 from specserve.kv_cache import BlockAllocator
 from specserve.model import LlamaModel
 from specserve.prefix_cache import PrefixCache
-from specserve.request import Request, RequestDelta, Status
+from specserve.request import Request, RequestDelta, Status, resolve_max_tokens
 from specserve.runner import ModelRunner
 from specserve.sampling import SamplingParams
 from specserve.scheduler import ScheduledStep, Scheduler
@@ -136,7 +136,7 @@ class Engine:
         """
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        max_tokens = self._check_length(prompt_ids, params)
+        max_tokens = resolve_max_tokens(prompt_ids, params, self.model.config.vocab_size, self.config.max_model_len)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -156,30 +156,6 @@ class Engine:
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
-
-    def _check_length(self, prompt_ids: list[int], params: SamplingParams) -> int:
-        """The request's max_tokens (None: the rest of the context window); ValueError for a prompt that
-        is empty, outside the vocabulary or does not leave room for it."""
-        if len(prompt_ids) == 0:
-            raise ValueError("prompt is empty: give at least one token")
-        vocab = self.model.config.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        context = self.config.max_model_len
-        if len(prompt_ids) >= context:
-            raise ValueError(
-                f"prompt has {len(prompt_ids)} tokens but the context window is {context}: "
-                "leave room for at least one new token"
-            )
-        max_tokens = params.max_tokens if params.max_tokens is not None else context - len(prompt_ids)
-        if len(prompt_ids) + max_tokens > context:
-            raise ValueError(
-                f"prompt has {len(prompt_ids)} tokens and max_tokens is {max_tokens}: together "
-                f"{len(prompt_ids) + max_tokens} tokens, but the context window is {context}; lower max_tokens to at "
-                f"most {context - len(prompt_ids)} (or leave it unset for the rest of the context)"
-            )
-        return max_tokens
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request (queued or running), free its KV; False if it is unknown or finished."""

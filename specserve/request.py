@@ -111,6 +111,30 @@ def _grow(counts: list[int], length: int) -> None:
     counts.extend([0] * (length - len(counts)))
 
 
+def resolve_max_tokens(prompt_ids, params: SamplingParams, vocab_size: int, max_model_len: int) -> int:
+    """A request's max_tokens (None: the rest of the context window); ValueError for a prompt that is
+    empty, outside the vocabulary or does not leave room for it."""
+    if len(prompt_ids) == 0:
+        raise ValueError("prompt is empty: give at least one token")
+    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    context = max_model_len
+    if len(prompt_ids) >= context:
+        raise ValueError(
+            f"prompt has {len(prompt_ids)} tokens but the context window is {context}: "
+            "leave room for at least one new token"
+        )
+    max_tokens = params.max_tokens if params.max_tokens is not None else context - len(prompt_ids)
+    if len(prompt_ids) + max_tokens > context:
+        raise ValueError(
+            f"prompt has {len(prompt_ids)} tokens and max_tokens is {max_tokens}: together "
+            f"{len(prompt_ids) + max_tokens} tokens, but the context window is {context}; lower max_tokens to at "
+            f"most {context - len(prompt_ids)} (or leave it unset for the rest of the context)"
+        )
+    return max_tokens
+
+
 class Request:
     """Engine-side state. Once prefilled: len(token_ids) == num_cached + 1 (the root, whose KV comes
     with the next verify step); while prefilling, num_cached counts the prompt tokens cached so far."""
