@@ -17,6 +17,9 @@ first token), greedy:
     by chance (seen: ±5-10 % decode speed either way, with or without caching), which would swamp 2 %.
 
 Every output with caching is checked equal to the output without (greedy: lossless).
+
+``--server`` runs (a) and (b) through `specserve serve`'s OpenAI API on loopback instead, with the real
+`openai` client streaming (TTFT: request sent → first content chunk), as a chat client sees it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 
 from specserve.evals.common import machine, set_threads, write_json
 
@@ -43,6 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--unshared", type=int, default=12, help="distinct prompts of the no-sharing workload (c)")
     p.add_argument("--decode-tokens", type=int, default=64, help="tokens generated per no-sharing prompt (c)")
     p.add_argument("--repeats", type=int, default=3, help="times each workload runs on each LLM (alternating)")
+    p.add_argument("--server", action="store_true",
+                   help="(a) and (b) through a server on loopback with the openai client (TTFT as the client sees it)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", default=None, metavar="FILE")
 
@@ -60,37 +66,92 @@ def _chat_prompt(llm, messages: list[dict]) -> list[int]:
     return list(llm.tokenizer.encode(text, add_special_tokens=special))
 
 
-def _clear(llm) -> None:
-    if llm.engine.prefix_cache is not None:
-        llm.engine.prefix_cache.clear()
+def _clear_cache(engine) -> None:
+    if engine.prefix_cache is not None:
+        engine.prefix_cache.clear()
 
 
-def _shared_system(llm, system: str, questions: list[str], max_tokens: int) -> dict:
+class _EngineChat:
+    """Chat requests straight to the engine: TTFT from `add_request` to the first token."""
+
+    def __init__(self, llm) -> None:
+        self.llm = llm
+
+    def ask(self, messages: list[dict], max_tokens: int) -> tuple[float, str, int, float]:
+        """(TTFT ms, answer text, prompt tokens, the server's own TTFT ms: here the same) of one greedy request."""
+        prompt = _chat_prompt(self.llm, messages)
+        out = _generate(self.llm, prompt, max_tokens)
+        return out.ttft_s * 1e3, out.text, len(prompt), out.ttft_s * 1e3
+
+    def clear(self) -> None:
+        _clear_cache(self.llm.engine)
+
+    def close(self) -> None:
+        pass
+
+
+class _ServerChat:
+    """Chat requests through a server's OpenAI API on loopback, the real `openai` client streaming: TTFT
+    from sending the request to the first content chunk."""
+
+    def __init__(self, llm) -> None:
+        import openai
+
+        from specserve.server import BackgroundServer, ServerConfig
+
+        self.srv = BackgroundServer(llm, ServerConfig(port=0, threads=1)).start()
+        self.client = openai.OpenAI(base_url=self.srv.openai_base_url, api_key="unused", max_retries=0, timeout=120)
+        self.model = self.srv.server.model_name
+
+    def ask(self, messages: list[dict], max_tokens: int) -> tuple[float, str, int, float]:
+        """... and the server's own TTFT (receipt → first token, from the stream's last chunk): the client's
+        side adds its own work per message (the openai client's request building: ~0.1 ms a message)."""
+        start = time.perf_counter()
+        first, text, prompt_tokens, server_ttft = None, [], 0, float("nan")
+        for chunk in self.client.chat.completions.create(
+                model=self.model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True}):
+            if chunk.choices and chunk.choices[0].delta.content:
+                first = first if first is not None else time.perf_counter() - start
+                text.append(chunk.choices[0].delta.content)
+            if chunk.usage is not None:
+                prompt_tokens = chunk.usage.prompt_tokens
+            server_ttft = (chunk.model_extra or {}).get("timing", {}).get("ttft_ms", server_ttft)
+        return first * 1e3, "".join(text), prompt_tokens, server_ttft
+
+    def clear(self) -> None:
+        self.srv.engine_call(_clear_cache)  # on the engine thread, between its steps
+
+    def close(self) -> None:
+        self.srv.stop()
+
+
+def _shared_system(chat, system: str, questions: list[str], max_tokens: int) -> dict:
     """(a): TTFT (ms) of each question's request, one at a time, from an empty cache."""
-    _clear(llm)
+    chat.clear()
     ttft, outputs = [], []
     for q in questions:
-        out = _generate(llm, _chat_prompt(llm, [{"role": "system", "content": system}, {"role": "user", "content": q}]),
-                        max_tokens)
-        ttft.append(out.ttft_s * 1e3)
-        outputs.append(out.token_ids)
+        ms, text, _, _ = chat.ask([{"role": "system", "content": system}, {"role": "user", "content": q}], max_tokens)
+        ttft.append(ms)
+        outputs.append(text)
     return {"ttft_ms": ttft, "outputs": outputs}
 
 
-def _chat(llm, turns: int, max_tokens: int) -> dict:
-    """(b): TTFT (ms) per turn of one conversation, each turn's prompt the whole chat so far."""
-    _clear(llm)
+def _chat(chat, turns: int, max_tokens: int) -> dict:
+    """(b): TTFT (ms) per turn of one conversation, each turn's prompt the whole chat so far (the answers
+    sent back as the client received them)."""
+    chat.clear()
     messages = [{"role": "system", "content": "You are a concise coding assistant."}]
-    ttft, outputs, lengths = [], [], []
+    ttft, outputs, lengths, server_ttft = [], [], [], []
     for t in range(turns):
         messages.append({"role": "user", "content": QUESTIONS[t % len(QUESTIONS)]})
-        prompt = _chat_prompt(llm, messages)
-        out = _generate(llm, prompt, max_tokens)
-        ttft.append(out.ttft_s * 1e3)
-        outputs.append(out.token_ids)
-        lengths.append(len(prompt))
-        messages.append({"role": "assistant", "content": out.text})
-    return {"ttft_ms": ttft, "outputs": outputs, "prompt_tokens": lengths}
+        ms, text, prompt_tokens, server_ms = chat.ask(messages, max_tokens)
+        ttft.append(ms)
+        server_ttft.append(server_ms)
+        outputs.append(text)
+        lengths.append(prompt_tokens)
+        messages.append({"role": "assistant", "content": text})
+    return {"ttft_ms": ttft, "outputs": outputs, "prompt_tokens": lengths, "server_ttft_ms": server_ttft}
 
 
 def _unshared(llms: dict, order: list[str], prompts: list[list[int]], max_tokens: int) -> dict:
@@ -140,15 +201,19 @@ def run(args: argparse.Namespace) -> int:
     unshared = [[any_llm.encode(f"# file {r}-{i}\n" + t) for i, t in enumerate(texts)] for r in range(args.repeats)]
     for llm in [*llms.values(), *static.values()]:  # warm-up: compile and touch every path once
         _generate(llm, unshared[0][0], 4)
+    chats = {mode: (_ServerChat if args.server else _EngineChat)(llm) for mode, llm in llms.items()}
     runs = {mode: {"a": [], "b": [], "c": []} for mode in llms}
-    for repeat in range(args.repeats):
-        order = ["on", "off"] if repeat % 2 == 0 else ["off", "on"]
-        for mode in order:
-            llm = llms[mode]
-            runs[mode]["a"].append(_shared_system(llm, system, questions, args.answer_tokens))
-            runs[mode]["b"].append(_chat(llm, args.turns, args.answer_tokens))
-        for mode, result in _unshared(static, order, unshared[repeat], args.decode_tokens).items():
-            runs[mode]["c"].append(result)
+    try:
+        for repeat in range(args.repeats):
+            order = ["on", "off"] if repeat % 2 == 0 else ["off", "on"]
+            for mode in order:
+                runs[mode]["a"].append(_shared_system(chats[mode], system, questions, args.answer_tokens))
+                runs[mode]["b"].append(_chat(chats[mode], args.turns, args.answer_tokens))
+            for mode, result in _unshared(static, order, unshared[repeat], args.decode_tokens).items():
+                runs[mode]["c"].append(result)
+    finally:
+        for chat in chats.values():
+            chat.close()
     for part in "abc":  # lossless: every output with caching equals the output without
         for on, off in zip(runs["on"][part], runs["off"][part]):
             if on["outputs"] != off["outputs"]:
@@ -167,18 +232,20 @@ def _median(values) -> float:
 
 
 def _summarize(runs: dict, args) -> dict:
-    out = {"drafter": args.drafter, "repeats": args.repeats}
+    out = {"drafter": args.drafter, "repeats": args.repeats, "ttft": "client (openai, loopback)" if args.server else "engine"}
     for mode in runs:
         a = runs[mode]["a"]
         b = runs[mode]["b"]
         c = runs[mode]["c"]
         turns = [_median(r["ttft_ms"][t] for r in b) for t in range(args.turns)]
+        server_turns = [_median(r["server_ttft_ms"][t] for r in b) for t in range(args.turns)]
         out[mode] = {
             "a_cold_ttft_ms": _median(r["ttft_ms"][0] for r in a),
             "a_cached_ttft_ms": _median(x for r in a for x in r["ttft_ms"][1:]),
             "b_turn_ttft_ms": turns,
             "b_first3_ttft_ms": _median(turns[:3]),
             "b_last3_ttft_ms": _median(turns[-3:]),
+            "b_server_growth": _median(server_turns[-3:]) / _median(server_turns[:3]),
             "c_ttft_ms": _median(x for r in c for x in r["ttft_ms"]),
             "c_tokens_per_s": _median(x for r in c for x in r["tokens_per_s"]),
         }
@@ -192,7 +259,9 @@ def _summarize(runs: dict, args) -> dict:
 
 def _print(r: dict, args) -> None:
     on, off = r["on"], r["off"]
-    print(f"prefix caching on vs off (drafter {args.drafter}, median of {args.repeats} runs, greedy outputs identical)")
+    where = "(a), (b): the openai client against a server on loopback" if args.server else "TTFT in the engine"
+    print(f"prefix caching on vs off (drafter {args.drafter}, median of {args.repeats} runs, greedy outputs identical; "
+          f"{where})")
     print(f"(a) shared {r['system_prompt_tokens']}-token system prompt, {args.questions} requests one at a time:")
     print(f"    off: TTFT {off['a_cold_ttft_ms']:.1f} ms first, {off['a_cached_ttft_ms']:.1f} ms the others")
     print(f"    on:  TTFT {on['a_cold_ttft_ms']:.1f} ms cold, {on['a_cached_ttft_ms']:.1f} ms cached "
@@ -201,7 +270,8 @@ def _print(r: dict, args) -> None:
           f"TTFT per turn ms:")
     for mode in ("off", "on"):
         print(f"    {mode:>3}: " + " ".join(f"{x:.1f}" for x in r[mode]["b_turn_ttft_ms"])
-              + f"  | turns 8-10 / 1-3: {r[mode]['b_growth']:.2f}x" + ("  (goal <= 1.3x)" if mode == "on" else ""))
+              + f"  | turns 8-10 / 1-3: {r[mode]['b_growth']:.2f}x" + ("  (goal <= 1.3x)" if mode == "on" else "")
+              + (f"; the server's own TTFT: {r[mode]['b_server_growth']:.2f}x" if args.server else ""))
     print(f"(c) {args.unshared} prompts sharing nothing, {args.decode_tokens} tokens each (static speculation):")
     print(f"    off: TTFT {off['c_ttft_ms']:.1f} ms, decode {off['c_tokens_per_s']:.1f} tok/s")
     print(f"    on:  TTFT {on['c_ttft_ms']:.1f} ms ({100 * r['c_ttft_cost']:+.1f} %), decode {on['c_tokens_per_s']:.1f} tok/s "
