@@ -245,5 +245,6 @@ def run(args: argparse.Namespace) -> int:
                   + " ".join(f"{ms[p]:>8.3f}" for p in PHASES)
                   + f" {ms['other']:>7.3f} {ms['step']:>8.3f} {cell['real_ms_per_step']:>8.3f} "
                   f"{100 * cell['host_share']:>6.1f}% {verdict}", flush=True)
-    write_json({"cells": cells, "settings": vars(args), "machine": machine(llm)}, args.json)
+    settings = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))}
+    write_json({"cells": cells, "settings": settings, "machine": machine(llm)}, args.json)
     return 0

@@ -117,6 +117,13 @@ class LLM:
                                                 tp=self._tp)
         if threads is not None and self.model.kernels is None and self.device.type == "cpu":
             torch.set_num_threads(threads)  # the torch path does the heavy work itself here
+        elif self.model.kernels is not None:
+            # The compiled kernels bring their own threads; what torch still does in a step is host
+            # bookkeeping on a few rows (gathers, KV moves, feature hand-offs), where its intra-op pool
+            # only adds barrier waits — ruinous beside any busy process: an EAGLE step at batch 32 took
+            # 79 ms of host time with torch's two threads and 4.5 ms with one (`specserve bench overhead`,
+            # BENCHMARKS.md). Process-wide, as torch's setting is.
+            torch.set_num_threads(1)
         cfg = self.model.config
         self.model_dir = str(model_dir)
         self.tokenizer = _load_tokenizer(model_dir)
