@@ -22,12 +22,14 @@ log = logging.getLogger("specserve.server")
 
 
 class _Delta:
-    __slots__ = ("response_id", "text", "tokens")
+    __slots__ = ("response_id", "text", "tokens", "logprobs", "extra_bytes")
 
-    def __init__(self, response_id: str, text: str, tokens: int) -> None:
+    def __init__(self, response_id: str, text: str, tokens: int, logprobs: list | None) -> None:
         self.response_id = response_id
         self.text = text
         self.tokens = tokens
+        self.logprobs = logprobs  # one entry per token when the response asked for log-probabilities
+        self.extra_bytes = 0  # what the logprobs count against the pending bound
 
 
 class Outbox:
@@ -55,19 +57,24 @@ class Outbox:
         self._queue.append(text)
         self._grow(len(text))
 
-    def send_delta(self, response_id: str, text: str, tokens: int) -> None:
-        """Queue text for a response, merging it into that response's queued delta if there is one."""
+    def send_delta(self, response_id: str, text: str, tokens: int, logprobs: list | None = None,
+                   logprobs_bytes: int = 0) -> None:
+        """Queue text for a response, merging it into that response's queued delta if there is one.
+        ``logprobs``: the tokens' log-probability entries (counted as ``logprobs_bytes`` against the bound)."""
         if self.closed:
             return
         open_delta = self._open_delta.get(response_id)
         if open_delta is not None:
             open_delta.text += text
             open_delta.tokens += tokens
+            if logprobs is not None:
+                open_delta.logprobs = (open_delta.logprobs or []) + logprobs
         else:
-            open_delta = _Delta(response_id, text, tokens)
+            open_delta = _Delta(response_id, text, tokens, logprobs)
             self._open_delta[response_id] = open_delta
             self._queue.append(open_delta)
-        self._grow(len(text))
+        open_delta.extra_bytes += logprobs_bytes
+        self._grow(len(text) + logprobs_bytes)
 
     def _grow(self, size: int) -> None:
         self.pending_bytes += size
@@ -87,8 +94,8 @@ class Outbox:
                     if isinstance(item, _Delta):
                         if self._open_delta.get(item.response_id) is item:
                             del self._open_delta[item.response_id]
-                        self.pending_bytes -= len(item.text)
-                        frame = dumps(delta_event(item.response_id, item.text, item.tokens))
+                        self.pending_bytes -= len(item.text) + item.extra_bytes
+                        frame = dumps(delta_event(item.response_id, item.text, item.tokens, item.logprobs))
                     else:
                         self.pending_bytes -= len(item)
                         frame = item

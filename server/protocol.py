@@ -4,9 +4,9 @@ Every frame is one JSON object with a ``type``. Client events (validated here, s
 fields are errors so that typos never pass silently):
 
 - ``response.create {event_id?, response: {input | messages, max_output_tokens, temperature, top_p,
-  top_k, min_p, seed, stop, ignore_eos, stream_pacing, truncation, metadata, text, json_whitespace}}``
-  (``text: {format: ...}``: structured output as OpenAI's Responses API spells it, see
-  :func:`parse_text_format`)
+  top_k, min_p, seed, stop, ignore_eos, stream_pacing, truncation, metadata, text, json_whitespace,
+  logprobs, top_logprobs}}`` (``text: {format: ...}``: structured output as OpenAI's Responses API spells
+  it, see :func:`parse_text_format`; ``logprobs``/``top_logprobs``: :func:`parse_logprobs`)
 - ``response.cancel {event_id?, response_id}``
 - ``session.update {event_id?, session: {drafter?, defaults?}}`` (defaults: the sampling fields,
   ``stream_pacing`` and ``truncation``)
@@ -207,7 +207,8 @@ def _event_id(obj: dict) -> str | None:
 def _parse_create(obj: dict, event_id: str | None, max_output_tokens: int) -> CreateResponse:
     _only(obj, ("type", "event_id", "response"), "")
     resp = _object(obj, "response", "response", required=True)
-    _only(resp, ("input", "messages", "metadata", *SAMPLING_FIELDS, *RESPONSE_OPTIONS, *CONSTRAINT_FIELDS), "response.")
+    _only(resp, ("input", "messages", "metadata", *SAMPLING_FIELDS, *RESPONSE_OPTIONS, *CONSTRAINT_FIELDS,
+                 *LOGPROB_FIELDS), "response.")
     has_input, has_messages = "input" in resp, "messages" in resp
     if has_input == has_messages:
         raise ProtocolError(
@@ -221,7 +222,8 @@ def _parse_create(obj: dict, event_id: str | None, max_output_tokens: int) -> Cr
         event_id=event_id,
         input=prompt_input,
         messages=messages,
-        sampling=parse_sampling(resp, "response.", max_output_tokens) | parse_options(resp, "response."),
+        sampling=(parse_sampling(resp, "response.", max_output_tokens) | parse_options(resp, "response.")
+                  | parse_logprobs(resp, "response.")),
         metadata=_metadata(resp.get("metadata")),
         constraint=parse_text_format(resp, "response."),
     )
@@ -276,6 +278,28 @@ PENALTY_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty",
 #: ``messages`` are left out until prompt + max_output_tokens fits; prompts.py).
 RESPONSE_OPTIONS = ("stream_pacing", "truncation")
 OPTION_VALUES = {"stream_pacing": ("off", "smooth"), "truncation": ("disabled", "auto")}
+
+
+#: Log-probabilities of the output tokens, per response (as chat completions spell them): ``logprobs``
+#: true/false, ``top_logprobs`` 0..20 alternatives per token (given alone, it turns logprobs on).
+LOGPROB_FIELDS = ("logprobs", "top_logprobs")
+MAX_TOP_LOGPROBS = 20  # specserve.sampling.MAX_LOGPROBS, OpenAI's limit
+
+
+def parse_logprobs(obj: dict, prefix: str) -> dict[str, int]:
+    """{"logprobs": k} (SamplingParams.logprobs) when the response asks for log-probabilities, else {}."""
+    on = obj.get("logprobs")
+    if on is not None and not isinstance(on, bool):
+        raise ProtocolError("invalid_type", f"{prefix}logprobs must be a boolean (top_logprobs says how many "
+                            f"alternatives), got {_json_type(on)}", prefix + "logprobs")
+    top = obj.get("top_logprobs")
+    if top is not None:
+        top = _int(top, prefix + "top_logprobs", 0, MAX_TOP_LOGPROBS)
+        if on is False:
+            raise ProtocolError("invalid_value", f"{prefix}top_logprobs needs logprobs true (or omitted)",
+                                prefix + "top_logprobs")
+        return {"logprobs": top}
+    return {"logprobs": 0} if on else {}
 
 
 def parse_options(obj: dict, prefix: str) -> dict[str, str]:
@@ -620,6 +644,10 @@ def with_event_id(event: dict, event_id: str | None) -> dict:
     return event
 
 
-def delta_event(response_id: str, text: str, num_tokens: int) -> dict:
-    """``tokens``: how many output tokens this delta carries (several after a multi-token verify step)."""
-    return {"type": "response.output_text.delta", "response_id": response_id, "delta": text, "tokens": num_tokens}
+def delta_event(response_id: str, text: str, num_tokens: int, logprobs: list | None = None) -> dict:
+    """``tokens``: how many output tokens this delta carries (several after a multi-token verify step);
+    ``logprobs`` (when the response asked): one ``{token, logprob, bytes, top_logprobs}`` per token."""
+    event = {"type": "response.output_text.delta", "response_id": response_id, "delta": text, "tokens": num_tokens}
+    if logprobs is not None:
+        event["logprobs"] = logprobs
+    return event

@@ -21,6 +21,7 @@ from aiohttp import WSMsgType
 from specserve.sampling import SamplingParams
 from specserve.server.engine_worker import Summary, Update
 from specserve.server.metrics import TokenClock
+from specserve.server.openai_logprobs import chat_logprobs
 from specserve.server.outbox import Outbox
 from specserve.server.pacing import Pacer, split_text, token_weights
 from specserve.server.prompts import WEBSOCKET_NAMES, Prompt
@@ -54,6 +55,8 @@ class _Response:
     failure: ProtocolError | None = None
     unsent_tokens: int = 0  # tokens whose text is still held back (UTF-8 or stop-string holdback)
     constraint: ConstraintSpec | None = None  # its structured output, if any (names the field of a refusal)
+    top_logprobs: int | None = None  # logprobs asked: alternatives per token (None: no logprobs)
+    unsent_logprobs: tuple = ()  # TokenLogprob entries of the unsent tokens
 
 
 class Session:
@@ -190,8 +193,11 @@ class Session:
         server = self.server
         asked = params.max_tokens if params.max_tokens is not None else prompt.max_tokens
         rid = "resp_" + uuid.uuid4().hex[:24]
-        resp = _Response(rid, ev.event_id, ev.metadata, asked, server.metrics.token_clock(API), constraint=ev.constraint)
-        if s["stream_pacing"] == "smooth":
+        resp = _Response(rid, ev.event_id, ev.metadata, asked, server.metrics.token_clock(API), constraint=ev.constraint,
+                         top_logprobs=params.logprobs)
+        # Log-probabilities ride on the deltas of their tokens, so a response that asks for them streams
+        # each step's tokens as they come (as on HTTP): smooth pacing re-splits text along token widths.
+        if s["stream_pacing"] == "smooth" and params.logprobs is None:
             loop = asyncio.get_running_loop()
             resp.pacer = Pacer(lambda text, n, rid=rid: self.outbox.send_delta(rid, text, n), loop.time, loop.call_at)
         self.responses[rid] = resp
@@ -233,17 +239,31 @@ class Session:
                 self._pace(resp, update)
             else:
                 resp.unsent_tokens += update.num_tokens
+                if resp.top_logprobs is not None:
+                    resp.unsent_logprobs += tuple(update.logprobs)
                 # The last step's tokens go out even without text (EOS, a stop string's tokens): a client
                 # that adds up the deltas' tokens gets usage.output_tokens.
                 if update.text or (update.done is not None and resp.unsent_tokens):
-                    self.outbox.send_delta(resp.id, update.text, resp.unsent_tokens)
-                    resp.unsent_tokens = 0
+                    self._send_delta(resp, update.text)
         if update.done is not None:
             del self.responses[resp.id]
             if resp.pacer is not None and resp.status == "in_progress":
                 resp.pacer.finish(lambda: self._done(resp, update.done))  # after the held text has gone
             else:
                 self._done(resp, update.done)
+
+    def _send_delta(self, resp: _Response, text: str) -> None:
+        """The text and tokens held so far, with their log-probabilities when the response asked: one
+        {token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]} per token, as OpenAI chat's
+        logprobs.content entries."""
+        logprobs = None
+        size = 0
+        if resp.top_logprobs is not None:
+            logprobs = chat_logprobs(resp.unsent_logprobs, self.server.token_texts)["content"]
+            size = len(logprobs) * (64 + 48 * resp.top_logprobs)  # about their JSON, for the pending bound
+            resp.unsent_logprobs = ()
+        self.outbox.send_delta(resp.id, text, resp.unsent_tokens, logprobs, size)
+        resp.unsent_tokens = 0
 
     def _pace(self, resp: _Response, update: Update) -> None:
         if not update.text:
