@@ -18,12 +18,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-import dataclasses
-
 from specserve.sampling import logits_to_probs
 from specserve.step_hooks import StepHooks, VerifyRows
 from specserve.verify.accept import accept_trees, draw_uniforms
-from specserve.verify.logprobs import path_rows, token_logprobs
+from specserve.verify.logprobs import path_rows, split_logprobs, token_logprobs
 from specserve.verify.packed import pack_trees
 from specserve.verify.result import VerifyResult
 
@@ -51,14 +49,15 @@ class Verifier:
             # right after a forward has streamed the weights through the caches, every Python step is slow).
             argmax = row_argmax(logits)
             results = [VerifyResult((), (), token, 0) for token in argmax.tolist()]
-            for b in wanting:  # one row each, unedited: row b is request b's
-                results[b] = dataclasses.replace(results[b], logprobs=tuple(
-                    token_logprobs(logits[b:b + 1], [results[b].bonus_token], reqs[b].params.logprobs)))
+            if wanting:  # one row each, unedited: row b is request b's
+                _add_logprobs(results, reqs, wanting, logits, [[b] for b in wanting])
             return results, argmax
         packed = pack_trees(trees, logits.device)
         cu = packed.cu_rows  # int64[B+1]
-        # The raw rows of requests that report log-probabilities, before any rule edits them.
-        raw = {b: logits[int(cu[b]):int(cu[b + 1])].clone() for b in wanting}  # b -> float32[N+1, vocab]
+        # The raw rows of requests that report log-probabilities, copied before any rule or processor edits
+        # them (nothing else writes to `logits`: without rules and processors they are read in place).
+        edited = set(range(len(reqs))) if self.hooks.logits_processors else set(ruled)
+        raw = {b: logits[int(cu[b]):int(cu[b + 1])].clone() for b in wanting if b in edited}  # b -> float32[N+1, V]
         for b in ruled:
             for rule in reqs[b].rules:
                 rule.process_logits(logits[int(cu[b]):int(cu[b + 1])], trees[b])
@@ -88,12 +87,29 @@ class Verifier:
             )
             uniforms = draw_uniforms(packed, greedy, [r.generator for r in reqs])
         results = accept_trees(trees, packed, greedy, argmax, probs, prob_index, uniforms)
-        for b, rows in raw.items():
-            res = results[b]
-            picked = rows[torch.tensor(path_rows(res.accepted_nodes), device=rows.device)]
-            results[b] = dataclasses.replace(res, logprobs=tuple(
-                token_logprobs(picked, res.emitted_tokens, reqs[b].params.logprobs)))
+        if wanting:
+            if raw:  # rows some rule or processor edited: read from their copies
+                base = int(cu[-1])
+                source = torch.cat([logits, *raw.values()])
+                offsets = dict(zip(raw, np.cumsum([base] + [len(r) for r in raw.values()])[:-1].tolist()))
+            else:
+                source, offsets = logits, {}
+            rows = [[offsets.get(b, int(cu[b])) + r for r in path_rows(results[b].accepted_nodes)] for b in wanting]
+            _add_logprobs(results, reqs, wanting, source, rows)
         return results, argmax
+
+
+def _add_logprobs(results: list[VerifyResult], reqs, wanting: list[int], source: torch.Tensor,
+                  rows: list[list[int]]) -> None:
+    """results[b].logprobs for each b in `wanting`: its emitted tokens' log-probabilities from
+    `source[rows[i]]` (the rows that predicted them), every request of the step in one call."""
+    flat = [r for per in rows for r in per]
+    tokens = [t for b in wanting for t in results[b].emitted_tokens]
+    ks = [reqs[b].params.logprobs for b in wanting]
+    entries = token_logprobs(source, tokens, max(ks), index=flat)
+    for b, part in zip(wanting, split_logprobs(entries, [len(per) for per in rows], ks)):
+        res = results[b]  # (not dataclasses.replace: its field walk costs as much as the rest here)
+        results[b] = VerifyResult(res.accepted_nodes, res.accepted_tokens, res.bonus_token, res.num_drafted, part)
 
 
 def row_argmax(logits: torch.Tensor) -> torch.Tensor:

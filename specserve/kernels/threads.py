@@ -57,6 +57,11 @@ def apply_threads() -> None:
     want = get_threads()
     if numba.get_num_threads() != want:
         numba.set_num_threads(want)
+        # numba's OpenMP layer shares torch's OpenMP runtime: setting numba's count just set torch's pool to
+        # the cores (measured: 1 -> 2 here), and torch's ops in the step (log-softmax, top-k over a few
+        # rows) then stalled for milliseconds. Keep torch at one thread, as set_threads does.
+        if torch.get_num_threads() != 1:
+            torch.set_num_threads(1)
     if not _warned:
         _warned = True
         try:
