@@ -193,14 +193,18 @@ class SpecServer:
                             f"drafter {name[:64]!r} is not loaded: this server loaded {loaded}; choose one of {allowed}", field)
 
     def submit(self, rid: str, ids: list[int], params, drafter: str | None, received: float, sink,
-               client: str | None = None) -> None:
+               client: str | None = None, after: str | None = None) -> None:
         """Hand a request to the engine thread; ``finish`` must follow once its summary has arrived.
         drafter: what `choose_drafter` returned (None: decode plainly); client: who sent it (a websocket
-        session, an API user or peer address): the engine admits requests fairly across clients."""
+        session, an API user or peer address): the engine admits requests fairly across clients; after: hold
+        it on the engine thread until that request has its first token (EngineWorker only)."""
         self.in_flight += 1
         self._drafter_of[rid] = drafter
         parts = (drafter,) if drafter in self.drafter_parts else None
-        self.worker.submit(rid, ids, params, drafter is not None, received, sink, parts, client)
+        if after is not None:
+            self.worker.submit(rid, ids, params, drafter is not None, received, sink, parts, client, after=after)
+        else:
+            self.worker.submit(rid, ids, params, drafter is not None, received, sink, parts, client)
 
     def finish(self, rid: str, api: str, client: str, status: str, summary) -> None:
         """A submitted request has ended: free its place, count it, log it."""

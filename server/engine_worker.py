@@ -89,6 +89,9 @@ class EngineWorker:
         self.threads = threads if threads is not None else torch.get_num_threads()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
+        # submit(after=leader): requests held until the leader has its first token (or has ended), then
+        # added before the next step — n choices of one prompt whose prefill the leader's cached blocks save.
+        self._followers: dict[str, list[tuple]] = {}
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.steps = 0
         # Queue depth, running sequences and KV blocks after the latest step, for /metrics: written by
@@ -107,8 +110,10 @@ class EngineWorker:
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, speculate: bool,
                received: float, sink: Sink, drafter_parts: tuple[str, ...] | None = None,
-               client: str | None = None) -> None:
-        self._commands.put(("submit", request_id, prompt_ids, params, speculate, received, sink, drafter_parts, client))
+               client: str | None = None, after: str | None = None) -> None:
+        """after: hold the request until request ``after`` has its first output token (or has ended)."""
+        args = (request_id, prompt_ids, params, speculate, received, sink, drafter_parts, client)
+        self._commands.put(("submit", *args) if after is None else ("follow", after, args))
 
     def cancel(self, request_id: str) -> None:
         self._commands.put(("cancel", request_id))
@@ -136,11 +141,15 @@ class EngineWorker:
         with torch.inference_mode():
             while True:
                 out: list[tuple[Sink, Update]] = []
-                if not self._drain(block=not self.engine.has_unfinished(), out=out):
+                if not self._drain(block=not self.engine.has_unfinished() and not self._followers, out=out):
                     self._deliver(out)
                     return
+                if self._followers:
+                    self._release_followers(out)
                 if self.engine.has_unfinished():
                     self._step(out)
+                    if self._followers:
+                        self._release_followers(out)
                 self.load = read_engine_load(self.engine)  # before delivering: whoever hears of a step sees its load
                 self._deliver(out)
 
@@ -157,10 +166,14 @@ class EngineWorker:
                 return False
             if kind == "submit":
                 self._submit(*cmd[1:], out=out)
+            elif kind == "follow":
+                self._followers.setdefault(cmd[1], []).append(cmd[2])
             elif kind == "cancel":
                 self._cancel(cmd[1], out)
             elif kind == "cancel_all":
                 for rid in list(self._live):
+                    self._cancel(rid, out)
+                for rid in [args[0] for held in self._followers.values() for args in held]:
                     self._cancel(rid, out)
             elif kind == "call":
                 fn, future = cmd[1], cmd[2]
@@ -183,7 +196,21 @@ class EngineWorker:
             return
         self._live[rid] = _Live(sink, received)
 
+    def _release_followers(self, out) -> None:
+        """Add the held requests whose leader has its first token or has ended."""
+        for leader in list(self._followers):
+            req = self.engine.requests.get(leader)
+            if leader not in self._live or req is None or req.num_output > 0:
+                for args in self._followers.pop(leader):
+                    self._submit(*args, out=out)
+
     def _cancel(self, rid: str, out) -> None:
+        for leader, held in self._followers.items():  # still held: it never reached the engine
+            for args in held:
+                if args[0] == rid:
+                    held.remove(args)
+                    out.append((args[5], Update(rid, "", 0, Summary("cancelled", len(args[1])))))
+                    return
         live = self._live.get(rid)
         if live is None or not self.engine.abort(rid):
             return  # unknown or already finished: its summary has gone (or goes) out already

@@ -21,7 +21,7 @@ from aiohttp import web
 from aiohttp_sse import EventSourceResponse
 
 from specserve import defaults
-from specserve.server.engine_worker import Summary, Update
+from specserve.server.engine_worker import EngineWorker, Summary, Update
 from specserve.server.openai_choices import ChoiceWriter
 from specserve.server.openai_protocol import (
     CompletionRequest,
@@ -158,9 +158,17 @@ class OpenAIApi:
         user = body.get("user")
         fair = f"user:{user}" if isinstance(user, str) and user else "conn:" + client
         base = fitted(params, prompt)
+        cache = getattr(getattr(server.llm, "engine", None), "prefix_cache", None)
+        # With prefix caching the prompt is prefilled once: choice 0 first, the others held on the engine
+        # thread until its first token is out (its prompt's full blocks are cached by then), each then
+        # prefilling only the last partial block — n parallel prefills of the whole prompt cost n times one.
+        # (Replicas keep no such hold: their choices start together.)
+        follow = (req.n > 1 and cache is not None and len(prompt.ids) > cache.block_size
+                  and isinstance(server.worker, EngineWorker))
         for i, stream in enumerate(streams):
             p = base if i == 0 or base.seed is None else dataclasses.replace(base, seed=base.seed + i)
-            server.submit(stream.rid, prompt.ids, p, drafter, received, stream.on_update, client=fair)
+            server.submit(stream.rid, prompt.ids, p, drafter, received, stream.on_update, client=fair,
+                          after=streams[0].rid if follow and i > 0 else None)
         shapes = Shapes(rid, chat, server.model_name)
         texts = server.token_texts
         prompt_text = "" if chat or not req.echo else (req.input if isinstance(req.input, str) else texts.tokenizer.decode(prompt.ids))
