@@ -13,8 +13,6 @@ import argparse
 import statistics
 import time
 
-import torch
-
 from specserve.evals.common import parse_batch_sizes, set_threads, sync, write_json
 
 
@@ -31,6 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from specserve import LLM, SamplingParams
 
     sizes = parse_batch_sizes(args.batch_sizes)

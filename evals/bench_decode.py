@@ -19,8 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from specserve.evals import llamacpp_peer
 from specserve.evals.common import first_divergence, host, median_spread, set_threads, use_model_dir, write_json
 
@@ -46,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def build_random_llama(out_dir: Path, seed: int = 0) -> Path:
     """~110M parameters: 12 layers, hidden 768, MLP 2048, 12 heads, 32k vocabulary, tied embeddings."""
+    import torch
+
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -60,6 +60,8 @@ def build_random_llama(out_dir: Path, seed: int = 0) -> Path:
 
 def memory_read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
     """Bytes/s the CPU reads a large fp32 tensor at (best of `repeats` full reductions)."""
+    import torch
+
     x = torch.ones(num_bytes // 4, dtype=torch.float32)
     x.sum()
     best = float("inf")
@@ -82,6 +84,8 @@ def _time_specserve(llm, prompt: list[int], new_tokens: int) -> tuple[float, lis
 
 
 def _time_transformers(model, prompt: list[int], new_tokens: int) -> tuple[float, list[int]]:
+    import torch
+
     ids = torch.tensor([prompt])
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -92,6 +96,8 @@ def _time_transformers(model, prompt: list[int], new_tokens: int) -> tuple[float
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     set_threads(args.threads)
     torch.manual_seed(0)
     converter = llamacpp_peer.locate(args.llama_cpp_source) if args.peer == "llama.cpp" else None
@@ -118,6 +124,8 @@ def _agreement(ours: list[int], theirs: list[int]) -> dict:
 
 
 def _measure(args: argparse.Namespace, model_dir: Path, converter=None) -> dict:
+    import torch
+
     from specserve import LLM
     from specserve.kernels import get_threads
 

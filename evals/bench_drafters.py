@@ -14,8 +14,6 @@ import statistics
 import sys
 import time
 
-import torch
-
 from specserve.evals.common import forget_shared, set_threads, write_json
 from specserve.evals.metrics import SpecCounts
 
@@ -32,6 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from specserve import LLM, SamplingParams
     from specserve.evals.datasets import heldout_prompts
 

@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from specserve.evals.common import host, set_threads, use_model_dir, write_json
 
@@ -60,6 +59,8 @@ def _ints(text: str, what: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     sections = {s.strip() for s in args.sections.split(",") if s.strip()}
     if not sections or sections - {"tp", "replicas"}:
         raise ValueError(f"--sections takes tp and/or replicas, got {args.sections!r}")
@@ -94,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def measure_tp(model_dir: Path, args, batch_sizes: list[int]) -> dict:
+    import torch
+
     from specserve import LLM, SamplingParams
 
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]

@@ -12,8 +12,6 @@ import argparse
 import statistics
 import time
 
-import torch
-
 from specserve.evals.common import set_threads, sync, write_json
 
 
@@ -48,6 +46,8 @@ def parse_sizes(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from specserve import LLM
     from specserve.step_batch import StepBatchBuilder
     from specserve.verify import DraftTree

@@ -77,6 +77,23 @@ def test_help_and_argument_errors_do_not_import_torch():
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr
 
 
+def test_every_eval_and_bench_argument_error_answers_without_torch():
+    """An unknown option to `eval` or any `bench` command is argparse's error, before torch is imported
+    (each bench module imports torch inside the functions that run it)."""
+    from specserve.cli import BENCH_COMMANDS
+
+    argvs = [["eval", "--bogus"], ["info", "--bogus"]] + [["bench", name, "--bogus"] for name in BENCH_COMMANDS
+                                                          if name != "gpu"]
+    code = ("import sys\nfrom specserve.cli import main\n"
+            f"for argv in {argvs!r}:\n"
+            "    try:\n        code = main(argv)\n    except SystemExit as e:\n        code = e.code\n"
+            "    assert code == 2, (argv, code)\n"
+            "    assert 'torch' not in sys.modules, ('torch was imported', argv)\n"
+            "print('ok')\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]
+
+
 def test_a_multi_line_error_is_shown_whole_on_one_line(tmp_path):
     from tiny_models import build_model
 
