@@ -3,9 +3,11 @@ log-probabilities (openai_logprobs.py) and tool calls (tool_calls.py).
 
 Tool calls stream in OpenAI's delta shape: for a named function the output is the arguments, so the
 first piece opens the call (``{index, id, type, function: {name, arguments: ""}}``) and every piece
-after appends ``function.arguments``; for "required" and "auto" the calls are known once the output is
-complete, and go out then (one delta per call). Content is never streamed for a constrained call; for
-"auto" it is held back and sent as content at the end when the output holds no tool call.
+after appends ``function.arguments``; for "required" each call opens once its name is complete and its
+arguments stream as they are generated (tool_calls.RequiredStream); for "auto" the calls are known once
+the output is complete, and go out then (one delta per call). Content is never streamed for a
+constrained call; for "auto" it is held back and sent as content at the end when the output holds no
+tool call.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class ChoiceWriter:
         self.prompt_entries: list | None = None
         self.call_open = False
         self.call_id: str | None = None
+        self.required = None  # tool_calls.RequiredStream of a streamed "required" choice
 
     # ---- pieces ---------------------------------------------------------------------------------
 
@@ -55,6 +58,12 @@ class ChoiceWriter:
         return self.shapes.chunk(text=text, index=self.index, logprobs=self._logprobs(entries))
 
     def _tool_piece(self, text: str) -> str | None:
+        if self.tools.mode == "required" and text:
+            from specserve.server.tool_calls import RequiredStream
+
+            self.required = self.required or RequiredStream()
+            deltas = self.required.feed(text)
+            return self.shapes.chunk(tool_calls=deltas, index=self.index) if deltas else None
         if self.tools.mode != "named" or not text:
             return None
         delta: dict = {"index": 0, "function": {"arguments": text}}
@@ -75,7 +84,11 @@ class ChoiceWriter:
         if self.tools is not None:
             calls = self._calls(reason)
             if calls is not None:
-                if self.tools.mode != "named":
+                if self.tools.mode == "required" and self.required is not None:
+                    deltas = self.required.feed("")  # (everything went out with the text)
+                    if deltas:
+                        out.append(self.shapes.chunk(tool_calls=deltas, index=self.index))
+                elif self.tools.mode != "named":
                     deltas = [{"index": j, **c} for j, c in enumerate(calls)]
                     out.append(self.shapes.chunk(tool_calls=deltas, index=self.index))
                 return out, "tool_calls"

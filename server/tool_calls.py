@@ -63,10 +63,9 @@ class ToolPlan:
         """The output as OpenAI `tool_calls` (None: plain content)."""
         if self.mode == "named":
             return [tool_call(self.name, text)]
-        if self.mode == "required":
-            value = json.loads(text)  # the grammar made it valid (a complete output)
-            items = value if isinstance(value, list) else [value]
-            return [tool_call(v["name"], json.dumps(v["arguments"], separators=(", ", ": "))) for v in items]
+        if self.mode == "required":  # the grammar made it valid (a complete output)
+            # The arguments as generated (what a stream sends, fragment by fragment: RequiredStream).
+            return [tool_call(c["name"], text[slice(*c["args"])]) for c in scan_required(text)]
         if self.mode == "auto":
             return parse_auto(text, {t["function"]["name"] for t in self.tools})
         return None
@@ -185,3 +184,86 @@ def history_message(msg: dict, here: str) -> dict:
         if not out["content"]:  # the plain-text fallback shows the calls
             out["content"] = json.dumps([c["function"] for c in out["tool_calls"]])
     return out
+
+
+def scan_required(text: str) -> list[dict]:
+    """The calls in (a prefix of) a `required` output — one ``{"name", "arguments"}`` object, or an array
+    of them — as far as they go: per call ``{"name": str | None (until its string is complete),
+    "args": (start, end) | None, "done": bool}``, ``args`` the raw text span of its arguments value (end
+    at the text's end while the value is incomplete; arguments are objects: parse_tools requires it). Raw spans let a stream send the arguments as they
+    are generated, and make the whole response's arguments equal to what a stream sends."""
+    calls: list[dict] = []
+    stack: list[str] = []  # open containers: "{" / "["
+    call_depth = None  # the depth of a call object: 1 alone, 2 inside the array
+    key, expect_key, value_key, value_start = None, False, None, None
+    i, n = 0, len(text)
+    while i < n:
+        ch = text[i]
+        if ch == '"':  # a string: find its end (escapes skipped)
+            j = i + 1
+            while j < n and text[j] != '"':
+                j += 2 if text[j] == "\\" else 1
+            if j >= n:
+                break  # incomplete string
+            literal = text[i:j + 1]
+            depth = len(stack)
+            if depth == call_depth and expect_key:
+                key, expect_key = json.loads(literal), False
+            elif depth == call_depth and value_key == "name" and value_start is None:
+                calls[-1]["name"] = json.loads(literal)
+                value_key = None
+            i = j + 1
+            continue
+        depth = len(stack)
+        if ch in "{[":
+            if call_depth is None:
+                call_depth = 1 if ch == "{" else 2
+            stack.append(ch)
+            if len(stack) == call_depth and ch == "{":
+                calls.append({"name": None, "args": None, "done": False})
+                expect_key = True
+            elif depth == call_depth and value_key == "arguments" and value_start is None:
+                value_start = i
+                calls[-1]["args"] = (i, n)
+        elif ch in "}]":
+            if stack:
+                stack.pop()
+            if len(stack) == call_depth and value_start is not None:  # the arguments value closed
+                calls[-1]["args"] = (value_start, i + 1)
+                value_start, value_key = None, None
+            elif len(stack) == call_depth - 1 and ch == "}" and calls:
+                calls[-1]["done"] = True
+        elif ch == ":" and depth == call_depth and key is not None:
+            value_key, key = key, None
+        elif ch == "," and depth == call_depth:
+            expect_key = True
+        i += 1
+    return calls
+
+
+class RequiredStream:
+    """OpenAI tool-call deltas for a streamed `required` output, as it is generated: a call's first delta
+    (``{index, id, type, function: {name, arguments}}``) once its name is complete, then its arguments'
+    new text as ``function.arguments`` fragments."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.sent: list[int] = []  # per opened call: characters of its arguments sent
+        self.ids: list[str] = []
+
+    def feed(self, text: str) -> list[dict]:
+        self.text += text
+        deltas = []
+        for j, call in enumerate(scan_required(self.text)):
+            if call["name"] is None:
+                break
+            start, end = call["args"] if call["args"] is not None else (0, 0)
+            if j == len(self.sent):
+                opened = tool_call(call["name"], self.text[start:end])
+                self.ids.append(opened["id"])
+                self.sent.append(end - start)
+                deltas.append({"index": j, **opened})
+            elif end - start > self.sent[j]:
+                deltas.append({"index": j, "function": {"arguments": self.text[start + self.sent[j]:end]}})
+                self.sent[j] = end - start
+        return deltas
