@@ -97,7 +97,14 @@ def parse_auto(text: str, names: set[str]) -> list[dict] | None:
 
 
 def _parameters(tool: dict) -> dict:
-    return tool["function"].get("parameters") or {"type": "object", "properties": {}}
+    """The schema a call's arguments are constrained by. An object schema that does not say whether other
+    keys are allowed gets ``additionalProperties: false`` (the arguments hold the declared parameters, as
+    under OpenAI's strict mode): JSON Schema's default lets a model append keys of its own invention,
+    and a small one did, until max_tokens — the call never completed. A schema that says keeps its choice."""
+    schema = tool["function"].get("parameters") or {"type": "object", "properties": {}}
+    if schema.get("type") == "object" and "additionalProperties" not in schema:
+        schema = {**schema, "additionalProperties": False}
+    return schema
 
 
 def parse_tools(body: dict) -> ToolPlan | None:

@@ -209,3 +209,20 @@ def test_bad_values_are_400_naming_the_field_and_others_are_served(server, body,
     assert err.value.body["param"] == "best_of"
     ok = client.chat.completions.create(model=server.server.model_name, messages=MESSAGES, max_tokens=4)
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_tool_arguments_hold_the_declared_parameters_unless_the_schema_says_otherwise():
+    """JSON Schema lets an object take undeclared keys; a constrained tool call's arguments do not (a small
+    model otherwise invented keys until max_tokens and never completed the call), unless the tool's
+    schema allows them itself."""
+    from specserve.server.tool_calls import parse_tools
+
+    closed = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    opened = {**closed, "additionalProperties": True}
+    for params, extra_ok in ((closed, False), (opened, True)):
+        body = {"tools": [{"type": "function", "function": {"name": "f", "parameters": params}}],
+                "tool_choice": {"type": "function", "function": {"name": "f"}}}
+        schema = json.loads(json.dumps(parse_tools(body).constraint("compact").value))
+        jsonschema.validate({"city": "Paris"}, schema)
+        valid = jsonschema.Draft202012Validator(schema).is_valid({"city": "Paris", "invented": 1})
+        assert valid is extra_ok
