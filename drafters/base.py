@@ -58,6 +58,9 @@ class DraftRequest:
                A drafter that samples must mask its distribution with it (q is then the masked one);
                the rule filters forbidden nodes out of trees without q. Read-only for drafters: they
                must leave it as they found it.
+    adjust:    `specserve.step_hooks.DraftLogits` of the request's rules (penalties, logit bias): a drafter
+               that drafts from its own logits applies them to each row before drawing (q is then the
+               adjusted distribution); others may ignore them — drafts only get likelier to be accepted.
     parts:     the names of a hybrid drafter's parts this request drafts with (None: all; the
                request's choice on the page or in the API). Other drafters ignore it.
     """
@@ -69,6 +72,7 @@ class DraftRequest:
     seed: int | None = None
     mask: Any = None
     parts: tuple[str, ...] | None = None
+    adjust: tuple = ()
 
 
 @dataclass(frozen=True)

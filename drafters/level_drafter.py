@@ -29,7 +29,7 @@ import torch
 
 from specserve.drafters.base import Drafter, DraftRequest
 from specserve.drafters.draft_rng import request_generator
-from specserve.drafters.tree_builder import Frontier, TreeBuilder, mask_level
+from specserve.drafters.tree_builder import Frontier, TreeBuilder, adjust_level, mask_level
 from specserve.verify import DraftTree
 
 
@@ -77,6 +77,10 @@ class LevelDrafter(Drafter):
         builder = TreeBuilder(self.topk, self.depth, self.width, temps, self._uniforms(work, temps), self.vocab)
         grammars = [w.req.mask for w in work]
         constrained = any(g is not None for g in grammars)
+        adjusters = [w.req.adjust for w in work]
+        adjusted = any(adjusters)
+        if adjusted:
+            adjust_level(logits[:, None], adjusters, builder, None, None, self._target_ids)
         if constrained:
             mask_level(logits[:, None], grammars, builder, None, None, self._target_ids, self._draft_allowed)
         front = builder.add_level(logits)
@@ -86,6 +90,8 @@ class LevelDrafter(Drafter):
             if not active.size:
                 break
             logits = _numpy(self._feed_level(work, builder, front, active, level))  # [A', W, V]
+            if adjusted:
+                adjust_level(logits, adjusters, builder, front, active, self._target_ids)
             if constrained:
                 mask_level(logits, grammars, builder, front, active, self._target_ids, self._draft_allowed)
             front = builder.add_level(logits, active)

@@ -169,12 +169,38 @@ def mask_level(logits: np.ndarray, grammars: list, builder: TreeBuilder, front: 
     request's root, F = 1); grammars: per builder request, a `GrammarState` or None. target_ids maps
     draft ids to target ids, draft_allowed a bool[target V] mask to bool[V] (identity unless the
     drafter has a reduced vocabulary)."""
+    for i, f, path, grammar in _frontier_rows(grammars, builder, front, requests, target_ids):
+        allowed = grammar.allowed(path)
+        if allowed is None:  # the path itself is forbidden (unreachable: its nodes were masked)
+            logits[i, f] = -np.inf
+        else:
+            logits[i, f, ~draft_allowed(allowed)] = -np.inf
+
+
+def adjust_level(logits: np.ndarray, adjusters: list, builder: TreeBuilder, front: Frontier | None,
+                 requests: np.ndarray | None = None, target_ids=lambda ids: ids) -> None:
+    """Rules that edit the target's logits (penalties, logit bias) edit the draft's the same way, row by
+    row along each frontier node's path, before anything is drawn (a sampled node's q is the adjusted
+    draft distribution). Shapes as `mask_level`; adjusters: per builder request, a tuple of
+    `specserve.step_hooks.DraftLogits` (empty: none)."""
+    columns = None
+    for i, f, path, adjust in _frontier_rows([a or None for a in adjusters], builder, front, requests, target_ids):
+        if columns is None:
+            columns = target_ids(np.arange(logits.shape[-1], dtype=np.int64))  # int64[V]: each column's target id
+        for rule in adjust:
+            rule.adjust(logits[i, f], path, columns)
+
+
+def _frontier_rows(per_request: list, builder: TreeBuilder, front: Frontier | None, requests: np.ndarray | None,
+                   target_ids):
+    """(row i, frontier slot f, the slot's path from the root as target ids, the request's entry) for
+    every valid frontier slot of the requests whose entry is not None."""
     if requests is None:
-        requests = np.arange(len(grammars))
+        requests = np.arange(len(per_request))
     slot_row = {} if front is None else {int(a): j for j, a in enumerate(front.requests)}
     for i, a in enumerate(requests):
-        grammar = grammars[a]
-        if grammar is None:
+        entry = per_request[a]
+        if entry is None:
             continue
         j = slot_row.get(int(a))
         slots = [0] if front is None else np.flatnonzero(front.valid[j])
@@ -184,11 +210,7 @@ def mask_level(logits: np.ndarray, grammars: list, builder: TreeBuilder, front: 
             while node >= 0:
                 path.append(int(builder.tokens[a, node]))
                 node = int(builder.parents[a, node])
-            allowed = grammar.allowed(target_ids(np.array(path[::-1], dtype=np.int64)).tolist())
-            if allowed is None:  # the path itself is forbidden (unreachable: its nodes were masked)
-                logits[i, f] = -np.inf
-            else:
-                logits[i, f, ~draft_allowed(allowed)] = -np.inf
+            yield i, f, target_ids(np.array(path[::-1], dtype=np.int64)).tolist(), entry
 
 
 @numba.njit(cache=True, nogil=True)

@@ -89,6 +89,37 @@ class PenaltyRule(RequestRule):
             values = values - self.presence * (counts_t > 0).to(values.dtype)
         logits.index_copy_(1, index, values)
 
+    def draft_logits(self):
+        return self  # drafters that draft from their own logits apply the same penalties (`adjust`)
+
+    def adjust(self, row: np.ndarray, path, column_targets: np.ndarray) -> None:
+        """A drafter's row float32[V_draft] for the token after the root + `path` (target ids), edited as
+        `process_logits` edits the verify row of the node at the end of that path (column_targets:
+        int64[V_draft], each draft column's target id): drafts then follow the penalised distribution
+        they are verified against, instead of being rejected for what the penalties took away."""
+        if self.counted:
+            path_counts = np.bincount(np.asarray(path, dtype=np.int64), minlength=len(self.counts)) if path else None
+            cols = np.unique(np.concatenate([self.prompt_tokens, np.asarray(self.output_tokens, dtype=np.int64),
+                                             np.asarray(path, dtype=np.int64)]))
+            draft_cols = np.flatnonzero(np.isin(column_targets, cols))
+            targets = column_targets[draft_cols]
+            counts = self.counts[targets] + (path_counts[targets] if path_counts is not None else 0)
+            values = row[draft_cols]
+            if self.repetition != 1:
+                seen = (counts > 0) | np.isin(targets, self.prompt_tokens)
+                scaled = np.where(values > 0, values / np.float32(self.repetition), values * np.float32(self.repetition))
+                values = np.where(seen, scaled, values)
+            if self.frequency:
+                values = values - np.float32(self.frequency) * counts
+            if self.presence:
+                values = values - np.float32(self.presence) * (counts > 0).astype(np.float32)
+            row[draft_cols] = values
+        if self.bias_ids.numel():
+            for target, value in zip(self.bias_ids.tolist(), self.bias_values.tolist()):
+                row[column_targets == target] += np.float32(value)
+        if self.min_tokens > self.generated + len(path) and self.eos.numel():
+            row[np.isin(column_targets, self.eos.numpy())] = -np.inf
+
     def accept_token(self, token: int):
         if self.counts[token] == 0:
             self.output_tokens.append(token)

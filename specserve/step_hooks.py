@@ -13,6 +13,8 @@ Two scopes (ARCHITECTURE.md, "Where things plug in"):
       (outside the drafter's budget, inside the KV reservation `EngineConfig.max_forced_tokens`),
       verified like any draft node, never trusted blindly;
     * `draft_mask` — what a drafter masks its own proposals with (`DraftMask`), so its q is the masked q;
+    * `draft_logits` — how a drafter edits its own logits the way the rule edits the target's
+      (`DraftLogits`: penalties), so its drafts follow what they will be verified against;
     * `filter_tree` — drop proposed nodes the rule forbids before they cost a verify row;
     * `accept_token` — told every emitted token, in order; may stop the request (`TokenVerdict`).
   A row's distribution is that of the token *after* it (verify/tree.py): row 0 the root's, row i + 1
@@ -68,6 +70,13 @@ class DraftMask(Protocol):
         the mask's own state is as it was after the call."""
 
 
+class DraftLogits(Protocol):
+    def adjust(self, row: np.ndarray, path: Sequence[int], column_targets: np.ndarray) -> None:
+        """Edit float32[V_draft] — a drafter's logits for the token after the root + `path` (target ids) —
+        in place, as the rule edits the target's verify rows (penalties, bias), so drafts follow the
+        distribution they will be verified against. column_targets: int64[V_draft], each column's target id."""
+
+
 @dataclass(frozen=True)
 class TokenVerdict:
     """What a rule says of an emitted token. reason: the request's finish reason ("stop", "error");
@@ -95,6 +104,9 @@ class RequestRule:
         return ()
 
     def draft_mask(self) -> DraftMask | None:
+        return None
+
+    def draft_logits(self) -> DraftLogits | None:
         return None
 
     def filter_tree(self, tree: DraftTree) -> DraftTree:
@@ -148,6 +160,10 @@ class StepHooks:
             if mask is not None:
                 return mask
         return None
+
+    @staticmethod
+    def draft_logits(request: Request) -> tuple[DraftLogits, ...]:
+        return tuple(adjust for rule in request.rules if (adjust := rule.draft_logits()) is not None)
 
     @staticmethod
     def filter_tree(request: Request, tree: DraftTree) -> DraftTree:

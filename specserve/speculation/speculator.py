@@ -131,7 +131,8 @@ class Speculator:
         """The drafter's trees for the requests drafting this step; None when it raised (they are then
         done with the drafter and decode plainly)."""
         views = [DraftRequest(r.request_id, r.token_ids, r.params.temperature, self._take_features(r.request_id),
-                              r.params.seed, self.hooks.draft_mask(r), r.drafter_parts) for r in reqs]
+                              r.params.seed, self.hooks.draft_mask(r), r.drafter_parts, self.hooks.draft_logits(r))
+                 for r in reqs]
         try:
             proposed = self.drafter.propose(views, budgets, depth=depth)
         except Exception:

@@ -102,15 +102,23 @@ def exact_penalised_joint(model_dir, params: SamplingParams) -> torch.Tensor:
 
 @pytest.mark.parametrize("mode,with_probs", [("random", False), ("wide_fan", True)])
 def test_penalised_sampling_on_trees_follows_the_penalised_target(small_vocab_dir, mode, with_probs):
-    params = [SamplingParams(max_tokens=SAMPLED_MAX_TOKENS, seed=seed, ignore_eos=True, temperature=1.0, top_p=0.95,
-                             frequency_penalty=1.0, presence_penalty=1.0, repetition_penalty=1.2, logit_bias={2: 6.0, 11: 5.0})
-              for seed in range(N)]
+    params = _penalised_sampling_params()
     reference = LLM(small_vocab_dir, device="cpu").generate([PROMPT], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     llm = LLM(small_vocab_dir, drafter="scripted", device="cpu", max_num_seqs=N, max_prefill_tokens=N * len(PROMPT),
               speculation="static", drafter_options={"mode": mode, "seed": 7, "references": [PROMPT + reference[0].token_ids],
                                                      "max_budget": 6, "with_probs": with_probs})
     outs = llm.generate([PROMPT] * N, params)
-    exact = exact_penalised_joint(small_vocab_dir, params[0]).flatten()  # [V * V]: (2nd, 3rd) pairs
+    _assert_pairs_follow_the_penalised_target(outs, small_vocab_dir, params[0])
+
+
+def _penalised_sampling_params() -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=SAMPLED_MAX_TOKENS, seed=seed, ignore_eos=True, temperature=1.0, top_p=0.95,
+                           frequency_penalty=1.0, presence_penalty=1.0, repetition_penalty=1.2, logit_bias={2: 6.0, 11: 5.0})
+            for seed in range(N)]
+
+
+def _assert_pairs_follow_the_penalised_target(outs, model_dir, params: SamplingParams) -> None:
+    exact = exact_penalised_joint(model_dir, params).flatten()  # [V * V]: (2nd, 3rd) pairs
     vocab = int(round(exact.numel() ** 0.5))
     pairs = torch.tensor([o.token_ids[1] * vocab + o.token_ids[2] for o in outs])
     counts = torch.bincount(pairs, minlength=exact.numel()).double()
@@ -118,3 +126,58 @@ def test_penalised_sampling_on_trees_follows_the_penalised_target(small_vocab_di
     p_value = chi_square_p_value(counts, exact)
     assert p_value > 1e-3, f"(2nd, 3rd) tokens: chi-square p-value {p_value:.2e}"
     assert sum(sum(o.spec.accepted_per_position) for o in outs) > N // 10  # the trees were really used
+
+
+def test_penalised_sampling_with_a_draft_model_drafting_penalised_follows_the_penalised_target(small_vocab_dir,
+                                                                                               near_draft_dir):
+    """The draft model applies the penalties to its own logits before drawing (q is the adjusted draft
+    distribution): the output still has the penalised target's distribution."""
+    llm = LLM(small_vocab_dir, drafter=f"draft:{near_draft_dir}", device="cpu", max_num_seqs=N,
+              max_prefill_tokens=N * len(PROMPT), speculation="static")
+    outs = llm.generate([PROMPT] * N, _penalised_sampling_params())
+    _assert_pairs_follow_the_penalised_target(outs, small_vocab_dir, _penalised_sampling_params()[0])
+
+
+def test_draft_side_penalties_equal_the_verify_side_along_each_path():
+    """A drafter's row after the root + a path, adjusted by the rule (`PenaltyRule.adjust`), equals the
+    verify row of the node at the end of that path (`process_logits`): drafts follow the penalised
+    distribution they are verified against."""
+    from specserve.penalties import PenaltyRule
+    from specserve.verify import DraftTree
+
+    vocab, rng = 50, np.random.default_rng(0)
+    checked = 0
+    for _ in range(120):
+        params = SamplingParams(temperature=0, frequency_penalty=float(rng.choice([0, 0.5, 1.3])),
+                                presence_penalty=float(rng.choice([0, 0.4])),
+                                repetition_penalty=float(rng.choice([1, 1.2, 0.8])),
+                                logit_bias={int(rng.integers(vocab)): float(rng.uniform(-5, 5))} if rng.random() < 0.5 else None,
+                                min_tokens=int(rng.integers(0, 5)))
+        if not params.penalized:
+            continue
+        rule = PenaltyRule(params, rng.integers(0, vocab, size=7), vocab, (3,))
+        for token in rng.integers(0, vocab, size=int(rng.integers(0, 4))):
+            rule.accept_token(int(token))
+        chain = rng.integers(0, vocab, size=3).tolist()
+        raw = rng.normal(size=(4, vocab)).astype(np.float32)
+        verified = torch.from_numpy(raw.copy())
+        rule.process_logits(verified, DraftTree.chain(chain))
+        for depth in range(4):
+            row = raw[depth].copy()
+            rule.draft_logits().adjust(row, chain[:depth], np.arange(vocab))
+            np.testing.assert_allclose(row, verified[depth].numpy(), atol=1e-6)
+            checked += 1
+    assert checked > 200
+
+
+def test_a_draft_model_drafts_what_the_bias_favours(small_vocab_dir, near_draft_dir):
+    """With logit_bias +100 on a token the penalised target emits only it; the draft model, adjusted the same
+    way, drafts it too, so nearly every draft is accepted (unadjusted drafts would follow the draft model's
+    own argmax and be rejected). Greedy output equals plain decoding's under the same bias."""
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logit_bias={5: 100.0},
+                            frequency_penalty=0.2)
+    plain = LLM(small_vocab_dir, drafter=None, device="cpu").generate([PROMPT], params)[0]
+    llm = LLM(small_vocab_dir, drafter=f"draft:{near_draft_dir}", device="cpu", speculation="static")
+    out = llm.generate([PROMPT], params)[0]
+    assert out.token_ids == plain.token_ids == [5] * 16
+    assert out.spec.mean_accepted_length > 3
