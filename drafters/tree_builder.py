@@ -185,8 +185,10 @@ def adjust_level(logits: np.ndarray, adjusters: list, builder: TreeBuilder, fron
     `specserve.step_hooks.DraftLogits` (empty: none)."""
     columns = None
     for i, f, path, adjust in _frontier_rows([a or None for a in adjusters], builder, front, requests, target_ids):
-        if columns is None:
-            columns = target_ids(np.arange(logits.shape[-1], dtype=np.int64))  # int64[V]: each column's target id
+        if columns is None:  # int64[V_target]: each target id's draft column, -1 where the draft vocabulary lacks it
+            targets = target_ids(np.arange(logits.shape[-1], dtype=np.int64))
+            columns = np.full(int(targets.max()) + 1, -1, dtype=np.int64)
+            columns[targets] = np.arange(len(targets))
         for rule in adjust:
             rule.adjust(logits[i, f], path, columns)
 

@@ -92,19 +92,27 @@ class PenaltyRule(RequestRule):
     def draft_logits(self):
         return self  # drafters that draft from their own logits apply the same penalties (`adjust`)
 
-    def adjust(self, row: np.ndarray, path, column_targets: np.ndarray) -> None:
+    def adjust(self, row: np.ndarray, path, draft_columns: np.ndarray) -> None:
         """A drafter's row float32[V_draft] for the token after the root + `path` (target ids), edited as
-        `process_logits` edits the verify row of the node at the end of that path (column_targets:
-        int64[V_draft], each draft column's target id): drafts then follow the penalised distribution
-        they are verified against, instead of being rejected for what the penalties took away."""
+        `process_logits` edits the verify row of the node at the end of that path (draft_columns:
+        int64[V_target], each target id's column in the row, -1 where the drafter's vocabulary lacks it):
+        drafts then follow the penalised distribution they are verified against, instead of being
+        rejected for what the penalties took away."""
+
+        def columns(target_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            """(their draft columns, the target ids that have one)."""
+            ids = target_ids[target_ids < len(draft_columns)]
+            cols = draft_columns[ids]
+            return cols[cols >= 0], ids[cols >= 0]
+
         if self.counted:
-            path_counts = np.bincount(np.asarray(path, dtype=np.int64), minlength=len(self.counts)) if path else None
-            cols = np.unique(np.concatenate([self.prompt_tokens, np.asarray(self.output_tokens, dtype=np.int64),
-                                             np.asarray(path, dtype=np.int64)]))
-            draft_cols = np.flatnonzero(np.isin(column_targets, cols))
-            targets = column_targets[draft_cols]
-            counts = self.counts[targets] + (path_counts[targets] if path_counts is not None else 0)
-            values = row[draft_cols]
+            path = np.asarray(path, dtype=np.int64)
+            cols, targets = columns(np.unique(np.concatenate(
+                [self.prompt_tokens, np.asarray(self.output_tokens, dtype=np.int64), path])))
+            counts = self.counts[targets]
+            if len(path):
+                counts = counts + (targets[:, None] == path[None, :]).sum(1).astype(np.float32)
+            values = row[cols]
             if self.repetition != 1:
                 seen = (counts > 0) | np.isin(targets, self.prompt_tokens)
                 scaled = np.where(values > 0, values / np.float32(self.repetition), values * np.float32(self.repetition))
@@ -113,12 +121,12 @@ class PenaltyRule(RequestRule):
                 values = values - np.float32(self.frequency) * counts
             if self.presence:
                 values = values - np.float32(self.presence) * (counts > 0).astype(np.float32)
-            row[draft_cols] = values
+            row[cols] = values
         if self.bias_ids.numel():
-            for target, value in zip(self.bias_ids.tolist(), self.bias_values.tolist()):
-                row[column_targets == target] += np.float32(value)
+            cols, targets = columns(self.bias_ids.numpy())
+            row[cols] += self.bias_values.numpy()[np.isin(self.bias_ids.numpy(), targets)]
         if self.min_tokens > self.generated + len(path) and self.eos.numel():
-            row[np.isin(column_targets, self.eos.numpy())] = -np.inf
+            row[columns(self.eos.numpy())[0]] = -np.inf
 
     def accept_token(self, token: int):
         if self.counts[token] == 0:

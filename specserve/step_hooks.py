@@ -71,10 +71,11 @@ class DraftMask(Protocol):
 
 
 class DraftLogits(Protocol):
-    def adjust(self, row: np.ndarray, path: Sequence[int], column_targets: np.ndarray) -> None:
+    def adjust(self, row: np.ndarray, path: Sequence[int], draft_columns: np.ndarray) -> None:
         """Edit float32[V_draft] — a drafter's logits for the token after the root + `path` (target ids) —
         in place, as the rule edits the target's verify rows (penalties, bias), so drafts follow the
-        distribution they will be verified against. column_targets: int64[V_draft], each column's target id."""
+        distribution they will be verified against. draft_columns: int64[V_target], each target id's
+        column in the row (-1: not in the drafter's vocabulary)."""
 
 
 @dataclass(frozen=True)

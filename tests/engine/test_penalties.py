@@ -164,8 +164,15 @@ def test_draft_side_penalties_equal_the_verify_side_along_each_path():
         rule.process_logits(verified, DraftTree.chain(chain))
         for depth in range(4):
             row = raw[depth].copy()
-            rule.draft_logits().adjust(row, chain[:depth], np.arange(vocab))
+            rule.draft_logits().adjust(row, chain[:depth], np.arange(vocab))  # the identity column map
             np.testing.assert_allclose(row, verified[depth].numpy(), atol=1e-6)
+            # A reduced draft vocabulary (EAGLE-3's): 20 target ids in shuffled columns, the rest absent.
+            subset = rng.choice(vocab, 20, replace=False)
+            columns = np.full(vocab, -1, dtype=np.int64)
+            columns[subset] = np.arange(20)
+            row = raw[depth][subset].copy()
+            rule.draft_logits().adjust(row, chain[:depth], columns)
+            np.testing.assert_allclose(row, verified[depth].numpy()[subset], atol=1e-6)
             checked += 1
     assert checked > 200
 
