@@ -75,19 +75,22 @@ class PenaltyRule(RequestRule):
             on_path = tree.ancestor_mask.numpy()[:, 1:].astype(np.float32)  # [N+1, N]: node j on row r's path
             counts += on_path @ onehot
         index = torch.from_numpy(cols).to(logits.device)
-        values = logits.index_select(1, index)  # float32[N+1, C]
-        counts_t = torch.from_numpy(counts).to(logits.device)
+        in_prompt = torch.from_numpy(np.isin(cols, self.prompt_tokens)).to(logits.device)
+        values = self._penalised(logits.index_select(1, index), torch.from_numpy(counts).to(logits.device), in_prompt)
+        logits.index_copy_(1, index, values)
+
+    def _penalised(self, values: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor) -> torch.Tensor:
+        """The penalties of the module docstring, verify rows and drafters alike: values and counts
+        float32[..., C] (logits and generation counts of C tokens), in_prompt bool[C]."""
         if self.repetition != 1:
-            seen = counts_t > 0
-            if len(self.prompt_tokens):
-                seen |= torch.from_numpy(np.isin(cols, self.prompt_tokens)).to(logits.device)[None, :]
+            seen = (counts > 0) | in_prompt
             scaled = torch.where(values > 0, values / self.repetition, values * self.repetition)
             values = torch.where(seen, scaled, values)
         if self.frequency:
-            values = values - self.frequency * counts_t
+            values = values - self.frequency * counts
         if self.presence:
-            values = values - self.presence * (counts_t > 0).to(values.dtype)
-        logits.index_copy_(1, index, values)
+            values = values - self.presence * (counts > 0).to(values.dtype)
+        return values
 
     def draft_logits(self):
         return self  # drafters that draft from their own logits apply the same penalties (`adjust`)
@@ -112,16 +115,9 @@ class PenaltyRule(RequestRule):
             counts = self.counts[targets]
             if len(path):
                 counts = counts + (targets[:, None] == path[None, :]).sum(1).astype(np.float32)
-            values = row[cols]
-            if self.repetition != 1:
-                seen = (counts > 0) | np.isin(targets, self.prompt_tokens)
-                scaled = np.where(values > 0, values / np.float32(self.repetition), values * np.float32(self.repetition))
-                values = np.where(seen, scaled, values)
-            if self.frequency:
-                values = values - np.float32(self.frequency) * counts
-            if self.presence:
-                values = values - np.float32(self.presence) * (counts > 0).astype(np.float32)
-            row[cols] = values
+            values = self._penalised(torch.from_numpy(row[cols]), torch.from_numpy(counts),
+                                     torch.from_numpy(np.isin(targets, self.prompt_tokens)))
+            row[cols] = values.numpy()
         if self.bias_ids.numel():
             cols, targets = columns(self.bias_ids.numpy())
             row[cols] += self.bias_values.numpy()[np.isin(self.bias_ids.numpy(), targets)]
