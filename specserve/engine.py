@@ -214,9 +214,6 @@ class Engine:
         step = self.scheduler.schedule(self.speculator.max_budget)
         if step.empty:
             return []
-        for chunk in step.prefills:
-            if chunk.start == chunk.request.num_cached_tokens > 0:  # a cache hit's first chunk
-                self.speculator.start_from_prefix(chunk.request)
         proposal = self.speculator.propose(step)
         try:
             out = self.runner.run(step, proposal.trees)

@@ -93,6 +93,9 @@ class Speculator:
     # ---- before the forward ---------------------------------------------------------------------
 
     def propose(self, step: ScheduledStep) -> Proposal:
+        for chunk in step.prefills:
+            if chunk.start == chunk.request.num_cached_tokens > 0:  # a prefix-cache hit's first chunk
+                self._start_from_prefix(chunk.request)
         decodes = step.decodes
         budgets, depth = list(step.caps), None
         fixed_rows = len(decodes) + step.num_prefill_tokens
@@ -226,7 +229,7 @@ class Speculator:
 
     # ---- prefix caching -------------------------------------------------------------------------
 
-    def start_from_prefix(self, r: Request) -> None:
+    def _start_from_prefix(self, r: Request) -> None:
         """The request's first `num_cached_tokens` KV entries came from the prefix cache: a drafter that
         keeps KV starts from there too (the cache offered only blocks whose drafter entries are valid) and
         catches up over the rest; the target features of the rest come from its prefill rows."""
