@@ -7,6 +7,23 @@ import time
 from specserve import SamplingParams
 from specserve.server import BackgroundServer
 
+#: Two tools for the tool-call tests (tool_choice named / required / auto), and their argument schemas.
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer", "minimum": 1,
+                                                                                         "maximum": 9}},
+    "required": ["city", "days"], "additionalProperties": False}}},
+         {"type": "function", "function": {"name": "add", "parameters": {
+             "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}},
+             "required": ["a"], "additionalProperties": False}}}]
+TOOL_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+def openai_client(srv: BackgroundServer):
+    """The real `openai` client against a test server (no retries, 60 s timeout)."""
+    import openai
+
+    return openai.OpenAI(base_url=srv.openai_base_url, api_key="unused", max_retries=0, timeout=60)
+
 
 def greedy_text(llm, prompt, max_tokens: int, ignore_eos: bool = False) -> str:
     return llm.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos))[0].text

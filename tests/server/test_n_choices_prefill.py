@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import threading
 
-import openai
 import pytest
 
-from server_utils import greedy_text, kv_blocks, wait_until
+from server_utils import greedy_text, kv_blocks, openai_client, wait_until
 from specserve import SamplingParams
 from specserve.server.engine_worker import EngineWorker
 
@@ -23,7 +22,7 @@ def _hits(srv) -> tuple[int, int]:
 @pytest.mark.parametrize("drafter", ["ngram", None])
 def test_n_choices_take_choice_zeros_cached_prompt_and_equal_greedy(make_server, reference_llm, drafter):
     srv = make_server(llm_kwargs={"drafter": drafter})
-    client = openai.OpenAI(base_url=srv.openai_base_url, api_key="unused", max_retries=0, timeout=60)
+    client = openai_client(srv)
     ids = reference_llm.encode(PROMPT)
     assert len(ids) > 32
     before = _hits(srv)

@@ -17,22 +17,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from penalty_reference import greedy_reference
+from server_utils import TOOL_SCHEMAS, TOOLS, openai_client
 from specserve import SamplingParams
 from specserve.server.prompts import messages_to_text
 
 MESSAGES = [{"role": "user", "content": "def fibonacci(n):"}]
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather in a city", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer", "minimum": 1,
-                                                                                         "maximum": 9}},
-    "required": ["city", "days"], "additionalProperties": False}}},
-         {"type": "function", "function": {"name": "add", "parameters": {
-             "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}},
-             "required": ["a"], "additionalProperties": False}}}]
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-
-
-def client_for(srv) -> openai.OpenAI:
-    return openai.OpenAI(base_url=srv.openai_base_url, api_key="unused", max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +54,7 @@ def test_chat_logprobs_equal_transformers_whole_and_streamed(make_server, refere
     # several tokens, and rejected rows must not leak into the log-probabilities.
     options = {"mode": "mixed", "seed": 1, "references": [ids + out.token_ids]} if drafter else None
     srv = make_server(llm_kwargs={"drafter": drafter, "drafter_options": options})
-    client, llm = client_for(srv), reference_llm
+    client, llm = openai_client(srv), reference_llm
     ref = reference_logprobs(hf, ids + out.token_ids)
     resp = client.chat.completions.create(model=srv.server.model_name, messages=MESSAGES, max_tokens=24, temperature=0,
                                           logprobs=True, top_logprobs=5, extra_body={"ignore_eos": True})
@@ -83,7 +72,7 @@ def test_chat_logprobs_equal_transformers_whole_and_streamed(make_server, refere
 
 
 def test_completion_logprobs_with_echo_cover_the_prompt(server, reference_llm, hf):
-    client, llm = client_for(server), reference_llm  # the server's LLM belongs to its engine thread
+    client, llm = openai_client(server), reference_llm  # the server's LLM belongs to its engine thread
     ids = llm.encode("def f(x):\n    return x")
     resp = client.completions.create(model=server.server.model_name, prompt=ids, max_tokens=8, temperature=0, logprobs=3,
                                      echo=True, extra_body={"ignore_eos": True})
@@ -104,7 +93,7 @@ def test_completion_logprobs_with_echo_cover_the_prompt(server, reference_llm, h
 
 
 def test_penalties_and_logit_bias_equal_the_penalised_reference(server, reference_llm, hf):
-    client, llm = client_for(server), reference_llm  # the server's LLM belongs to its engine thread
+    client, llm = openai_client(server), reference_llm  # the server's LLM belongs to its engine thread
     plain = client.completions.create(model=server.server.model_name, prompt="x = [1, 2, 3]\nfor", max_tokens=16,
                                       temperature=0, extra_body={"ignore_eos": True})
     ids = llm.encode("x = [1, 2, 3]\nfor")
@@ -122,7 +111,7 @@ def test_penalties_and_logit_bias_equal_the_penalised_reference(server, referenc
 
 
 def test_n_choices_with_seeds_are_reproducible(server):
-    client = client_for(server)
+    client = openai_client(server)
 
     def run():
         return client.completions.create(model=server.server.model_name, prompt="import", max_tokens=12, temperature=1.0,
@@ -142,19 +131,19 @@ def test_n_choices_with_seeds_are_reproducible(server):
 
 
 def test_named_and_required_tool_calls_follow_the_schemas(server):
-    client = client_for(server)
+    client = openai_client(server)
     named = {"type": "function", "function": {"name": "get_weather"}}
     resp = client.chat.completions.create(model=server.server.model_name, messages=[{"role": "user", "content": "weather?"}],
                                           max_tokens=60, temperature=0, tools=TOOLS, tool_choice=named)
     call = resp.choices[0].message.tool_calls[0]
     assert resp.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
-    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS["get_weather"])
+    jsonschema.validate(json.loads(call.function.arguments), TOOL_SCHEMAS["get_weather"])
     resp = client.chat.completions.create(model=server.server.model_name, messages=[{"role": "user", "content": "add?"}],
                                           max_tokens=60, temperature=0, tools=TOOLS, tool_choice="required",
                                           parallel_tool_calls=False)
     call = resp.choices[0].message.tool_calls[0]
     assert resp.choices[0].finish_reason == "tool_calls" and call.id.startswith("call_")
-    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    jsonschema.validate(json.loads(call.function.arguments), TOOL_SCHEMAS[call.function.name])
     chunks = list(client.chat.completions.create(model=server.server.model_name, max_tokens=60, temperature=0,
                                                  messages=[{"role": "user", "content": "weather?"}], tools=TOOLS,
                                                  tool_choice=named, stream=True))
@@ -162,12 +151,12 @@ def test_named_and_required_tool_calls_follow_the_schemas(server):
     assert deltas[0].id and deltas[0].function.name == "get_weather" and all(d.index == 0 for d in deltas)
     assert all(d.id is None and d.function.name is None for d in deltas[1:])
     arguments = "".join(d.function.arguments for d in deltas)
-    jsonschema.validate(json.loads(arguments), SCHEMAS["get_weather"])
+    jsonschema.validate(json.loads(arguments), TOOL_SCHEMAS["get_weather"])
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
 def test_auto_parses_the_models_tool_call_syntax_and_history_is_accepted(server):
-    client = client_for(server)
+    client = openai_client(server)
     # The tiny model has no tool-call training: a regex scripts its output into Hermes' syntax.
     forced = '<tool_call>\\{"name": "add", "arguments": \\{"a": 4\\}\\}</tool_call>'
     resp = client.chat.completions.create(model=server.server.model_name, messages=[{"role": "user", "content": "4+?"}],
@@ -200,7 +189,7 @@ def test_auto_parses_the_models_tool_call_syntax_and_history_is_accepted(server)
     ({"audio": {"voice": "x"}}, "audio"),
 ])
 def test_bad_values_are_400_naming_the_field_and_others_are_served(server, body, param):
-    client = client_for(server)
+    client = openai_client(server)
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=server.server.model_name, messages=MESSAGES, max_tokens=4, **body)
     assert err.value.status_code == 400 and err.value.body["param"] == param

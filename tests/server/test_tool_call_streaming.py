@@ -9,24 +9,17 @@ from __future__ import annotations
 import json
 
 import jsonschema
-import openai
 import pytest
+
+from server_utils import TOOL_SCHEMAS, TOOLS, openai_client
 
 from specserve.server.tool_calls import RequiredStream, scan_required
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer", "minimum": 1,
-                                                                                         "maximum": 9}},
-    "required": ["city", "days"], "additionalProperties": False}}},
-         {"type": "function", "function": {"name": "add", "parameters": {
-             "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}},
-             "required": ["a"], "additionalProperties": False}}}]
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
 @pytest.mark.parametrize("parallel", [False, True])
 def test_required_calls_stream_incrementally_and_equal_the_whole_response(server, parallel):
-    client = openai.OpenAI(base_url=server.openai_base_url, api_key="unused", max_retries=0, timeout=60)
+    client = openai_client(server)
     kwargs = dict(model=server.server.model_name, messages=[{"role": "user", "content": "weather?"}], max_tokens=120,
                   temperature=0, tools=TOOLS, tool_choice="required", parallel_tool_calls=parallel)
     whole = client.chat.completions.create(**kwargs)
@@ -46,7 +39,7 @@ def test_required_calls_stream_incrementally_and_equal_the_whole_response(server
     expected = [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls]
     assert [(calls[j]["name"], calls[j]["arguments"]) for j in sorted(calls)] == expected
     for call in calls.values():
-        jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+        jsonschema.validate(json.loads(call["arguments"]), TOOL_SCHEMAS[call["name"]])
     # (How many chunks carry them depends on the steps: forced grammar tokens can bring a whole short call in
     # one step, and a reader that falls behind gets queued text merged; the split is tested below.)
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
