@@ -21,7 +21,7 @@ import statistics
 import time
 from collections import defaultdict
 
-from specserve.evals.common import set_threads, write_json
+from specserve.evals.common import forget_shared, parse_batch_sizes, set_threads, write_json
 
 GOALS_MS = {1: 0.3, 32: 1.5}  # the speculation-efficiency issue's goals (draft model, EAGLE, n-gram)
 PHASES = ("schedule", "draft", "batch", "accept", "commit", "emit", "observe")
@@ -115,8 +115,7 @@ class PhaseClock:
         self._wrap(engine.verifier, "accept", "accept")
         self._wrap(engine, "_keep_accepted", "commit")
         self._wrap(engine.speculator, "commit", "commit")
-        if hasattr(engine, "_offer_blocks"):  # prefix caching, where the engine has it
-            self._wrap(engine, "_offer_blocks", "commit")
+        self._wrap(engine, "_offer_blocks", "commit")
         self._wrap(engine, "_emit", "emit")
         self._wrap(engine.speculator, "observe", "observe")
         real_step = engine.step
@@ -169,9 +168,8 @@ def measure(drafter: str | None, batch: int, max_tokens: int, repeats: int, prom
     from specserve import LLM, SamplingParams
 
     # Static budgets and no prefix caching: a replay must run exactly the real run's forwards.
-    options = {"enable_prefix_caching": False} if _has_prefix_caching() else {}
     llm = LLM(model, drafter=drafter, drafter_options=drafter_options, speculation="static", max_num_seqs=batch,
-              **options)
+              enable_prefix_caching=False)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
     llm.generate(batch_prompts[:1], params)  # warm-up: kernels compiled, first-call costs paid
@@ -180,8 +178,7 @@ def measure(drafter: str | None, batch: int, max_tokens: int, repeats: int, prom
     clock = PhaseClock(llm.engine)
 
     def run() -> list[list[int]]:
-        if llm.engine.drafter is not None:
-            llm.engine.drafter.forget_shared()
+        forget_shared(llm)
         return [o.token_ids for o in llm.generate(batch_prompts, params)]
 
     t0 = time.perf_counter()
@@ -212,23 +209,14 @@ def measure(drafter: str | None, batch: int, max_tokens: int, repeats: int, prom
             "goal_ms": GOALS_MS.get(batch)}, llm
 
 
-def _has_prefix_caching() -> bool:
-    import inspect
-
-    from specserve import LLM
-
-    return "enable_prefix_caching" in inspect.signature(LLM.__init__).parameters
-
-
 def run(args: argparse.Namespace) -> int:
     from specserve.evals.common import machine
     from specserve.evals.datasets import heldout_prompts
 
     drafters = [None if d.strip() == "none" else d.strip() for d in args.drafters.split(",") if d.strip()]
-    batches = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
-    if not drafters or not batches or min(batches) < 1 or args.repeats < 1 or args.max_tokens < 2:
-        raise ValueError("--drafters and --batch-sizes must be non-empty, batch sizes >= 1, --repeats >= 1, "
-                         "--max-tokens >= 2")
+    batches = parse_batch_sizes(args.batch_sizes)
+    if not drafters or args.repeats < 1 or args.max_tokens < 2:
+        raise ValueError("--drafters must be non-empty, --repeats >= 1, --max-tokens >= 2")
     set_threads(args.threads)
     prompts = heldout_prompts(32, chars=200)
     cells = []
