@@ -22,7 +22,7 @@ import statistics
 import sys
 import time
 
-from specserve.evals.common import machine, set_threads, write_json
+from specserve.evals.common import machine, parse_batch_sizes, set_threads, write_json
 
 PENALTIES = {"frequency_penalty": 0.5, "presence_penalty": 0.3}
 GOALS = {"logprobs_cost": 0.05, "penalty_speedup_kept": 0.90, "n_ttft_ratio": 1.3}
@@ -40,16 +40,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-draft-model", action="store_true", help="(b) without the draft-model drafter")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", default=None, metavar="FILE")
-
-
-def _ints(text: str, name: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{name} expects comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise ValueError(f"{name} must be integers >= 1, got {text!r}")
-    return values
 
 
 def _params(max_tokens: int, **kw):
@@ -84,9 +74,9 @@ def _interleaved(sides: dict, items: list, rounds: int) -> dict[str, list[float]
     return out
 
 
-def _logprobs(llm, prompts, args) -> list[dict]:
+def _logprobs(llm, prompts, batch_sizes: list[int], args) -> list[dict]:
     rows = []
-    for batch in _ints(args.batch_sizes, "--batch-sizes"):
+    for batch in batch_sizes:
         # Every prompt, `batch` at a time (at least one full batch).
         chosen = [prompts[i % len(prompts)] for i in range(max(batch, len(prompts)))]
         groups = [chosen[i:i + batch] for i in range(0, len(chosen), batch)]
@@ -174,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
     from specserve.evals.datasets import heldout_prompts
 
     set_threads(args.threads)
-    _ints(args.batch_sizes, "--batch-sizes")
+    batch_sizes = parse_batch_sizes(args.batch_sizes)
     for name in ("prompts", "max_tokens", "rounds", "n"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -193,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
         llm.generate([prompts[0]], _params(4))
     result = {"top_logprobs": args.top_logprobs, "max_tokens": args.max_tokens, "rounds": args.rounds,
               "prompts": args.prompts, "penalties": PENALTIES, "n": args.n}
-    result["a_logprobs"] = _logprobs(default, prompts, args)
+    result["a_logprobs"] = _logprobs(default, prompts, batch_sizes, args)
     result["b_penalties"] = _penalties(plain, spec, prompts, args)
     from specserve.server import BackgroundServer, ServerConfig
 
