@@ -264,12 +264,12 @@ _PARSERS = {"response.create": _parse_create, "response.cancel": _parse_cancel, 
 
 # ---- field validation ---------------------------------------------------------------------------
 
-#: Sampling fields a response (or the session defaults) may set, mapped onto SamplingParams.
-SAMPLING_FIELDS = ("max_output_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos",
-                   "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens")
-MAX_LOGIT_BIAS = 1024  # tokens one logit_bias may name (OpenAI allows 300)
 #: Penalties and bias (specserve/penalties.py), passed to SamplingParams under the same names.
 PENALTY_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens")
+#: Sampling fields a response (or the session defaults) may set, mapped onto SamplingParams.
+SAMPLING_FIELDS = ("max_output_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos",
+                   *PENALTY_FIELDS)
+MAX_LOGIT_BIAS = 1024  # tokens one logit_bias may name (OpenAI allows 300)
 
 
 #: How a response is delivered rather than sampled: set per response or as a session default.
