@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,8 @@ import time
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
+
+from specserve.evals.common import median_spread, write_json
 
 PROMPT = "def fibonacci(n):"
 BAD_INPUTS = (
@@ -193,7 +194,7 @@ def neighbour(enabled: bool):
 
 
 def _stats(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
+    return median_spread(values) | {"runs": values}  # the values themselves, not only their count
 
 
 def run(args: argparse.Namespace) -> int:
@@ -255,6 +256,5 @@ def run(args: argparse.Namespace) -> int:
     if args.cold:
         compiled = result["cold_generate"]["compiled_functions"]
         print(f"first run compiled {len(compiled)} cached functions: {', '.join(compiled)}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    write_json(result, args.json)
     return 0
