@@ -46,6 +46,7 @@ class BlockAllocator:
         self.tables: dict[str, np.ndarray] = {}
         self._refs = np.zeros(num_blocks, dtype=np.int32)  # tables holding each block
         self._cached = np.zeros(num_blocks, dtype=np.bool_)  # a prefix cache indexes it
+        self._num_cached = 0  # of `_cached` (read after every step: a count, not a sum over the pool)
         # Cached and unreferenced blocks, least recently used first (the next to be evicted).
         self._evictable: OrderedDict[int, None] = OrderedDict()
         # Called with a cached block's id when it is evicted for reuse (the prefix cache drops its key).
@@ -62,7 +63,7 @@ class BlockAllocator:
 
     @property
     def num_cached_blocks(self) -> int:
-        return int(self._cached.sum())
+        return self._num_cached
 
     def blocks_for(self, num_slots: int) -> int:
         return math.ceil(num_slots / self.block_size)
@@ -104,6 +105,7 @@ class BlockAllocator:
         else:
             block, _ = self._evictable.popitem(last=False)
             self._cached[block] = False
+            self._num_cached -= 1
             if self.on_evict is not None:
                 self.on_evict(block)
         self._refs[block] = 1
@@ -129,13 +131,16 @@ class BlockAllocator:
         """A prefix cache indexes `block` (a block some table holds): kept when unreferenced, until evicted."""
         if self._refs[block] <= 0:
             raise ValueError(f"block {block} is not held by any sequence: only computed blocks are cached")
-        self._cached[block] = True
+        if not self._cached[block]:
+            self._cached[block] = True
+            self._num_cached += 1
 
     def uncache(self, block: int) -> None:
         """The prefix cache dropped `block`: unreferenced, it is free at once."""
         if not self._cached[block]:
             return
         self._cached[block] = False
+        self._num_cached -= 1
         if block in self._evictable:
             del self._evictable[block]
             self._free.append(block)
@@ -157,6 +162,7 @@ class BlockAllocator:
         assert all(self._refs[b] == 0 for b in free | evictable), "a free or evictable block is referenced"
         assert not any(self._cached[b] for b in free), "a free block is still cached"
         assert all(self._cached[b] for b in evictable), "an evictable block is not cached"
+        assert self._num_cached == int(self._cached.sum()), "the cached-block count drifted"
         referenced = int((self._refs > 0).sum())
         assert len(free) + len(evictable) + referenced == self.num_blocks, "blocks were lost"
 
