@@ -329,10 +329,9 @@ def _messages(value: Any) -> list[dict]:
         if role not in ROLES:
             raise ProtocolError("invalid_value", f"{here}.role must be one of {', '.join(ROLES)}", f"{here}.role")
         if role == "tool" or msg.get("tool_calls") is not None:
-            if msg.get("content") is not None:
-                _content(msg["content"], f"{here}.content")
-            out.append(history_message({**msg, "content": None if msg.get("content") is None
-                                        else _content(msg["content"], f"{here}.content")}, here))
+            content = msg.get("content")
+            out.append(history_message({**msg, "content": None if content is None else _content(content, f"{here}.content")},
+                                       here))
             continue
         out.append({"role": role, "content": _content(msg.get("content"), f"{here}.content")})
     return out
