@@ -22,7 +22,7 @@ import statistics
 import sys
 import time
 
-from specserve.evals.common import machine, parse_batch_sizes, set_threads, write_json
+from specserve.evals.common import check_positive, machine, parse_batch_sizes, set_threads, write_json
 
 PENALTIES = {"frequency_penalty": 0.5, "presence_penalty": 0.3}
 GOALS = {"logprobs_cost": 0.05, "penalty_speedup_kept": 0.90, "n_ttft_ratio": 1.3}
@@ -165,9 +165,7 @@ def run(args: argparse.Namespace) -> int:
 
     set_threads(args.threads)
     batch_sizes = parse_batch_sizes(args.batch_sizes)
-    for name in ("prompts", "max_tokens", "rounds", "n"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    check_positive(args, "prompts", "max_tokens", "rounds", "n")
     if not 0 <= args.top_logprobs <= 20:
         raise ValueError(f"--top-logprobs must be in [0, 20], got {args.top_logprobs}")
     default = LLM(args.model, drafter=args.drafter)

@@ -29,7 +29,7 @@ import statistics
 import sys
 import time
 
-from specserve.evals.common import machine, set_threads, write_json
+from specserve.evals.common import check_positive, machine, set_threads, write_json
 
 QUESTIONS = ["Write a function that reverses a linked list.", "How do I read a CSV file line by line?",
              "Explain what a Python generator is.", "Fix: list index out of range in my loop.",
@@ -183,9 +183,7 @@ def run(args: argparse.Namespace) -> int:
     from specserve.evals.datasets import heldout_prompts
 
     set_threads(args.threads)
-    for name in ("system_tokens", "questions", "turns", "answer_tokens", "unshared", "decode_tokens", "repeats"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    check_positive(args, "system_tokens", "questions", "turns", "answer_tokens", "unshared", "decode_tokens", "repeats")
     if args.questions < 2 or args.turns < 6:
         raise ValueError("--questions must be >= 2 (one cold, the rest cached) and --turns >= 6 (first and last three)")
     llms = {"on": LLM(args.model, drafter=args.drafter, enable_prefix_caching=True),

@@ -76,6 +76,13 @@ def parse_batch_sizes(text: str) -> list[int]:
     return sizes
 
 
+def check_positive(args, *names: str) -> None:
+    """ValueError naming the flag for the first of `args`' integer options `names` that is below 1."""
+    for name in names:
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+
+
 def forget_shared(llm) -> None:
     """Before a timed run: the drafter forgets what it learned from earlier requests (the suffix
     drafter's index of finished outputs), so a prompt measured again is not drafted from its own answer."""
