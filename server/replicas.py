@@ -30,7 +30,7 @@ import multiprocessing
 import os
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 from specserve.server.engine_load import EngineLoad
 from specserve.server.engine_worker import EngineWorker, Summary, Update, _dispatch
@@ -317,10 +317,11 @@ class ReplicaPool:
         sticky = self._sticky.get(session) if session is not None else None
         prefix = hash(tuple(prompt_ids[:PREFIX_AFFINITY_TOKENS])) if len(prompt_ids) >= PREFIX_AFFINITY_TOKENS else None
         home = self._prefix_home.get(prefix) if prefix is not None else None
-        least = min(live, key=self._in_flight)  # ties: the lowest index
+        in_flight = Counter(self._owner.values())  # one walk over the requests in flight, not one per replica
+        least = min(live, key=in_flight.__getitem__)  # ties: the lowest index
         if sticky is not None and sticky.alive:
             choice = sticky
-        elif home is not None and home.alive and self._in_flight(home) <= self._in_flight(least) + PREFIX_AFFINITY_SLACK:
+        elif home is not None and home.alive and in_flight[home] <= in_flight[least] + PREFIX_AFFINITY_SLACK:
             choice = home
         else:
             choice = least
