@@ -190,8 +190,7 @@ class OpenAIApi:
                 text, _, entries, prompt_entries = value
                 if prompt_entries is not None:
                     writers[i].prompt_entries = list(prompt_entries)
-                writers[i].text.append(text)
-                writers[i].entries.extend(entries)
+                writers[i].add(text, entries)
                 continue
             summaries[i], leftover = value
             writers[i].entries.extend(leftover)
@@ -236,8 +235,7 @@ class OpenAIApi:
                             await sse.send(echo)
                     sent_tokens += tokens
                     if req.continuous_usage and req.n == 1:  # usage so far rides on every chunk
-                        writer.text.append(text)
-                        writer.entries.extend(entries)
+                        writer.add(text, entries)
                         await sse.send(shapes.chunk(text=text, usage=streams[i].usage_so_far(sent_tokens)))
                         continue
                     chunk = writer.piece(text, entries)

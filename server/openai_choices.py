@@ -13,6 +13,7 @@ tool call.
 from __future__ import annotations
 
 from specserve.server.openai_logprobs import CompletionLogprobs, TokenTexts, chat_logprobs, merge_completion
+from specserve.server.tool_calls import RequiredStream, tool_call
 
 
 class ChoiceWriter:
@@ -25,8 +26,7 @@ class ChoiceWriter:
         self.entries: list = []
         self.prompt_entries: list | None = None
         self.call_open = False
-        self.call_id: str | None = None
-        self.required = None  # tool_calls.RequiredStream of a streamed "required" choice
+        self.required: RequiredStream | None = None  # of a streamed "required" choice, from its first text
 
     # ---- pieces ---------------------------------------------------------------------------------
 
@@ -45,10 +45,14 @@ class ChoiceWriter:
         logprobs = self._logprobs(self.prompt_entries, prompt=True) if self.prompt_entries is not None else None
         return self.shapes.chunk(text=self.prompt_text, index=self.index, logprobs=logprobs)
 
-    def piece(self, text: str, entries) -> str | None:
-        """A stream chunk for new output text and its tokens' log-probabilities (None: nothing to send)."""
+    def add(self, text: str, entries) -> None:
+        """Keep new output text and its tokens' log-probabilities (for the whole response / the end)."""
         self.text.append(text)
         self.entries.extend(entries)
+
+    def piece(self, text: str, entries) -> str | None:
+        """A stream chunk for new output text and its tokens' log-probabilities (None: nothing to send)."""
+        self.add(text, entries)
         if self.tools is not None:
             return self._tool_piece(text)
         if not text and not entries:
@@ -59,8 +63,6 @@ class ChoiceWriter:
 
     def _tool_piece(self, text: str) -> str | None:
         if self.tools.mode == "required" and text:
-            from specserve.server.tool_calls import RequiredStream
-
             self.required = self.required or RequiredStream()
             deltas = self.required.feed(text)
             return self.shapes.chunk(tool_calls=deltas, index=self.index) if deltas else None
@@ -69,11 +71,7 @@ class ChoiceWriter:
         delta: dict = {"index": 0, "function": {"arguments": text}}
         if not self.call_open:
             self.call_open = True
-            from specserve.server.tool_calls import tool_call
-
-            call = tool_call(self.tools.name, "")
-            self.call_id = call["id"]
-            delta = {"index": 0, **call, "function": {"name": self.tools.name, "arguments": text}}
+            delta = {"index": 0, **tool_call(self.tools.name, text)}
         return self.shapes.chunk(tool_calls=[delta], index=self.index)
 
     def finish(self, reason: str, leftover) -> tuple[list[str], str]:
@@ -84,11 +82,9 @@ class ChoiceWriter:
         if self.tools is not None:
             calls = self._calls(reason)
             if calls is not None:
-                if self.tools.mode == "required" and self.required is not None:
-                    deltas = self.required.feed("")  # (everything went out with the text)
-                    if deltas:
-                        out.append(self.shapes.chunk(tool_calls=deltas, index=self.index))
-                elif self.tools.mode != "named":
+                # A named call and a "required" one streamed as generated went out with the text; the
+                # others go out now, one delta per call.
+                if self.tools.mode == "auto" or (self.tools.mode == "required" and self.required is None):
                     deltas = [{"index": j, **c} for j, c in enumerate(calls)]
                     out.append(self.shapes.chunk(tool_calls=deltas, index=self.index))
                 return out, "tool_calls"
