@@ -22,7 +22,8 @@ import statistics
 import sys
 import time
 
-from specserve.evals.common import check_positive, machine, parse_batch_sizes, set_threads, write_json
+from specserve.evals.common import (check_positive, clear_prefix_cache, machine, parse_batch_sizes, set_threads,
+                                    write_json)
 
 PENALTIES = {"frequency_penalty": 0.5, "presence_penalty": 0.3}
 GOALS = {"logprobs_cost": 0.05, "penalty_speedup_kept": 0.90, "n_ttft_ratio": 1.3}
@@ -108,8 +109,7 @@ def _penalties(plain, spec: dict, prompts, args) -> dict:
 
 def _ttft(llm, prompt: list[int], n: int, max_tokens: int) -> tuple[float, float]:
     """(first, last) engine TTFT in ms of n requests of `prompt` added together, from a cleared cache."""
-    if llm.engine.prefix_cache is not None:
-        llm.engine.prefix_cache.clear()
+    clear_prefix_cache(llm.engine)
     outs = llm.generate([prompt] * n, _params(max_tokens))
     ttfts = [o.ttft_s * 1e3 for o in outs]
     return min(ttfts), max(ttfts)

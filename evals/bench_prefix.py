@@ -29,7 +29,7 @@ import statistics
 import sys
 import time
 
-from specserve.evals.common import check_positive, machine, set_threads, write_json
+from specserve.evals.common import check_positive, clear_prefix_cache, machine, set_threads, write_json
 
 QUESTIONS = ["Write a function that reverses a linked list.", "How do I read a CSV file line by line?",
              "Explain what a Python generator is.", "Fix: list index out of range in my loop.",
@@ -66,11 +66,6 @@ def _chat_prompt(llm, messages: list[dict]) -> list[int]:
     return list(llm.tokenizer.encode(text, add_special_tokens=special))
 
 
-def _clear_cache(engine) -> None:
-    if engine.prefix_cache is not None:
-        engine.prefix_cache.clear()
-
-
 class _EngineChat:
     """Chat requests straight to the engine: TTFT from `add_request` to the first token."""
 
@@ -84,7 +79,7 @@ class _EngineChat:
         return out.ttft_s * 1e3, out.text, len(prompt), out.ttft_s * 1e3
 
     def clear(self) -> None:
-        _clear_cache(self.llm.engine)
+        clear_prefix_cache(self.llm.engine)
 
     def close(self) -> None:
         pass
@@ -120,7 +115,7 @@ class _ServerChat:
         return first * 1e3, "".join(text), prompt_tokens, server_ttft
 
     def clear(self) -> None:
-        self.srv.engine_call(_clear_cache)  # on the engine thread, between its steps
+        self.srv.engine_call(clear_prefix_cache)  # on the engine thread, between its steps
 
     def close(self) -> None:
         self.srv.stop()
@@ -225,27 +220,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _median(values) -> float:
-    return statistics.median(values)
-
-
 def _summarize(runs: dict, args) -> dict:
     out = {"drafter": args.drafter, "repeats": args.repeats, "ttft": "client (openai, loopback)" if args.server else "engine"}
     for mode in runs:
         a = runs[mode]["a"]
         b = runs[mode]["b"]
         c = runs[mode]["c"]
-        turns = [_median(r["ttft_ms"][t] for r in b) for t in range(args.turns)]
-        server_turns = [_median(r["server_ttft_ms"][t] for r in b) for t in range(args.turns)]
+        turns = [statistics.median(r["ttft_ms"][t] for r in b) for t in range(args.turns)]
+        server_turns = [statistics.median(r["server_ttft_ms"][t] for r in b) for t in range(args.turns)]
         out[mode] = {
-            "a_cold_ttft_ms": _median(r["ttft_ms"][0] for r in a),
-            "a_cached_ttft_ms": _median(x for r in a for x in r["ttft_ms"][1:]),
+            "a_cold_ttft_ms": statistics.median(r["ttft_ms"][0] for r in a),
+            "a_cached_ttft_ms": statistics.median(x for r in a for x in r["ttft_ms"][1:]),
             "b_turn_ttft_ms": turns,
-            "b_first3_ttft_ms": _median(turns[:3]),
-            "b_last3_ttft_ms": _median(turns[-3:]),
-            "b_server_growth": _median(server_turns[-3:]) / _median(server_turns[:3]),
-            "c_ttft_ms": _median(x for r in c for x in r["ttft_ms"]),
-            "c_tokens_per_s": _median(x for r in c for x in r["tokens_per_s"]),
+            "b_first3_ttft_ms": statistics.median(turns[:3]),
+            "b_last3_ttft_ms": statistics.median(turns[-3:]),
+            "b_server_growth": statistics.median(server_turns[-3:]) / statistics.median(server_turns[:3]),
+            "c_ttft_ms": statistics.median(x for r in c for x in r["ttft_ms"]),
+            "c_tokens_per_s": statistics.median(x for r in c for x in r["tokens_per_s"]),
         }
         out[mode]["a_speedup"] = out[mode]["a_cold_ttft_ms"] / out[mode]["a_cached_ttft_ms"]
         out[mode]["b_growth"] = out[mode]["b_last3_ttft_ms"] / out[mode]["b_first3_ttft_ms"]

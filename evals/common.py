@@ -91,6 +91,12 @@ def forget_shared(llm) -> None:
         drafter.forget_shared()
 
 
+def clear_prefix_cache(engine) -> None:
+    """Empty `engine`'s prefix cache (where caching is on), so the next prompt prefills cold."""
+    if engine.prefix_cache is not None:
+        engine.prefix_cache.clear()
+
+
 def median_spread(xs: list[float]) -> dict:
     """Median, min and max of repeated timings, and how many there were."""
     import statistics
