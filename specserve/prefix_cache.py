@@ -39,6 +39,7 @@ prefill rows. Requests that never draft (speculate=False) take any cached block.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -86,10 +87,6 @@ class PrefixCache:
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return len(self._by_key)
 
     # ---- admission ----------------------------------------------------------------------------------
 
@@ -144,7 +141,7 @@ class PrefixCache:
             return  # the common decode step: no block boundary crossed
         self._extend_keys(seq, tokens, full)
         # Upgrades first (blocks offered earlier whose drafter entries became valid), then new blocks.
-        for j in list(range(seq.drafter_ok, min(drafter_full, seq.registered))) + list(range(seq.registered, full)):
+        for j in itertools.chain(range(seq.drafter_ok, min(drafter_full, seq.registered)), range(seq.registered, full)):
             tail = self._tail(tokens, j) if j < drafter_full else None
             self._offer(seq.keys[j], seq.keys[j - 1] if j else b"", int(table[j]), self._block_tokens(tokens, j), tail)
         seq.registered = max(seq.registered, full)
@@ -191,9 +188,13 @@ class PrefixCache:
             seq.keys.append(hashlib.blake2b(parent + self._block_tokens(tokens, j), digest_size=16).digest())
 
     def _block_tokens(self, tokens: np.ndarray, j: int) -> bytes:
-        return np.ascontiguousarray(tokens[j * self.block_size:(j + 1) * self.block_size], dtype=np.int64).tobytes()
+        return _token_bytes(tokens, j * self.block_size, (j + 1) * self.block_size)
 
     def _tail(self, tokens: np.ndarray, j: int) -> bytes:
         """The tokens after block j that drafter entries in it depend on (b"" without a drafter lookahead)."""
         start = (j + 1) * self.block_size
-        return np.ascontiguousarray(tokens[start:start + (self.drafter_lookahead or 0)], dtype=np.int64).tobytes()
+        return _token_bytes(tokens, start, start + (self.drafter_lookahead or 0))
+
+
+def _token_bytes(tokens: np.ndarray, start: int, stop: int) -> bytes:
+    return np.ascontiguousarray(tokens[start:stop], dtype=np.int64).tobytes()
