@@ -50,7 +50,6 @@ class Summary:
     # reason "error" because the request's own grammar matcher gave up (llguidance's work limits on a
     # pathological constraint): the client's constraint is at fault, not the server (invalid_grammar).
     constraint_failed: bool = False
-    prompt_logprobs: list | None = None  # SamplingParams.prompt_logprobs: TokenLogprob per prompt token (None first)
 
 
 @dataclass(frozen=True)
@@ -73,7 +72,7 @@ Sink = Callable[[Update], None]
 class _Live:
     sink: Sink
     received: float  # perf_counter when the server received response.create
-    sent_prompt: bool = False  # its prompt log-probabilities went out (with its first update)
+    started: bool = False  # its first update went out (with the prompt's log-probabilities, when asked)
 
 
 class EngineWorker:
@@ -230,11 +229,13 @@ class EngineWorker:
             live = self._live.get(d.request_id)
             if live is None:
                 continue
-            req = self.engine.requests.get(d.request_id)
             # Prompt log-probabilities go out with the request's first update (an echo leads with them).
             prompt_logprobs = None
-            if req is not None and req.prompt_logprobs is not None and not live.sent_prompt:
-                live.sent_prompt, prompt_logprobs = True, tuple(req.prompt_logprobs)
+            if not live.started:
+                live.started = True
+                req = self.engine.requests.get(d.request_id)
+                if req is not None and req.prompt_logprobs is not None:
+                    prompt_logprobs = tuple(req.prompt_logprobs)
             summary = None
             if d.finished:
                 summary = self._summary(self.engine.pop_finished(d.request_id), live)
@@ -279,7 +280,6 @@ class EngineWorker:
             drafted=stats.num_drafted,
             accepted=stats.num_emitted - stats.num_steps,  # each verify step emits its accepted tokens + 1 bonus
             constraint_failed=any(isinstance(rule, ConstraintRule) and rule.state.failed for rule in req.rules),
-            prompt_logprobs=req.prompt_logprobs,
         )
 
     def _deliver(self, out: list[tuple[Sink, Update]]) -> None:
