@@ -39,12 +39,9 @@ def pick_default_drafter(candidates: list[str], out: str, max_prompts: int = 8, 
         raise ValueError(f"no embedded bundle in {str(bundle_dir())!r}: build it with `specserve train bundle` first")
     from specserve.drafters import registered_drafters
 
-    def registered(spec: str) -> bool:
-        name, _, path = spec.partition(":")
-        parts = path.split("+") if name == "hybrid" else [name]
-        return name in registered_drafters() and all(p.partition(":")[0] in registered_drafters() for p in parts)
-
-    usable = [c for c in candidates if runs_on_bundle(c) and registered(c)]
+    known = registered_drafters()
+    usable = [c for c in candidates
+              if runs_on_bundle(c) and all(n in known for n in {c.partition(":")[0], *_drafter_names(c)})]
     dropped = sorted(set(candidates) - set(usable))
     if not usable:
         raise ValueError(f"none of the candidates {list(candidates)} can run on the embedded model")
@@ -74,13 +71,16 @@ def pick_default_drafter(candidates: list[str], out: str, max_prompts: int = 8, 
     return record
 
 
+def _drafter_names(spec: str) -> list[str]:
+    """The drafters a spec runs: a hybrid's parts (``hybrid:suffix+eagle`` → suffix, eagle), else its own."""
+    name, _, path = spec.partition(":")
+    return [p.strip().partition(":")[0] for p in path.split("+")] if name == "hybrid" else [name]
+
+
 def _learns_across_requests(spec: str) -> bool:
-    from specserve.drafters import parse_drafter_spec
     from specserve.drafters.base import drafter_class
 
-    name, path = parse_drafter_spec(spec)
-    names = [parse_drafter_spec(p)[0] for p in path.split("+")] if name == "hybrid" and path else [name]
-    return any(drafter_class(n).learns_across_requests for n in names)
+    return any(drafter_class(n).learns_across_requests for n in _drafter_names(spec))
 
 
 def table_markdown(record: dict) -> str:
