@@ -260,7 +260,7 @@ class Engine:
             self._offer(r)
 
     def _offer(self, r: Request) -> None:
-        self.prefix_cache.commit(r.request_id, r.token_ids, r.num_cached, self.speculator.drafter_cached(r))
+        self.prefix_cache.commit(r.request_id, r.token_ids, r.num_cached, lambda: self.speculator.drafter_cached(r))
 
     def _emit(self, r: Request, tokens: list[int], logprobs: tuple = ()) -> RequestDelta:
         """Append accepted tokens one by one, stopping at a rule's verdict, EOS, max_tokens or a stop string;

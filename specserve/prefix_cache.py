@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -118,12 +119,13 @@ class PrefixCache:
 
     # ---- after each step ----------------------------------------------------------------------------
 
-    def commit(self, request_id: str, tokens: np.ndarray, num_committed: int, drafter_tokens: int) -> None:
+    def commit(self, request_id: str, tokens: np.ndarray, num_committed: int, drafter_tokens: Callable[[], int]) -> None:
         """Offer the request's newly filled blocks to the cache.
 
         tokens: int64[L], its prompt and output so far; num_committed: tokens whose KV is in its blocks
-        (slots 0..num_committed-1, final; may run ahead of L within a step); drafter_tokens: leading slots whose drafter entries are valid
-        (`Drafter.cached_prefix_len`; ignored when the drafter keeps no KV).
+        (slots 0..num_committed-1, final; may run ahead of L within a step); drafter_tokens: how many
+        leading slots have valid drafter entries (`Drafter.cached_prefix_len`), asked only when a block
+        could be offered or upgraded (ignored when the drafter keeps no KV).
         """
         seq = self._seqs.get(request_id)
         table = self.allocator.tables.get(request_id)
@@ -133,10 +135,12 @@ class PrefixCache:
         # Accepted draft tokens are in the cache before they are appended to `tokens` (the engine commits,
         # then emits): only blocks whose tokens are known yet can be keyed.
         full = min(num_committed, len(tokens)) // b
+        if full <= seq.registered and seq.drafter_ok >= seq.registered:
+            return  # the common decode step: no block boundary crossed, nothing left to upgrade
         if self.drafter_lookahead is None:
             drafter_full = full
         else:  # its entries in block j may read tokens up to (j+1)B - 1 + lookahead
-            drafter_full = min(full, drafter_tokens // b, (len(tokens) - self.drafter_lookahead) // b)
+            drafter_full = min(full, drafter_tokens() // b, (len(tokens) - self.drafter_lookahead) // b)
         if full <= seq.registered and drafter_full <= seq.drafter_ok:
             return  # the common decode step: no block boundary crossed
         self._extend_keys(seq, tokens, full)
