@@ -199,53 +199,79 @@ def scan_required(text: str) -> list[dict]:
     "args": (start, end) | None, "done": bool}``, ``args`` the raw text span of its arguments value (end
     at the text's end while the value is incomplete; arguments are objects: parse_tools requires it). Raw spans let a stream send the arguments as they
     are generated, and make the whole response's arguments equal to what a stream sends."""
-    calls: list[dict] = []
-    stack: list[str] = []  # open containers: "{" / "["
-    call_depth = None  # the depth of a call object: 1 alone, 2 inside the array
-    key, expect_key, value_key, value_start = None, False, None, None
-    i, n = 0, len(text)
-    while i < n:
-        ch = text[i]
-        if ch == '"':  # a string: find its end (escapes skipped)
-            j = i + 1
-            while j < n and text[j] != '"':
-                j += 2 if text[j] == "\\" else 1
-            if j >= n:
-                break  # incomplete string
-            literal = text[i:j + 1]
+    return RequiredScanner().feed(text)
+
+
+class RequiredScanner:
+    """scan_required over a text that grows: each feed reads only the new text (an incomplete string's end
+    is looked for from where the last feed stopped), so a stream's scans cost its length once, not once
+    per delta."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.calls: list[dict] = []
+        self._stack: list[str] = []  # open containers: "{" / "["
+        self._call_depth: int | None = None  # the depth of a call object: 1 alone, 2 inside the array
+        self._key: str | None = None
+        self._expect_key = False
+        self._value_key: str | None = None
+        self._value_start: int | None = None
+        self._i = 0  # where the next feed resumes
+        self._j = 0  # an incomplete string's end scanned so far (it opens at _i)
+
+    def feed(self, more: str) -> list[dict]:
+        """Read ``more`` (appended to the text so far); the calls as far as they go (scan_required's)."""
+        self.text += more
+        text, calls, stack, call_depth = self.text, self.calls, self._stack, self._call_depth
+        key, expect_key, value_key, value_start = self._key, self._expect_key, self._value_key, self._value_start
+        i, n = self._i, len(text)
+        while i < n:
+            ch = text[i]
+            if ch == '"':  # a string: find its end (escapes skipped)
+                j = self._j if i == self._i and self._j > i else i + 1
+                while j < n and text[j] != '"':
+                    j += 2 if text[j] == "\\" else 1
+                if j >= n:
+                    self._j = j  # incomplete string: its end is looked for from here with more text
+                    break
+                literal = text[i:j + 1]
+                depth = len(stack)
+                if depth == call_depth and expect_key:
+                    key, expect_key = json.loads(literal), False
+                elif depth == call_depth and value_key == "name" and value_start is None:
+                    calls[-1]["name"] = json.loads(literal)
+                    value_key = None
+                i = j + 1
+                continue
             depth = len(stack)
-            if depth == call_depth and expect_key:
-                key, expect_key = json.loads(literal), False
-            elif depth == call_depth and value_key == "name" and value_start is None:
-                calls[-1]["name"] = json.loads(literal)
-                value_key = None
-            i = j + 1
-            continue
-        depth = len(stack)
-        if ch in "{[":
-            if call_depth is None:
-                call_depth = 1 if ch == "{" else 2
-            stack.append(ch)
-            if len(stack) == call_depth and ch == "{":
-                calls.append({"name": None, "args": None, "done": False})
+            if ch in "{[":
+                if call_depth is None:
+                    call_depth = 1 if ch == "{" else 2
+                stack.append(ch)
+                if len(stack) == call_depth and ch == "{":
+                    calls.append({"name": None, "args": None, "done": False})
+                    expect_key = True
+                elif depth == call_depth and value_key == "arguments" and value_start is None:
+                    value_start = i
+            elif ch in "}]":
+                if stack:
+                    stack.pop()
+                if len(stack) == call_depth and value_start is not None:  # the arguments value closed
+                    calls[-1]["args"] = (value_start, i + 1)
+                    value_start, value_key = None, None
+                elif len(stack) == call_depth - 1 and ch == "}" and calls:
+                    calls[-1]["done"] = True
+            elif ch == ":" and depth == call_depth and key is not None:
+                value_key, key = key, None
+            elif ch == "," and depth == call_depth:
                 expect_key = True
-            elif depth == call_depth and value_key == "arguments" and value_start is None:
-                value_start = i
-                calls[-1]["args"] = (i, n)
-        elif ch in "}]":
-            if stack:
-                stack.pop()
-            if len(stack) == call_depth and value_start is not None:  # the arguments value closed
-                calls[-1]["args"] = (value_start, i + 1)
-                value_start, value_key = None, None
-            elif len(stack) == call_depth - 1 and ch == "}" and calls:
-                calls[-1]["done"] = True
-        elif ch == ":" and depth == call_depth and key is not None:
-            value_key, key = key, None
-        elif ch == "," and depth == call_depth:
-            expect_key = True
-        i += 1
-    return calls
+            i += 1
+        if value_start is not None:  # the arguments value is still open: its span so far
+            calls[-1]["args"] = (value_start, n)
+        self._call_depth, self._key, self._expect_key, self._value_key, self._value_start = (
+            call_depth, key, expect_key, value_key, value_start)
+        self._i = i
+        return calls
 
 
 class RequiredStream:
@@ -254,23 +280,24 @@ class RequiredStream:
     new text as ``function.arguments`` fragments."""
 
     def __init__(self) -> None:
-        self.text = ""
+        self.scanner = RequiredScanner()
         self.sent: list[int] = []  # per opened call: characters of its arguments sent
         self.ids: list[str] = []
 
     def feed(self, text: str) -> list[dict]:
-        self.text += text
+        calls = self.scanner.feed(text)
+        text = self.scanner.text
         deltas = []
-        for j, call in enumerate(scan_required(self.text)):
+        for j, call in enumerate(calls):
             if call["name"] is None:
                 break
             start, end = call["args"] if call["args"] is not None else (0, 0)
             if j == len(self.sent):
-                opened = tool_call(call["name"], self.text[start:end])
+                opened = tool_call(call["name"], text[start:end])
                 self.ids.append(opened["id"])
                 self.sent.append(end - start)
                 deltas.append({"index": j, **opened})
             elif end - start > self.sent[j]:
-                deltas.append({"index": j, "function": {"arguments": self.text[start + self.sent[j]:end]}})
+                deltas.append({"index": j, "function": {"arguments": text[start + self.sent[j]:end]}})
                 self.sent[j] = end - start
         return deltas
