@@ -68,7 +68,10 @@ class Outbox:
             open_delta.text += text
             open_delta.tokens += tokens
             if logprobs is not None:
-                open_delta.logprobs = (open_delta.logprobs or []) + logprobs
+                if open_delta.logprobs is None:
+                    open_delta.logprobs = logprobs
+                else:
+                    open_delta.logprobs.extend(logprobs)  # (the delta owns its list: the caller's is fresh)
         else:
             open_delta = _Delta(response_id, text, tokens, logprobs)
             self._open_delta[response_id] = open_delta
