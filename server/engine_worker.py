@@ -143,12 +143,10 @@ class EngineWorker:
                 if not self._drain(block=not self.engine.has_unfinished() and not self._followers, out=out):
                     self._deliver(out)
                     return
-                if self._followers:
+                if self._followers:  # (a leader's first token comes in a step: its followers join the next)
                     self._release_followers(out)
                 if self.engine.has_unfinished():
                     self._step(out)
-                    if self._followers:
-                        self._release_followers(out)
                 self.load = read_engine_load(self.engine)  # before delivering: whoever hears of a step sees its load
                 self._deliver(out)
 
