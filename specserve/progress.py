@@ -21,29 +21,12 @@ from contextlib import contextmanager
 from typing import TextIO
 
 _stream: TextIO | None = None
-_started = time.perf_counter()
 
 
 def enable(stream: TextIO | None = None) -> None:
     """Report phases to `stream` (default stderr) from now on."""
     global _stream
     _stream = stream if stream is not None else sys.stderr
-
-
-def disable() -> None:
-    global _stream
-    _stream = None
-
-
-def enabled() -> bool:
-    return _stream is not None
-
-
-def note(text: str) -> None:
-    """One line of its own (when enabled)."""
-    if _stream is not None:
-        _stream.write(f"specserve: {text}\n")
-        _stream.flush()
 
 
 _pending: tuple[str, float] | None = None  # the phase whose line is open (its name and start time)
@@ -82,19 +65,6 @@ def abort() -> None:
     if _stream is not None:
         _stream.write("\r\033[K" if _isatty(_stream) else "failed\n")
         _stream.flush()
-
-
-@contextmanager
-def phase(name: str):
-    """`begin` and `end` around a block; yields a dict where the block may put ``"detail"``."""
-    info: dict = {}
-    begin(name)
-    try:
-        yield info
-    except BaseException:
-        abort()
-        raise
-    info["seconds"] = end(info.get("detail"))
 
 
 @contextmanager
