@@ -21,7 +21,7 @@ import statistics
 import time
 from collections import defaultdict
 
-from specserve.evals.common import forget_shared, parse_batch_sizes, set_threads, write_json
+from specserve.evals.common import forget_shared, machine, parse_batch_sizes, set_threads, write_json
 
 GOALS_MS = {1: 0.3, 32: 1.5}  # the speculation-efficiency issue's goals (draft model, EAGLE, n-gram)
 PHASES = ("schedule", "draft", "batch", "accept", "commit", "emit", "observe")
@@ -210,7 +210,6 @@ def measure(drafter: str | None, batch: int, max_tokens: int, repeats: int, prom
 
 
 def run(args: argparse.Namespace) -> int:
-    from specserve.evals.common import machine
     from specserve.evals.datasets import heldout_prompts
 
     drafters = [None if d.strip() == "none" else d.strip() for d in args.drafters.split(",") if d.strip()]

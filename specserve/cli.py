@@ -203,6 +203,8 @@ def kernel_threads(args: argparse.Namespace, engines: int = 1) -> int | None:
 
     on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
     return default_threads(engines) if on_cpu else None
+
+
 GRAMMAR_DRAFTING = ("forced", "aware", "verify")  # specserve.grammar.hooks.GRAMMAR_DRAFTING (not imported: no torch here)
 
 
