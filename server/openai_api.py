@@ -234,11 +234,9 @@ class OpenAIApi:
                         if echo is not None:
                             await sse.send(echo)
                     sent_tokens += tokens
-                    if req.continuous_usage and req.n == 1:  # usage so far rides on every chunk
-                        writer.add(text, entries)
-                        await sse.send(shapes.chunk(text=text, usage=streams[i].usage_so_far(sent_tokens)))
-                        continue
-                    chunk = writer.piece(text, entries)
+                    # With continuous usage stats (one choice) the usage so far rides on every chunk.
+                    running = streams[i].usage_so_far(sent_tokens) if req.continuous_usage and req.n == 1 else None
+                    chunk = writer.piece(text, entries, running)
                     if chunk is not None:
                         await sse.send(chunk)
                     continue

@@ -50,29 +50,30 @@ class ChoiceWriter:
         self.text.append(text)
         self.entries.extend(entries)
 
-    def piece(self, text: str, entries) -> str | None:
-        """A stream chunk for new output text and its tokens' log-probabilities (None: nothing to send)."""
+    def piece(self, text: str, entries, usage: dict | None = None) -> str | None:
+        """A stream chunk for new output text and its tokens' log-probabilities (None: nothing to send);
+        `usage` (continuous usage stats) rides on it."""
         self.add(text, entries)
         if self.tools is not None:
-            return self._tool_piece(text)
-        if not text and not entries:
+            return self._tool_piece(text, usage)
+        if not text and not entries and usage is None:
             return None
-        if self.req.logprobs is None and self.index == 0:
+        if self.req.logprobs is None and self.index == 0 and usage is None:
             return self.shapes.text_chunk(text)
-        return self.shapes.chunk(text=text, index=self.index, logprobs=self._logprobs(entries))
+        return self.shapes.chunk(text=text, index=self.index, logprobs=self._logprobs(entries), usage=usage)
 
-    def _tool_piece(self, text: str) -> str | None:
+    def _tool_piece(self, text: str, usage: dict | None) -> str | None:
         if self.tools.mode == "required" and text:
             self.required = self.required or RequiredStream()
             deltas = self.required.feed(text)
-            return self.shapes.chunk(tool_calls=deltas, index=self.index) if deltas else None
+            return self.shapes.chunk(tool_calls=deltas, index=self.index, usage=usage) if deltas else None
         if self.tools.mode != "named" or not text:
             return None
         delta: dict = {"index": 0, "function": {"arguments": text}}
         if not self.call_open:
             self.call_open = True
             delta = {"index": 0, **tool_call(self.tools.name, text)}
-        return self.shapes.chunk(tool_calls=[delta], index=self.index)
+        return self.shapes.chunk(tool_calls=[delta], index=self.index, usage=usage)
 
     def finish(self, reason: str, leftover) -> tuple[list[str], str]:
         """Chunks still owed at the end (leftover log-probabilities, held-back tool calls or content) and

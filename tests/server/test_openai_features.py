@@ -67,6 +67,15 @@ def test_chat_logprobs_equal_transformers_whole_and_streamed(make_server, refere
     streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert len(streamed) == 24  # one entry per token, however many tokens a step accepted
     check_chat_logprobs(streamed, llm.tokenizer, ref, len(ids) - 1, 2)
+    # With continuous usage stats every content chunk also carries the usage so far, and still its entries.
+    chunks = list(client.chat.completions.create(
+        model=srv.server.model_name, messages=MESSAGES, max_tokens=24, temperature=0, logprobs=True, top_logprobs=2,
+        stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True}))
+    content = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert content and all(c.usage is not None for c in content)
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    check_chat_logprobs(streamed, llm.tokenizer, ref, len(ids) - 1, 2)
     if drafter is not None:
         assert sum(resp.model_extra["spec"]["accepted_per_position"]) > 0  # several tokens per step happened
 
