@@ -19,6 +19,10 @@ Each step (the shared loop of `level_drafter`, trees grown by `tree_builder`):
 3. **cut** — each request keeps its best ``budget`` nodes by cumulative score (greedy: draft
    log-probability; sampled: a value-independent rank score), so the kept tree is ancestor-closed and
    its shape never depends on sampled values — verification stays lossless.
+
+A draft vocabulary (``draft_vocab.safetensors`` beside the weights, drafters/draft_vocab.py; the
+bundled draft model has one of 2,048 tokens) keeps only those rows of the LM head: each level's logits
+are [rows, Vd], mapped to target ids through `LevelDrafter.id_map`.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import numpy as np
 import torch
 
 from specserve.drafters.base import DraftRequest, TargetInfo, check_int_option, register
+from specserve.drafters.draft_vocab import load_draft_vocab
 from specserve.drafters.level_drafter import LevelDrafter, LevelWork
 from specserve.drafters.tree_builder import Frontier, TreeBuilder
 from specserve.kv_cache import PagedKVCache
@@ -85,7 +90,7 @@ class DraftModelDrafter(LevelDrafter):
         # The target's attention backend (triton on CUDA): one kernel, and CUDA graphs, for both models.
         self.model = LlamaModel.from_pretrained(self.path, target.device, target.dtype,
                                                 attention=target_model.backend.name if target_model is not None else None,
-                                                cpu_kernels=target_model is None or target_model.kernels is not None)
+                                                cpu_kernels=False)
         cfg = self.model.config
         if cfg.vocab_size != target.vocab_size:
             raise ValueError(
@@ -93,7 +98,13 @@ class DraftModelDrafter(LevelDrafter):
                 "a draft model must share the target's tokenizer"
             )
         _check_same_tokenizer(self.path, target.model_dir)
-        self.vocab = cfg.vocab_size
+        draft_vocab = load_draft_vocab(self.path, cfg.vocab_size)  # int64[Vd] target ids, or None: all of them
+        if draft_vocab is not None:
+            self.model.restrict_lm_head(draft_vocab)
+            self.id_map = draft_vocab.numpy()
+        if target_model is None or target_model.kernels is not None:
+            self.model.use_cpu_kernels()
+        self.vocab = cfg.vocab_size if draft_vocab is None else len(draft_vocab)
         self.device = target.device
         self.cache = None  # made by `attach_kv` on the engine's allocator
         self._state: dict[str, _RequestState] = {}
@@ -145,7 +156,7 @@ class DraftModelDrafter(LevelDrafter):
         w = self.width
         rows = np.searchsorted(front.requests, active)
         batch = StepBatchBuilder(self.cache.allocator)
-        for a, tokens in zip(active.tolist(), front.tokens[rows]):
+        for a, tokens in zip(active.tolist(), self._target_ids(front.tokens[rows])):
             length = len(work[a].req.token_ids)
             mask = None if w == 1 else builder.feed_mask(level - 1, a)
             batch.add(work[a].req.request_id, length + (level - 2) * w, tokens,

@@ -39,7 +39,6 @@ from specserve.drafters.eagle_checkpoint import load_head
 from specserve.drafters.level_drafter import LevelDrafter, LevelWork
 from specserve.drafters.tree_builder import Frontier, TreeBuilder
 from specserve.step_batch import StepBatchBuilder
-from specserve.verify import DraftTree
 
 
 def _check(name: str, value: object, low: int, high: int | None = None) -> int:
@@ -88,7 +87,7 @@ class EagleDrafter(LevelDrafter):
         self.path = Path(path).expanduser()
         self.head = load_head(self.path, target)
         self.mode = self.head.mode
-        self._id_map = self.head.draft_to_target.cpu().numpy()  # draft id -> target id
+        self.id_map = self.head.draft_to_target.cpu().numpy()  # draft id -> target id
         self.vocab = self.head.cfg.draft_vocab_size
         self.feature_layers = self.head.cfg.feature_layers
         self.hidden_layers = tuple(sorted(set(self.feature_layers)))
@@ -180,7 +179,7 @@ class EagleDrafter(LevelDrafter):
         """Feed the frontier of level ``level - 1`` as (parent's output feature, token) pairs."""
         k = self.width
         rows = np.searchsorted(front.requests, active)
-        tokens = self._id_map[front.tokens[rows]]  # [A', k] target ids
+        tokens = self._target_ids(front.tokens[rows])  # [A', k] target ids
         parent_slot = torch.from_numpy(front.parent_slot[rows]).to(self._prev.device)
         act = torch.from_numpy(active).to(self._prev.device)
         feats = self._prev[act[:, None], parent_slot]  # [A', k, H]
@@ -196,18 +195,6 @@ class EagleDrafter(LevelDrafter):
         prev[act] = out
         self._prev = prev
         return self.head.logits(out.flatten(0, 1)).view(len(active), k, -1)
-
-    def _target_ids(self, ids: np.ndarray) -> np.ndarray:
-        return self._id_map[ids]
-
-    def _draft_allowed(self, allowed: np.ndarray) -> np.ndarray:
-        return allowed[self._id_map]
-
-    def _tree(self, tokens, parents, q_ids, q_probs, scores) -> DraftTree:
-        """Draft-vocabulary ids → target ids (EAGLE-3's reduced vocabulary; the identity for EAGLE-1)."""
-        if q_ids is not None:
-            q_ids = np.where(q_ids >= 0, self._id_map[np.maximum(q_ids, 0)], -1)
-        return super()._tree(self._id_map[tokens], parents, q_ids, q_probs, scores)
 
     def __repr__(self) -> str:
         return (f"EagleDrafter(path={str(self.path)!r}, mode={self.mode}, depth={self.depth}, topk={self.topk}, "

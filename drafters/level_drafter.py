@@ -54,7 +54,11 @@ class LevelDrafter(Drafter):
     topk: int
     width: int
     seed: int
-    vocab: int  # of the drafter's logits (EAGLE-3: its draft vocabulary)
+    vocab: int  # of the drafter's logits: the target's, or a draft vocabulary (EAGLE-3 heads, draft models)
+    # A draft vocabulary's ids -> target ids int64[vocab]; None: the logits cover the target's vocabulary.
+    # The tree builder works in draft ids; feeds, masks and the finished trees go through this map, so a
+    # token outside the draft vocabulary is simply never drafted (verification is unchanged: lossless).
+    id_map: np.ndarray | None = None
 
     def propose(self, requests: list[DraftRequest], budgets: list[int], depth: int | None = None) -> list[DraftTree]:
         if len(budgets) != len(requests):
@@ -114,11 +118,13 @@ class LevelDrafter(Drafter):
         """A fresh request state whose first `num_cached` KV slots are valid."""
 
     def _target_ids(self, ids: np.ndarray) -> np.ndarray:
-        """Draft-vocabulary ids as target ids (identity; EAGLE-3's reduced vocabulary maps them)."""
-        return ids
+        """Draft-vocabulary ids (any shape) as target ids."""
+        return ids if self.id_map is None else self.id_map[ids]
 
     def _draft_allowed(self, allowed: np.ndarray) -> np.ndarray:
-        """bool[target V] -> bool[draft V] (identity; EAGLE-3 picks its draft tokens' entries)."""
+        """bool[target V] (a grammar's allowed tokens) -> bool[draft V]."""
+        if self.id_map is not None:
+            return allowed[self.id_map]
         if len(allowed) == self.vocab:
             return allowed
         out = np.zeros(self.vocab, dtype=np.bool_)
@@ -145,7 +151,11 @@ class LevelDrafter(Drafter):
 
     def _tree(self, tokens: np.ndarray, parents: np.ndarray, q_ids: np.ndarray | None,
               q_probs: np.ndarray | None, scores: np.ndarray) -> DraftTree:
-        """A finished request's tree from the builder's draft-vocabulary ids (EAGLE-3 maps them)."""
+        """A finished request's tree from the builder's draft-vocabulary ids (mapped to target ids)."""
+        if self.id_map is not None:
+            tokens = self.id_map[tokens]
+            if q_ids is not None:  # -1 pads a node's compact q
+                q_ids = np.where(q_ids >= 0, self.id_map[np.maximum(q_ids, 0)], -1)
         q = (torch.from_numpy(q_ids), torch.from_numpy(q_probs)) if q_ids is not None else (None, None)
         return DraftTree(torch.from_numpy(tokens), torch.from_numpy(parents), q_ids=q[0], q_probs=q[1],
                          scores=torch.from_numpy(scores))

@@ -167,6 +167,25 @@ class LlamaModel(nn.Module):
             model.use_cpu_kernels()
         return model
 
+    @torch.no_grad()
+    def restrict_lm_head(self, rows: torch.Tensor) -> None:
+        """Keep only these vocabulary rows of the LM head (a draft model's draft vocabulary, as EAGLE-3 heads
+        have): logits come out float32[R, len(rows)], column j for token rows[j]; the embedding keeps every
+        row, so any token can still be fed. A tied head is untied (the embedding is not changed). The CPU
+        kernels, when on, are repacked; call before `use_cuda_graphs`.
+
+        rows: int64[Vd], distinct token ids in [0, vocab_size)."""
+        if self.tp is not None:
+            raise ValueError("restrict_lm_head: not under tensor parallelism")
+        rows = rows.to(torch.int64).cpu()
+        vocab = self.config.vocab_size
+        if rows.ndim != 1 or not len(rows) or int(rows.min()) < 0 or int(rows.max()) >= vocab or \
+                rows.unique().numel() != rows.numel():
+            raise ValueError(f"restrict_lm_head needs distinct token ids in [0, {vocab}), got {len(rows)} ids")
+        self.lm_head = nn.Parameter(self.lm_head.data[rows.to(self.lm_head.device)].clone(), requires_grad=False)
+        if self.kernels is not None:
+            self.use_cpu_kernels()
+
     def use_cpu_kernels(self) -> bool:
         """Run forwards through `specserve.kernels` (compiled, multithreaded, batch-invariant) when the
         model and device allow it; returns whether they do (the reason is logged once otherwise)."""

@@ -4,7 +4,8 @@ Stages (each resumable; a finished stage is skipped with ``--resume``), under ``
 
 1. ``target/``  — ``train lm --preset small`` on the default corpus (the stdlib);
 2. ``distill/`` — ``train distill-data`` from the target;
-3. ``draft/``   — ``train draft --preset draft`` on that data;
+3. ``draft/``   — ``train draft --preset draft`` on that data, then ``train draft-vocab`` (its LM head keeps
+   the most frequent quarter of the target's tokens, at least 2,048);
 4. ``medusa/``, ``eagle/`` — ``train medusa`` and ``train eagle`` on the same data, each within its
    wall-clock budget (a head run that used its budget counts as finished);
 5. measure: speculative acceptance (tau) of every drafter on held-out prompts, greedy and sampled;
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 from specserve import bundle_paths
+from specserve.drafters.draft_vocab import FILE_NAME as DRAFT_VOCAB_FILE
 from specserve.training.distill import GEN_THREADS_CPU, DistillSettings, cpu_threads, make_distill_data
 from specserve.training.outputs import MODEL_FILES, read_json, write_json
 
@@ -88,7 +90,10 @@ def build_bundle(
 
     With ``resume``, an existing bundle is replaced (it is rebuilt from the same work directory).
     """
+    from specserve.config import load_config
     from specserve.training.draft import train_draft
+    from specserve.training.draft_vocab import write_draft_vocab
+    from specserve.training.eagle import default_draft_vocab
     from specserve.training.lm import train_lm
 
     if resume and force:
@@ -138,6 +143,11 @@ def build_bundle(
     timings["draft_s"] = time.perf_counter() - t0
     if not _finished(draft_dir):
         raise ValueError(f"the draft run in {str(draft_dir)!r} stopped early (time budget): rerun with --resume")
+    # Its draft vocabulary: the most frequent quarter of the target's tokens, at least 2,048 (what EAGLE-3
+    # heads get), counted on the target's own training split.
+    vocab = load_config(draft_dir).vocab_size
+    if default_draft_vocab(vocab) < vocab:
+        write_draft_vocab(draft_dir, default_draft_vocab(vocab), corpus_manifest=str(target_dir / "corpus_manifest.json"))
 
     head_dirs: dict[str, Path] = {}
     for name in heads:
@@ -224,7 +234,7 @@ def export_model(src: Path, dst: Path) -> None:
     if "dtype" in config:
         config["dtype"] = "float16"
     write_json(dst / "config.json", config)
-    for name in MODEL_FILES:
+    for name in (*MODEL_FILES, DRAFT_VOCAB_FILE):
         if name not in ("config.json", "model.safetensors") and (src / name).is_file():
             shutil.copy2(src / name, dst / name)
 

@@ -1,4 +1,4 @@
-"""``specserve train ...``: corpus, lm, distill-data, draft, medusa, eagle, bundle.
+"""``specserve train ...``: corpus, lm, distill-data, draft, draft-vocab, medusa, eagle, bundle.
 
 Registered by `specserve.cli` with `add_train_parser`; heavy imports happen inside the handlers.
 (``train default-drafter`` runs evaluations: `specserve.evals.default_drafter` registers it.)
@@ -50,6 +50,16 @@ def add_train_parser(sub, parser_class):
     _run_args(draft, seq_len=False)
     _distill_args(draft, prefix="distill options (only when --data is not given)")
     draft.set_defaults(handler=cmd_draft)
+
+    vocab = tsub.add_parser("draft-vocab", help="give a draft model a draft vocabulary: its LM head keeps the N most "
+                                                "frequent target tokens (cheaper levels; not retrained)")
+    vocab.add_argument("--draft", required=True, help="draft model directory (written beside its weights)")
+    vocab.add_argument("--size", type=int, default=2048, help="tokens in the draft vocabulary (default 2048)")
+    vocab.add_argument("--corpus-manifest", default=None, metavar="FILE",
+                       help="count tokens on this corpus manifest's train split (default: the target's own corpus "
+                            "when it was trained here, else --corpus)")
+    _corpus_args(vocab)
+    vocab.set_defaults(handler=cmd_draft_vocab)
 
     medusa = tsub.add_parser("medusa", help="train Medusa heads on a frozen target (serve them as medusa:OUT)")
     medusa.add_argument("--target", required=True, help="target model directory (with its tokenizer)")
@@ -190,6 +200,14 @@ def cmd_draft(args: argparse.Namespace) -> int:
     summary = train_draft(args.target, args.out, data=args.data, preset=args.preset,
                           distill_settings=_distill_settings(args), **run_options(args))
     _report(summary, args.out)
+    return 0
+
+
+def cmd_draft_vocab(args: argparse.Namespace) -> int:
+    from specserve.training.draft_vocab import write_draft_vocab
+
+    print(json.dumps(write_draft_vocab(args.draft, args.size, corpus_manifest=args.corpus_manifest, corpus=args.corpus,
+                                       heldout_fraction=args.heldout_fraction)))
     return 0
 
 

@@ -203,13 +203,11 @@ def _draft_vocabulary(train_set, vocab: int, size: int | None):
     """The ``size`` most frequent tokens of the training sequences (ties: lower id), ascending: int64[size]."""
     import torch
 
+    from specserve.training.draft_vocab import most_frequent
+
     size = vocab if size is None else size
-    if size >= vocab:
-        return torch.arange(vocab)
     mask = torch.arange(train_set.tokens.shape[1])[None, :] < train_set.lengths[:, None]
-    counts = torch.bincount(train_set.tokens[mask], minlength=vocab).double()
-    counts -= torch.arange(vocab, dtype=torch.float64) * 1e-9  # ties toward the lower id
-    return counts.topk(size).indices.sort().values
+    return most_frequent(torch.bincount(train_set.tokens[mask], minlength=vocab), size)
 
 
 class _Features:

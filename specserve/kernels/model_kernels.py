@@ -151,8 +151,9 @@ class ModelKernels:
         return out
 
     def head(self, normed: np.ndarray) -> np.ndarray:
-        """float32[R, H] final-normed states -> logits float32[R, vocab]."""
-        out = np.empty((normed.shape[0], self.config.vocab_size), dtype=np.float32)
+        """float32[R, H] final-normed states -> logits float32[R, head rows] (the vocabulary, or a draft
+        model's draft vocabulary: `LlamaModel.restrict_lm_head`)."""
+        out = np.empty((normed.shape[0], self.lm_head.out_features), dtype=np.float32)
         if normed.shape[0]:
             linear_rows(np.ascontiguousarray(normed), self.lm_head.weight, self.lm_head.bias, out, False)
         return out

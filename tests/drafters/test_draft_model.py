@@ -280,3 +280,105 @@ def test_seeded_sampling_reproduces_across_calls(small_vocab_dir, draft_dir):
     first = llm.generate([[3, 1, 4, 1, 5]], params)[0]
     again = llm.generate([[3, 1, 4, 1, 5]], params)[0]
     assert first.token_ids == again.token_ids
+
+
+# ---- a draft vocabulary (drafters/draft_vocab.py) --------------------------------------------------
+
+# 9 of the 16 tokens: the draft scores only these, so targets' tokens outside it are never drafted.
+DRAFT_IDS = [0, 2, 3, 5, 7, 8, 11, 13, 14]
+
+
+@pytest.fixture(scope="module")
+def small_draft_dir(draft_dir, tmp_path_factory):
+    """`draft_dir`'s model with a 9-token draft vocabulary beside it."""
+    import shutil
+
+    from specserve.drafters.draft_vocab import save_draft_vocab
+
+    out = tmp_path_factory.mktemp("draft9") / "model"
+    shutil.copytree(draft_dir, out)
+    save_draft_vocab(out, torch.tensor(DRAFT_IDS))
+    return out
+
+
+def _restricted_draft_logits(draft_dir, context):
+    """transformers' draft logits after `context`, restricted to DRAFT_IDS: float32[9]."""
+    hf = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf(torch.tensor([context])).logits[0, -1, DRAFT_IDS]
+
+
+@pytest.mark.parametrize("shape", ["chain", "topk-tree", "wide-tree"])
+def test_a_draft_vocabulary_stays_lossless_greedy(small_vocab_dir, small_draft_dir, reference, shape):
+    llm = LLM(small_vocab_dir, drafter=f"draft:{small_draft_dir}", drafter_options=SHAPES[shape], device="cpu",
+              speculation="static")
+    assert llm.engine.drafter.vocab == len(DRAFT_IDS)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert sum(sum(o.spec.accepted_per_position) for o in outs) > 0
+
+
+def test_a_draft_vocabulary_drafts_its_tokens_by_the_restricted_distribution(small_vocab_dir, draft_dir, small_draft_dir):
+    info = target_info(small_vocab_dir)
+    greedy = DraftModelDrafter(info, str(small_draft_dir), depth=1, topk=3)
+    (tree,) = _propose(greedy, [PROMPT], [3], temperature=0.0)
+    logits = _restricted_draft_logits(draft_dir, PROMPT)
+    assert tree.tokens.tolist() == [DRAFT_IDS[i] for i in logits.topk(3).indices.tolist()]
+    sampled = DraftModelDrafter(info, str(small_draft_dir), depth=1, topk=1)
+    (tree,) = _propose(sampled, [PROMPT], [1], temperature=0.8)
+    q = torch.zeros(16)
+    q[DRAFT_IDS] = torch.softmax(logits / 0.8, -1)  # the draft's q: zero outside its vocabulary
+    assert int(tree.tokens[0]) in DRAFT_IDS
+    torch.testing.assert_close(tree.q_dense(16)[0], q, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["chain-T1", "topk-tree-T0.8-topk"])
+def test_a_draft_vocabulary_samples_the_target_distribution(small_vocab_dir, small_draft_dir, case):
+    options, sampling = SAMPLING_CASES[case]
+    params = [SamplingParams(max_tokens=SAMPLED_MAX_TOKENS, seed=seed, ignore_eos=True, **sampling) for seed in range(N)]
+    llm = LLM(small_vocab_dir, drafter=f"draft:{small_draft_dir}", drafter_options=options, device="cpu", max_num_seqs=N,
+              speculation="static")
+    outs = llm.generate([PROMPT] * N, params)
+    assert_follows_target(outs, small_vocab_dir, PROMPT, params[0])
+    assert sum(sum(o.spec.accepted_per_position) for o in outs) > N // 20
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_restricted_lm_head_gives_the_full_heads_columns(draft_dir, kernels):
+    from specserve.kv_cache import BlockAllocator
+    from specserve.step_batch import StepBatchBuilder
+
+    def logits(model):
+        allocator = BlockAllocator(4, 4)
+        allocator.allocate("s", len(PROMPT))
+        builder = StepBatchBuilder(allocator)
+        builder.add("s", 0, np.asarray(PROMPT), logits="all")
+        return model.forward(builder.build(), model.new_cache(allocator)).logits
+
+    full = LlamaModel.from_pretrained(draft_dir, torch.device("cpu"), torch.float32, cpu_kernels=kernels)
+    small = LlamaModel.from_pretrained(draft_dir, torch.device("cpu"), torch.float32, cpu_kernels=kernels)
+    small.restrict_lm_head(torch.tensor(DRAFT_IDS))
+    assert (small.kernels is not None) == kernels and small.embed.shape[0] == 16
+    torch.testing.assert_close(logits(small), logits(full)[:, DRAFT_IDS], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("ids, message", [
+    (torch.tensor([1, 2, 2]), "distinct"),
+    (torch.tensor([0, 16]), r"\[0, 16\)"),
+    (torch.tensor([1.0, 2.0]), "int64"),
+    (torch.zeros(0, dtype=torch.int64), "non-empty"),
+])
+def test_a_bad_draft_vocabulary_is_a_clear_error(small_vocab_dir, draft_dir, tmp_path, ids, message):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    out = tmp_path / "bad"
+    shutil.copytree(draft_dir, out)
+    save_file({"draft_to_target": ids}, str(out / "draft_vocab.safetensors"))
+    with pytest.raises(ValueError, match=message) as info:
+        DraftModelDrafter(target_info(small_vocab_dir), str(out))
+    assert "draft_vocab.safetensors" in str(info.value)
+    (out / "draft_vocab.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(ValueError, match="not a draft vocabulary"):
+        DraftModelDrafter(target_info(small_vocab_dir), str(out))
