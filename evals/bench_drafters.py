@@ -4,6 +4,16 @@ Prompts are windows of the default model's held-out modules (never seen in train
 just after a top-level `def` line (`specserve.evals.datasets.heldout_prompts`). For each repeat,
 plain decoding and every drafter run the same prompts one at a time (batch 1, greedy, EOS ignored),
 interleaved, after a warm-up; outputs must be identical.
+
+**Roofline.** One more pass, after the timed ones, runs each system with a `KernelClock`: the seconds
+spent inside model forwards — the target's and the drafter's own models or heads — at the shapes the
+run really had (verify trees, catch-ups, draft levels, prefill). If the stack's host work (scheduling,
+batch building, tree building, acceptance, emission) cost nothing, a run would take its forwards' time,
+so the speedup the kernels allow is plain's forward seconds over the drafter's, for the same prompts
+and tokens (τ is inside it: fewer, wider target forwards); `efficiency` = measured speedup ÷ that
+roofline. A forward's own Python (embedding gather, rotary tables, the kernel calls) counts as kernel
+time here, as in the cost curves BENCHMARKS.md quotes. On CUDA the clock synchronises after every
+forward, which is why it runs in a pass of its own.
 """
 
 from __future__ import annotations
@@ -14,8 +24,56 @@ import statistics
 import sys
 import time
 
-from specserve.evals.common import forget_shared, set_threads, write_json
+from specserve.evals.common import forget_shared, set_threads, sync, write_json
 from specserve.evals.metrics import SpecCounts
+
+
+class KernelClock:
+    """Seconds spent inside the forwards of an `LLM`'s target and drafter (its model, EAGLE head or
+    Medusa heads; a hybrid's parts'), counted by wrapping their entry points on the instances."""
+
+    def __init__(self, llm) -> None:
+        self.seconds = 0.0
+        self.device = llm.device
+        self._wrap(llm.model, "forward")
+        drafter = llm.engine.drafter
+        for part in ([drafter, *getattr(drafter, "parts", [])] if drafter is not None else []):
+            model = getattr(part, "model", None)
+            if model is not None and model is not llm.model:
+                self._wrap(model, "forward")
+            head = getattr(part, "head", None)
+            if head is not None:
+                self._wrap(head, "forward")
+                self._wrap(head, "logits")
+            if getattr(part, "kernels", None) is not None and getattr(part, "heads", None) is not None:
+                part.kernels = _Timed(part.kernels, self)  # Medusa's heads on the CPU kernels
+            elif getattr(part, "heads", None) is not None:
+                self._wrap(part.heads, "forward")
+
+    def _wrap(self, obj, name: str) -> None:
+        setattr(obj, name, self.timed(getattr(obj, name)))
+
+    def timed(self, fn):
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            sync(self.device)
+            self.seconds += time.perf_counter() - t0
+            return out
+        return call
+
+
+class _Timed:
+    """A callable object (Medusa's `_HeadKernels`) whose calls the clock counts; attributes pass through."""
+
+    def __init__(self, inner, clock: KernelClock) -> None:
+        self._inner, self._call = inner, clock.timed(inner.__call__)
+
+    def __call__(self, *args, **kwargs):
+        return self._call(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,6 +84,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--speculation", choices=("adaptive", "static"), default="adaptive",
+                   help="adaptive (default: what users get) or static (every step at the drafter's own budget)")
     p.add_argument("--json", default=None, metavar="FILE")
 
 
@@ -39,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
     specs = args.drafter or ["draft", "ngram"]
     prompts = heldout_prompts(args.prompts, args.prompt_chars)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    llms = {"plain": LLM(args.model, drafter=None)} | {spec: LLM(args.model, drafter=spec) for spec in specs}
+    llms = {"plain": LLM(args.model, drafter=None)} | {
+        spec: LLM(args.model, drafter=spec, speculation=args.speculation) for spec in specs}
     for llm in llms.values():
         llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     rates: dict[str, list[float]] = {name: [] for name in llms}
@@ -53,19 +114,36 @@ def run(args: argparse.Namespace) -> int:
             rates[name].append(len(prompts) * args.max_tokens / (time.perf_counter() - t0))
             stats[name] = [o.spec for o in outs]
             outputs[name] = [o.token_ids for o in outs]
+    kernel_s = {}
+    for name, llm in llms.items():  # the roofline pass (see the module docstring)
+        clock = KernelClock(llm)
+        forget_shared(llm)
+        for p in prompts:
+            llm.generate([p], params)
+        kernel_s[name] = clock.seconds
     plain_rate = statistics.median(rates["plain"])
     result = {"prompts": len(prompts), "max_tokens": args.max_tokens, "repeats": args.repeats,
-              "threads": torch.get_num_threads(), "plain_tokens_per_s": plain_rate, "drafters": {}}
+              "threads": torch.get_num_threads(), "speculation": args.speculation, "plain_tokens_per_s": plain_rate,
+              "plain_kernel_s": kernel_s["plain"], "drafters": {}}
     for name in specs:
         counts = SpecCounts.total(stats[name])
+        speedup = statistics.median(rates[name]) / plain_rate
+        roofline = kernel_s["plain"] / kernel_s[name]
         result["drafters"][name] = {
             "tokens_per_s": statistics.median(rates[name]),
-            "speedup": statistics.median(rates[name]) / plain_rate,
+            "speedup": speedup,
+            "roofline_speedup": roofline,
+            "efficiency": speedup / roofline,
+            "kernel_s": kernel_s[name],
             "tau": counts.tau,
             "acceptance_per_position": counts.acceptance_per_position,
             "identical_to_plain": outputs[name] == outputs["plain"],
         }
     print(json.dumps(result, indent=2))
+    print(f"\n{'drafter':24s} {'tau':>5s} {'speedup':>8s} {'roofline':>9s} {'efficiency':>10s}  (plain "
+          f"{plain_rate:.0f} tok/s, {args.speculation} speculation)")
+    for name, d in result["drafters"].items():
+        print(f"{name:24s} {d['tau']:5.2f} {d['speedup']:8.2f} {d['roofline_speedup']:9.2f} {d['efficiency']:10.2f}")
     write_json(result, args.json)
     return 0
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -218,6 +219,38 @@ def test_bench_drafters_smoke(tmp_path):
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["drafters"]["ngram"]["identical_to_plain"] is True
     assert result["drafters"]["ngram"]["tau"] >= 1.0
+    ngram = result["drafters"]["ngram"]
+    assert result["plain_kernel_s"] > 0 and ngram["kernel_s"] > 0
+    assert ngram["roofline_speedup"] == result["plain_kernel_s"] / ngram["kernel_s"]
+    assert ngram["efficiency"] == ngram["speedup"] / ngram["roofline_speedup"]
+
+
+def test_kernel_clock_counts_the_target_and_drafter_forwards(small_vocab_dir, near_draft_dir):
+    """bench drafters' roofline: the clock sees every target and draft-model forward, and only those."""
+    from specserve import LLM, SamplingParams
+    from specserve.evals.bench_drafters import KernelClock
+
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    llm = LLM(small_vocab_dir, drafter=f"draft:{near_draft_dir}", device="cpu", speculation="static")
+    ref = llm.generate([[3, 1, 4]], params)[0].token_ids
+    calls, inside = {"target": 0, "draft": 0}, [0.0]
+    for name, model in (("target", llm.model), ("draft", llm.engine.drafter.model)):
+        forward = model.forward
+
+        def counted(*args, _forward=forward, _name=name, **kwargs):
+            calls[_name] += 1
+            t0 = time.perf_counter()
+            out = _forward(*args, **kwargs)
+            inside[0] += time.perf_counter() - t0
+            return out
+        model.forward = counted
+    clock = KernelClock(llm)  # wraps outside the counters: each of its intervals holds one of theirs
+    assert clock.seconds == 0
+    t0 = time.perf_counter()
+    out = llm.generate([[3, 1, 4]], params)[0]
+    wall = time.perf_counter() - t0
+    assert out.token_ids == ref and calls["target"] == out.spec.num_steps + 1 and calls["draft"] > out.spec.num_steps
+    assert inside[0] <= clock.seconds < wall
 
 
 # ---- structured output ------------------------------------------------------------------------------
