@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None,
                    help="CPU: weight storage float32 (default), bfloat16 or float16 (compute stays float32); "
                         "llama.cpp gets f32 weights against float32, f16 against the half-size ones")
+    p.add_argument("--quantization", choices=["int8"], default=None,
+                   help="int8: our Q8_0-layout weights (against llama.cpp's q8_0 with --peer llama.cpp)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU kernel threads, and llama.cpp's n_threads and n_threads_batch (default: every core)")
     p.add_argument("--skip-transformers", action="store_true")
@@ -129,7 +131,8 @@ def _measure(args: argparse.Namespace, model_dir: Path, converter=None) -> dict:
     from specserve import LLM
     from specserve.kernels import get_threads
 
-    plain = LLM(model_dir, drafter=None, device=args.device, max_num_seqs=1, dtype=args.dtype)
+    plain = LLM(model_dir, drafter=None, device=args.device, max_num_seqs=1, dtype=args.dtype,
+                quantization=args.quantization)
     vocab = plain.model.config.vocab_size
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, vocab, (args.prompt_tokens,), generator=gen).tolist()
@@ -152,7 +155,7 @@ def _measure(args: argparse.Namespace, model_dir: Path, converter=None) -> dict:
     if isinstance(converter, llamacpp_peer.PeerUnavailable):
         results["llama_cpp"] = {"skipped": str(converter)}
     elif converter is not None:
-        peer = llamacpp_peer.load(model_dir, converter, dtype=plain.dtype, threads=get_threads(),
+        peer = llamacpp_peer.load(model_dir, converter, dtype=args.quantization or plain.dtype, threads=get_threads(),
                                   n_ctx=args.prompt_tokens + args.new_tokens, gpu=plain.device.type == "cuda",
                                   cache_dir=args.llama_cpp_cache, log=lambda m: print(m, file=sys.stderr))
 
@@ -197,7 +200,8 @@ def _measure(args: argparse.Namespace, model_dir: Path, converter=None) -> dict:
     # N-gram speculation vs plain on a prompt made of one segment repeated.
     segment = torch.randint(0, vocab, (16,), generator=gen).tolist()
     repeated = (segment * (args.prompt_tokens // 16 + 1))[: args.prompt_tokens]
-    ngram = LLM(model_dir, drafter="ngram", device=args.device, max_num_seqs=1, dtype=args.dtype)
+    ngram = LLM(model_dir, drafter="ngram", device=args.device, max_num_seqs=1, dtype=args.dtype,
+                quantization=args.quantization)
     _time_specserve(ngram, repeated, 8)
     plain_r, ngram_r, taus, identical = [], [], [], True
     for _ in range(args.repeats):

@@ -39,7 +39,8 @@ SOURCE_HINT = (f"pass --llama-cpp-source DIR or set ${ENV_SOURCE} to a llama.cpp
 RECIPE_VERSION = "1"
 # Our CPU weight storage dtypes and the GGUF type that compares with each: float32 with f32;
 # half-size storage (bf16 or fp16 in memory, fp32 arithmetic) with llama.cpp's f16.
-GGUF_TYPE = {"float32": "f32", "bfloat16": "f16", "float16": "f16"}
+# Our int8 quantization is Q8_0's layout (int8 weights, one float16 scale per 32), so it pairs with q8_0.
+GGUF_TYPE = {"float32": "f32", "bfloat16": "f16", "float16": "f16", "int8": "q8_0"}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 
@@ -122,7 +123,7 @@ def converter_hash(tree: Path) -> str:
 
 
 def convert(model_dir: Path, tree: Path, gguf_type: str, cache_dir: Path | None = None, *, log=None) -> Path:
-    """The GGUF file of `model_dir` at `gguf_type` (f32 | f16), converted once and cached.
+    """The GGUF file of `model_dir` at `gguf_type` (f32 | f16 | q8_0), converted once and cached.
 
     The cache key is the checkpoint's content hash, the converter's hash and RECIPE_VERSION. Raises
     ValueError with the converter's last error line when the conversion fails.
@@ -270,7 +271,8 @@ def locate(source: str | None) -> Path | PeerUnavailable:
 
 def load(model_dir: str | Path, tree: Path, *, dtype, threads: int, n_ctx: int, gpu: bool = False,
          cache_dir: str | Path | None = None, log=None) -> LlamaCpp:
-    """`model_dir` converted (cached) to the GGUF type that pairs with our `dtype`, loaded."""
+    """`model_dir` converted (cached) to the GGUF type that pairs with our `dtype` (or "int8": our quantized
+    storage), loaded."""
     name = str(dtype).removeprefix("torch.")
     if name not in GGUF_TYPE:
         raise ValueError(f"no GGUF type pairs with dtype {name!r}; known: {', '.join(GGUF_TYPE)}")
@@ -316,5 +318,5 @@ def _run_converter(tree: str, model_dir: str, outfile: str, gguf_type: str) -> N
 
 if __name__ == "__main__":
     if len(sys.argv) != 5:
-        raise SystemExit("usage: python -m specserve.evals.llamacpp_peer LLAMA_CPP_TREE MODEL_DIR OUTFILE f32|f16")
+        raise SystemExit("usage: python -m specserve.evals.llamacpp_peer LLAMA_CPP_TREE MODEL_DIR OUTFILE f32|f16|q8_0")
     _run_converter(*sys.argv[1:])

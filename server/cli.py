@@ -48,6 +48,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--threads", type=int, default=None, help=f"CPU threads for the kernels ({THREADS_HELP})")
     p.add_argument("--dtype", default=None, help="CPU: weight storage float32 (default), bfloat16 or float16")
+    p.add_argument("--quantization", choices=["int8"], default=None,
+                   help="int8: the target's products quantized at load as llama.cpp's Q8_0 (CPU kernels only)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="info (the default) logs one line per finished request; warning keeps only problems")
     p.add_argument("--log-format", default="text", choices=["text", "json"], help="json: one JSON object per line")
@@ -100,7 +102,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
               device=args.device, dtype=args.dtype, threads=threads, max_num_seqs=args.max_num_seqs,
               max_model_len=args.max_model_len, speculation=args.speculation, grammar_drafting=args.grammar_drafting,
               attention=args.attention, cuda_graphs=args.cuda_graphs, tensor_parallel_size=args.tensor_parallel,
-              enable_prefix_caching=args.prefix_caching)
+              enable_prefix_caching=args.prefix_caching, quantization=args.quantization)
     server = SpecServer(llm, config)
     try:
         return asyncio.run(_serve(server))

@@ -169,6 +169,8 @@ def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--dtype", default=None,
                      help="CPU: weight storage float32 (default), bfloat16 or float16 (compute stays float32); "
                           "CUDA: compute dtype (default bfloat16)")
+    gen.add_argument("--quantization", choices=["int8"], default=None,
+                     help="int8: the target's products quantized at load as llama.cpp's Q8_0 (CPU kernels only)")
     gen.add_argument("--threads", type=int, default=None, help=f"CPU threads for the kernels ({THREADS_HELP})")
     add_execution_arguments(gen)
     gen.add_argument("--compare", action="store_true",
@@ -399,7 +401,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     settings = dict(drafter_options=_drafter_options(args.drafter_option), device=args.device, dtype=args.dtype,
                     threads=threads, speculation=args.speculation, grammar_drafting=args.grammar_drafting,
                     attention=args.attention, cuda_graphs=args.cuda_graphs, tensor_parallel_size=args.tensor_parallel,
-                    enable_prefix_caching=args.prefix_caching)
+                    enable_prefix_caching=args.prefix_caching, quantization=args.quantization)
     llm = LLM(args.model, drafter=args.drafter, **settings)
     if args.json:
         out = llm.generate([args.prompt], params)[0]

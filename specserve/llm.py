@@ -60,6 +60,11 @@ class LLM:
     masks verification only). Output is the same either way; only speed differs.
     enable_prefix_caching: reuse the KV of full blocks earlier requests computed (a shared system prompt,
     a chat's earlier turns): a prompt's prefill starts at its first uncached token; output is unchanged.
+    quantization: "int8" stores the target's products (every layer's and the LM head) as llama.cpp's Q8_0
+    does — int8 weights with a float16 scale per output row and run of 32 inputs — quantized at load from
+    the checkpoint (float32, float16 or bfloat16), about half float16's bytes per token; the CPU kernels
+    only. A quantized model is a different model: speculation stays lossless against it, not against the
+    float one (drafters keep their own weights).
     """
 
     def __init__(
@@ -83,6 +88,7 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         tensor_parallel_size: int = 1,
         enable_prefix_caching: bool = True,
+        quantization: str | None = None,
     ) -> None:
         # What this LLM was built from: a server's replicas rebuild it in their own processes.
         self.init_args = {name: value for name, value in locals().items() if name != "self"}
@@ -110,11 +116,13 @@ class LLM:
         # The CPU kernels run the whole layer, attention included; naming a backend asks for the torch
         # layers with that backend instead (on the CPU: sdpa, or triton under Triton's interpreter).
         cpu_kernels = attention is None and tensor_parallel_size == 1
+        _check_quantization(quantization, self.device, cpu_kernels, kernels_unsupported(self.device, torch.float32,
+                                                                                         cfg.head_dim))
         self.dtype = resolve_dtype(dtype, self.device, checkpoint_dtype(cfg.hf_config),
                                    cpu_kernels and kernels_unsupported(self.device, torch.float32, cfg.head_dim) is None)
         self._tp = self._launch_tensor_parallel(tensor_parallel_size, cfg, model_dir, threads)
         self.model = LlamaModel.from_pretrained(model_dir, self.device, self.dtype, attention, cpu_kernels=cpu_kernels,
-                                                tp=self._tp)
+                                                tp=self._tp, quantization=quantization)
         if threads is not None and self.model.kernels is None and self.device.type == "cpu":
             torch.set_num_threads(threads)  # the torch path does the heavy work itself here
         elif self.model.kernels is not None:
@@ -326,6 +334,21 @@ class LLM:
             logprobs=req.logprobs,
             prompt_logprobs=req.prompt_logprobs,
         )
+
+
+QUANTIZATIONS = ("int8",)
+
+
+def _check_quantization(quantization: str | None, device: torch.device, cpu_kernels: bool, unsupported: str | None) -> None:
+    """Refuse, before anything loads, a quantization this LLM cannot run (only the CPU kernels quantize)."""
+    if quantization is None:
+        return
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} (or None), got {quantization!r}")
+    if device.type != "cpu" or not cpu_kernels or unsupported is not None:
+        why = unsupported or ("an attention backend was named or the model is split over processes" if device.type == "cpu"
+                              else f"the device is {device}")
+        raise ValueError(f"quantization={quantization!r} runs on the CPU kernels only, and here {why}")
 
 
 def _describe_model(model, model_dir: Path, max_model_len: int | None) -> str:

@@ -155,8 +155,9 @@ class LlamaModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, device: torch.device, dtype: torch.dtype, attention: str | None = None,
-                        cpu_kernels: bool = True, tp=None) -> "LlamaModel":
-        """tp: load one rank's share (only its slices of the checkpoint are read); no CPU kernels then."""
+                        cpu_kernels: bool = True, tp=None, quantization: str | None = None) -> "LlamaModel":
+        """tp: load one rank's share (only its slices of the checkpoint are read); no CPU kernels then.
+        quantization: "int8" packs the CPU kernels' products as Q8_0 (`use_cpu_kernels`)."""
         cfg = load_config(model_dir)
         model = cls(cfg, device, dtype, attention, tp)
         stats: dict = {}
@@ -164,7 +165,10 @@ class LlamaModel(nn.Module):
         model.checkpoint_bytes_read = stats["bytes_read"]
         cpu_kernels = cpu_kernels and tp is None
         if cpu_kernels:
-            model.use_cpu_kernels()
+            model.use_cpu_kernels(quantization)
+        if quantization is not None and model.kernels is None:
+            raise ValueError(f"quantization={quantization!r} needs the CPU kernels, which cannot run this model "
+                             "(see the log line above)")
         return model
 
     @torch.no_grad()
@@ -184,14 +188,15 @@ class LlamaModel(nn.Module):
             raise ValueError(f"restrict_lm_head needs distinct token ids in [0, {vocab}), got {len(rows)} ids")
         self.lm_head = nn.Parameter(self.lm_head.data[rows.to(self.lm_head.device)].clone(), requires_grad=False)
         if self.kernels is not None:
-            self.use_cpu_kernels()
+            self.use_cpu_kernels(self.kernels.quantization)
 
-    def use_cpu_kernels(self) -> bool:
+    def use_cpu_kernels(self, quantization: str | None = None) -> bool:
         """Run forwards through `specserve.kernels` (compiled, multithreaded, batch-invariant) when the
-        model and device allow it; returns whether they do (the reason is logged once otherwise)."""
+        model and device allow it; returns whether they do (the reason is logged once otherwise).
+        quantization: "int8" packs every product (layers and LM head) as Q8_0 (`PackedLinear`)."""
         from specserve.kernels import ModelKernels
 
-        self.kernels = ModelKernels.for_model(self)
+        self.kernels = ModelKernels.for_model(self, quantization)
         return self.kernels is not None
 
     def use_cuda_graphs(self, cache: PagedKVCache, max_num_seqs: int, max_query_len: int, max_positions: int,

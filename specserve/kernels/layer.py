@@ -97,7 +97,7 @@ def silu_mul(gate_up, out):
 
 @numba.njit(boundscheck=False, cache=True)
 def decoder_layer(x, attn_input, input_norm, post_norm, q_norm, k_norm, eps,
-                  qkv_w, qkv_b, o_w, o_b, gate_up_w, gate_up_b, down_w, down_b, inter,
+                  qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, gate_up_w, gate_up_s, gate_up_b, down_w, down_s, down_b, inter,
                   num_heads, num_kv, head_dim, cos, sin, k_cache, v_cache, window,
                   positions, slot_mapping, token_seq, cu_query_lens, context_lens, block_tables,
                   block_size, mask_offsets, mask_widths, tree_mask):
@@ -106,7 +106,7 @@ def decoder_layer(x, attn_input, input_norm, post_norm, q_norm, k_norm, eps,
     attn_input: float32[T, in] what attention reads; pass an empty [0, 0] array to use
                 rms_norm(x, input_norm) (a target layer); an EAGLE-3 head passes its own.
     q_norm, k_norm: float32[head_dim] per-head norms applied before rotary (Qwen3), or both empty [0].
-    *_w:        `PackedLinear.weight`s; *_b their float32 biases; inter: intermediate size.
+    *_w, *_s:   `PackedLinear.weight`s and `.scales`; *_b their float32 biases; inter: intermediate size.
     cos, sin:   float32[max_positions, head_dim] rotary tables; k_cache, v_cache: this layer's cache.
     The rest: the StepBatch arrays of the same names (window 0 = no sliding window).
     """
@@ -115,7 +115,7 @@ def decoder_layer(x, attn_input, input_norm, post_norm, q_norm, k_norm, eps,
         attn_input = np.empty((rows, hidden), dtype=np.float32)
         rms_norm_rows(x, input_norm, eps, attn_input)
     qkv = np.empty((rows, (num_heads + 2 * num_kv) * head_dim), dtype=np.float32)
-    linear_rows(attn_input, qkv_w, qkv_b, qkv, False)
+    linear_rows(attn_input, qkv_w, qkv_s, qkv_b, qkv, False)
     if q_norm.shape[0] > 0:
         head_norms(qkv, q_norm, k_norm, eps, num_heads, num_kv, head_dim)
     q = np.empty((rows, num_heads, head_dim), dtype=np.float32)
@@ -124,14 +124,14 @@ def decoder_layer(x, attn_input, input_norm, post_norm, q_norm, k_norm, eps,
     scale = np.float32(1.0 / math.sqrt(head_dim))
     paged_attention(q, k_cache, v_cache, token_seq, cu_query_lens, context_lens, block_tables, block_size,
                     mask_offsets, mask_widths, tree_mask, positions, window, scale, attn)
-    linear_rows(attn.reshape(rows, num_heads * head_dim), o_w, o_b, x, True)
+    linear_rows(attn.reshape(rows, num_heads * head_dim), o_w, o_s, o_b, x, True)
     normed = np.empty((rows, hidden), dtype=np.float32)
     rms_norm_rows(x, post_norm, eps, normed)
     gate_up = np.empty((rows, 2 * inter), dtype=np.float32)
-    linear_rows(normed, gate_up_w, gate_up_b, gate_up, False)
+    linear_rows(normed, gate_up_w, gate_up_s, gate_up_b, gate_up, False)
     act = np.empty((rows, inter), dtype=np.float32)
     silu_mul(gate_up, act)
-    linear_rows(act, down_w, down_b, x, True)
+    linear_rows(act, down_w, down_s, down_b, x, True)
 
 
 @numba.njit(boundscheck=False, cache=True)

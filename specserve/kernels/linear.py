@@ -24,7 +24,10 @@ import numpy as np
 import torch
 from numba import prange
 
-from specserve.kernels.simd import LANES, vadd, vbroadcast, vfma, vlane, vload, vstore, vzero
+from numba import types
+from numba.extending import overload
+
+from specserve.kernels.simd import LANES, vadd, vbroadcast, vfma, vlane, vload, vmul, vstore, vzero
 
 # Products at least this many 16-wide blocks (1024 outputs) use 4-block tiles: 16+ tiles, even for 4 threads.
 WIDE_PRODUCT_BLOCKS = 64
@@ -34,9 +37,12 @@ WIDE_PRODUCT_BLOCKS = 64
 class PackedLinear:
     """A weight [out, in] (and optional bias [out]) packed for `linear_rows`.
 
-    storage: "float32", "bfloat16" (kept as int16 bits; rounded to nearest even from the source) or
-    "float16" (kept as uint16 bits). The bias stays float32 (zeros when there is none: adding 0.0 changes
-    nothing).
+    storage: "float32", "bfloat16" (kept as int16 bits; rounded to nearest even from the source),
+    "float16" (kept as uint16 bits) or "int8" (`quantize_q8`: llama.cpp's Q8_0 — per output row, each run of
+    32 inputs shares one float16 scale d = max|w| / 127, and w ≈ q·d with q = round(w / d) in [-127, 127]).
+    `scales` holds int8's scales as float16 bits, uint16[blocks, ceil(in / 32) * 16] (scales[b, j * 16 + l]:
+    output 16 b + l, inputs 32 j ..), and is empty [blocks, 0] for the other storages. The bias stays
+    float32 (zeros when there is none: adding 0.0 changes nothing).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, storage: str = "float32") -> None:
@@ -53,8 +59,17 @@ class PackedLinear:
             self.weight = packed.to(torch.bfloat16).contiguous().view(torch.int16).numpy()
         elif storage == "float16":  # kept as uint16 bits: see simd.vload
             self.weight = packed.to(torch.float16).contiguous().view(torch.int16).numpy().view(np.uint16)
+        elif storage == "int8":
+            q, d = quantize_q8(padded)  # int8[blocks*16, in], float16[blocks*16, ceil(in/32)]
+            self.weight = q.view(blocks, LANES, in_features).transpose(1, 2).reshape(blocks, in_features * LANES) \
+                .contiguous().numpy()
+            kblocks = d.shape[1]
+            self.scales = d.view(blocks, LANES, kblocks).transpose(1, 2).reshape(blocks, kblocks * LANES) \
+                .contiguous().view(torch.int16).numpy().view(np.uint16)
         else:
-            raise ValueError(f"weight storage must be float32, bfloat16 or float16, got {storage!r}")
+            raise ValueError(f"weight storage must be float32, bfloat16, float16 or int8, got {storage!r}")
+        if storage != "int8":
+            self.scales = np.zeros((blocks, 0), dtype=np.uint16)
         self.bias = np.zeros(blocks * LANES, dtype=np.float32)
         if bias is not None:
             self.bias[:out_features] = bias.detach().to("cpu", torch.float32).numpy()
@@ -62,15 +77,50 @@ class PackedLinear:
 
     @property
     def nbytes(self) -> int:
-        """Bytes streamed by one product (the weight; padding rows included)."""
-        return self.weight.nbytes
+        """Bytes streamed by one product (the weight and int8's scales; padding rows included)."""
+        return self.weight.nbytes + self.scales.nbytes
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight [out, in] the kernel multiplies by, float32 (int8: q · d, exact in float32)."""
+        blocks = self.weight.shape[0]
+        if self.storage == "int8":
+            kblocks = self.scales.shape[1] // LANES
+            q = torch.from_numpy(self.weight).view(blocks, self.in_features, LANES).transpose(1, 2).float()
+            d = torch.from_numpy(self.scales.view(np.int16)).view(torch.float16).view(blocks, kblocks, LANES)
+            d = d.transpose(1, 2).float().repeat_interleave(Q8_BLOCK, dim=2)[:, :, :self.in_features]
+            w = q * d
+        else:
+            raw = torch.from_numpy(self.weight.view(np.int16) if self.weight.dtype == np.uint16 else self.weight)
+            w = {"float32": raw, "bfloat16": raw.view(torch.bfloat16), "float16": raw.view(torch.float16)}[self.storage]
+            w = w.float().view(blocks, self.in_features, LANES).transpose(1, 2)
+        return w.reshape(blocks * LANES, self.in_features)[:self.out_features]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x float32[..., in] (CPU) -> float32[..., out]: a convenience for heads outside a fused layer."""
         rows = np.ascontiguousarray(as_numpy(x).reshape(-1, self.in_features))
         out = np.empty((rows.shape[0], self.out_features), dtype=np.float32)
-        linear_rows(rows, self.weight, self.bias, out, False)
+        linear_rows(rows, self.weight, self.scales, self.bias, out, False)
         return torch.from_numpy(out).view(*x.shape[:-1], self.out_features)
+
+
+Q8_BLOCK = 32  # inputs sharing one scale (llama.cpp's QK8_0)
+
+
+def quantize_q8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's Q8_0 of w [out, in] (any float dtype): per output row and run of 32 inputs (the last run
+    may be shorter), d = max|w| / 127 and q = round(w / d) (half away from zero, as roundf), clamped to
+    ±127; d is stored as float16, as Q8_0 stores it. Returns (q int8[out, in], d float16[out, ceil(in/32)])."""
+    w = w.detach().to("cpu", torch.float32)
+    out_features, in_features = w.shape
+    kblocks = -(-in_features // Q8_BLOCK)
+    padded = torch.zeros(out_features, kblocks * Q8_BLOCK)
+    padded[:, :in_features] = w
+    runs = padded.view(out_features, kblocks, Q8_BLOCK)
+    d = runs.abs().amax(dim=2) / 127.0  # float32, as llama.cpp computes it
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    scaled = runs * inv[:, :, None]
+    q = (torch.sign(scaled) * torch.floor(scaled.abs() + 0.5)).clamp(-127, 127).to(torch.int8)
+    return q.view(out_features, kblocks * Q8_BLOCK)[:, :in_features].contiguous(), d.to(torch.float16)
 
 
 def as_numpy(x: torch.Tensor) -> np.ndarray:
@@ -78,6 +128,25 @@ def as_numpy(x: torch.Tensor) -> np.ndarray:
     if x.dtype is not torch.float32 or x.requires_grad:
         x = x.detach().to(torch.float32)
     return x.numpy()
+
+
+def wload(w, s, k):
+    """Input k's weights for a block's 16 outputs as float32 lanes: w[k*16 : k*16+16] widened, times
+    their scales s[(k // 32) * 16 ..] for int8 (q · d is exact in float32: 8 by 11 significant bits),
+    so every storage feeds the same one-FMA-per-input chain. Compiled per storage (see `_wload`)."""
+    raise NotImplementedError("wload runs inside numba kernels only")
+
+
+@overload(wload, inline="always")
+def _wload(w, s, k):
+    if w.dtype == types.int8:
+        def scaled(w, s, k):
+            return vmul(vload(w, k * LANES), vload(s, (k // Q8_BLOCK) * LANES))
+        return scaled
+
+    def widened(w, s, k):
+        return vload(w, k * LANES)
+    return widened
 
 
 @numba.njit(inline="always")
@@ -96,11 +165,12 @@ def _finish(out, m, base, acc, bias, accumulate):
 
 
 @numba.njit(parallel=True, boundscheck=False, cache=True)
-def linear_rows(x, w, bias, out, accumulate):
+def linear_rows(x, w, scales, bias, out, accumulate):
     """out[:, :out_features] (+)= x @ W^T + bias, batch-invariant (see the module docstring).
 
     x:    float32[M, in], rows C-contiguous.
-    w:    [blocks, in * 16] a `PackedLinear.weight` (float32, int16 bfloat16 bits or uint16 float16 bits).
+    w:    [blocks, in * 16] a `PackedLinear.weight` (float32, int16 bfloat16 bits, uint16 float16 bits or
+          int8 quantized); scales: its `PackedLinear.scales` (int8: float16 bits per 32 inputs; else [blocks, 0]).
     bias: float32[blocks * 16].
     out:  float32[M, out_features], C-contiguous; accumulate: add to it instead of overwriting.
     """
@@ -120,11 +190,12 @@ def linear_rows(x, w, bias, out, accumulate):
             b = first
             while b + 2 <= last:
                 w0, w1 = w[b], w[b + 1]
+                s0, s1 = scales[b], scales[b + 1]
                 a0 = vzero(); a1 = vzero(); a2 = vzero(); a3 = vzero()
                 c0 = vzero(); c1 = vzero(); c2 = vzero(); c3 = vzero()
                 for k in range(num_in):
-                    u = vload(w0, k * LANES)
-                    v = vload(w1, k * LANES)
+                    u = wload(w0, s0, k)
+                    v = wload(w1, s1, k)
                     s = vbroadcast(x0[k]); a0 = vfma(s, u, a0); c0 = vfma(s, v, c0)
                     s = vbroadcast(x1[k]); a1 = vfma(s, u, a1); c1 = vfma(s, v, c1)
                     s = vbroadcast(x2[k]); a2 = vfma(s, u, a2); c2 = vfma(s, v, c2)
@@ -137,9 +208,10 @@ def linear_rows(x, w, bias, out, accumulate):
                 b += 2
             if b < last:
                 w0 = w[b]
+                s0 = scales[b]
                 a0 = vzero(); a1 = vzero(); a2 = vzero(); a3 = vzero()
                 for k in range(num_in):
-                    u = vload(w0, k * LANES)
+                    u = wload(w0, s0, k)
                     a0 = vfma(vbroadcast(x0[k]), u, a0)
                     a1 = vfma(vbroadcast(x1[k]), u, a1)
                     a2 = vfma(vbroadcast(x2[k]), u, a2)
@@ -153,10 +225,11 @@ def linear_rows(x, w, bias, out, accumulate):
             b = first
             while b + 2 <= last:
                 w0, w1 = w[b], w[b + 1]
+                s0, s1 = scales[b], scales[b + 1]
                 a0 = vzero(); a1 = vzero(); c0 = vzero(); c1 = vzero()
                 for k in range(num_in):
-                    u = vload(w0, k * LANES)
-                    v = vload(w1, k * LANES)
+                    u = wload(w0, s0, k)
+                    v = wload(w1, s1, k)
                     s = vbroadcast(x0[k]); a0 = vfma(s, u, a0); c0 = vfma(s, v, c0)
                     s = vbroadcast(x1[k]); a1 = vfma(s, u, a1); c1 = vfma(s, v, c1)
                 base = b * LANES
@@ -165,9 +238,10 @@ def linear_rows(x, w, bias, out, accumulate):
                 b += 2
             if b < last:
                 w0 = w[b]
+                s0 = scales[b]
                 a0 = vzero(); a1 = vzero()
                 for k in range(num_in):
-                    u = vload(w0, k * LANES)
+                    u = wload(w0, s0, k)
                     a0 = vfma(vbroadcast(x0[k]), u, a0)
                     a1 = vfma(vbroadcast(x1[k]), u, a1)
                 base = b * LANES
@@ -178,14 +252,14 @@ def linear_rows(x, w, bias, out, accumulate):
             b = first
             while b + 4 <= last:
                 w0, w1, w2, w3 = w[b], w[b + 1], w[b + 2], w[b + 3]
+                s0, s1, s2, s3 = scales[b], scales[b + 1], scales[b + 2], scales[b + 3]
                 a0 = vzero(); a1 = vzero(); a2 = vzero(); a3 = vzero()
                 for k in range(num_in):
                     s = vbroadcast(xr[k])
-                    o = k * LANES
-                    a0 = vfma(s, vload(w0, o), a0)
-                    a1 = vfma(s, vload(w1, o), a1)
-                    a2 = vfma(s, vload(w2, o), a2)
-                    a3 = vfma(s, vload(w3, o), a3)
+                    a0 = vfma(s, wload(w0, s0, k), a0)
+                    a1 = vfma(s, wload(w1, s1, k), a1)
+                    a2 = vfma(s, wload(w2, s2, k), a2)
+                    a3 = vfma(s, wload(w3, s3, k), a3)
                 base = b * LANES
                 _finish(out, m, base, a0, bias, accumulate)
                 _finish(out, m, base + LANES, a1, bias, accumulate)
@@ -194,18 +268,20 @@ def linear_rows(x, w, bias, out, accumulate):
                 b += 4
             if b + 2 <= last:
                 w0, w1 = w[b], w[b + 1]
+                s0, s1 = scales[b], scales[b + 1]
                 a0 = vzero(); a1 = vzero()
                 for k in range(num_in):
                     s = vbroadcast(xr[k])
-                    a0 = vfma(s, vload(w0, k * LANES), a0)
-                    a1 = vfma(s, vload(w1, k * LANES), a1)
+                    a0 = vfma(s, wload(w0, s0, k), a0)
+                    a1 = vfma(s, wload(w1, s1, k), a1)
                 _finish(out, m, b * LANES, a0, bias, accumulate)
                 _finish(out, m, (b + 1) * LANES, a1, bias, accumulate)
                 b += 2
             if b < last:
                 w0 = w[b]
+                s0 = scales[b]
                 a0 = vzero()
                 for k in range(num_in):
-                    a0 = vfma(vbroadcast(xr[k]), vload(w0, k * LANES), a0)
+                    a0 = vfma(vbroadcast(xr[k]), wload(w0, s0, k), a0)
                 _finish(out, m, b * LANES, a0, bias, accumulate)
             m += 1

@@ -1,7 +1,8 @@
 """The CPU executor of a `LlamaModel` (and of single decoder layers, for drafter heads).
 
 `ModelKernels.for_model(model)` packs the model's weights once (`PackedLinear`: fp32, or half-size
-bfloat16/float16 storage when the model's dtype asks for it — arithmetic stays fp32) and then runs
+bfloat16/float16 storage when the model's dtype asks for it, or int8 Q8_0 when quantized — arithmetic
+stays fp32) and then runs
 whole forwards over a `StepBatch`: embedding lookup, one `decoder_layer` call per layer, final norm and
 LM head, hidden states of the asked layers for drafters. torch keeps the original weights (training
 and the GPU path use them); the KV cache is fp32.
@@ -89,8 +90,9 @@ class LayerKernels:
         decoder_layer(
             x, _NO_INPUT if attn_input is None else attn_input, self.input_norm, self.post_norm,
             self.q_norm, self.k_norm, self.eps,
-            self.qkv.weight, self.qkv.bias, self.o_proj.weight, self.o_proj.bias,
-            self.gate_up.weight, self.gate_up.bias, self.down.weight, self.down.bias, self.inter,
+            self.qkv.weight, self.qkv.scales, self.qkv.bias, self.o_proj.weight, self.o_proj.scales, self.o_proj.bias,
+            self.gate_up.weight, self.gate_up.scales, self.gate_up.bias, self.down.weight, self.down.scales,
+            self.down.bias, self.inter,
             self.num_heads, self.num_kv, self.head_dim, cos, sin, k_cache, v_cache, window,
             batch.positions, batch.slot_mapping, batch.token_seq, batch.cu_query_lens, batch.context_lens,
             batch.block_tables, batch.block_size, batch.mask_offsets, batch.mask_widths, batch.tree_mask,
@@ -101,18 +103,20 @@ class ModelKernels:
     """A `LlamaModel`'s forward on the CPU kernels (see the module docstring)."""
 
     @classmethod
-    def for_model(cls, model) -> "ModelKernels | None":
+    def for_model(cls, model, quantization: str | None = None) -> "ModelKernels | None":
         cfg = model.config
         reason = kernels_unsupported(model.device, model.dtype, cfg.head_dim)
         if reason is not None:
             _log_once(f"CPU kernels off for this model: {reason}; using the torch path")
             return None
-        return cls(model)
+        return cls(model, quantization)
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, quantization: str | None = None) -> None:
         cfg = model.config
         self.config = cfg
-        self.storage = _STORAGE[model.dtype]
+        self.quantization = quantization
+        # The products' storage: the model's dtype, or int8 (Q8_0) when quantized.
+        self.storage = "int8" if quantization == "int8" else _STORAGE[model.dtype]
         self.embed = _np(model.embed)  # float32[V, H]: only gathered, so it stays full size
         self.norm = _np(model.norm)
         self.lm_head = PackedLinear(model.lm_head, None, self.storage)
@@ -155,5 +159,6 @@ class ModelKernels:
         model's draft vocabulary: `LlamaModel.restrict_lm_head`)."""
         out = np.empty((normed.shape[0], self.lm_head.out_features), dtype=np.float32)
         if normed.shape[0]:
-            linear_rows(np.ascontiguousarray(normed), self.lm_head.weight, self.lm_head.bias, out, False)
+            linear_rows(np.ascontiguousarray(normed), self.lm_head.weight, self.lm_head.scales, self.lm_head.bias, out,
+                        False)
         return out

@@ -8,7 +8,8 @@ a result depends only on its own inputs: batch invariance by construction, not b
 
 `F32x16` values live in registers (LLVM ``<16 x float>``). Loads widen half-size weights on the fly:
 bfloat16 is the top half of a float32 (widening is a shift), float16 converts with F16C; arithmetic
-is always float32. Half-size weights travel as 16-bit integer arrays (int16: bfloat16, uint16: float16). Unaligned loads are used throughout (numpy gives 16-byte alignment at best).
+is always float32. Half-size weights travel as 16-bit integer arrays (int16: bfloat16, uint16: float16),
+8-bit quantized ones as int8. Unaligned loads are used throughout (numpy gives 16-byte alignment at best).
 """
 
 from __future__ import annotations
@@ -68,9 +69,10 @@ def vbroadcast(typingctx, value):
 def vload(typingctx, array, index):
     """array[index : index + 16] as float32 lanes. array is 1-D contiguous: float32, or half-size weights
     kept as 16-bit integers — int16 holds bfloat16 bits (widened by a shift), uint16 holds float16 bits
-    (converted with F16C). numba has no float16 arithmetic, so the dtype itself says how to widen."""
+    (converted with F16C) — or int8 quantized weights (converted exactly; their scales are applied by the
+    caller). numba has no float16 arithmetic, so the dtype itself says how to widen."""
     if not isinstance(array, types.Array) or array.ndim != 1 or array.dtype not in (
-            types.float32, types.int16, types.uint16):
+            types.float32, types.int16, types.uint16, types.int8):
         return None
 
     def codegen(context, builder, signature, args):
@@ -78,6 +80,9 @@ def vload(typingctx, array, index):
         ptr = _item_pointer(context, builder, arrty, args[0], args[1])
         if arrty.dtype == types.float32:
             return builder.load(builder.bitcast(ptr, _VEC.as_pointer()), align=4)
+        if arrty.dtype == types.int8:
+            raw8 = builder.load(builder.bitcast(ptr, ir.VectorType(ir.IntType(8), LANES).as_pointer()), align=1)
+            return builder.sitofp(raw8, _VEC)
         bits = ir.VectorType(ir.IntType(16), LANES)
         raw = builder.load(builder.bitcast(ptr, bits.as_pointer()), align=2)
         if arrty.dtype == types.uint16:  # float16

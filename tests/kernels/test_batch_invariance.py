@@ -12,7 +12,7 @@ equal plain decoding by construction on the CPU.
   a k-token prompt chunk; a mixed batch of chunk + tree + decode) equals its 1-row forward; a verify
   row's logits for a tree node equal the logits plain decoding computes for that token at that
   position once its ancestors are committed — on GQA, biased (Qwen2) and sliding-window (Mistral)
-  models, fp32 and bf16 storage, 1 and 2 threads. Logits are compared bitwise, which is stronger than
+  models, fp32, bf16 and int8 (Q8_0) storage, 1 and 2 threads. Logits are compared bitwise, which is stronger than
   any near-tie argmax check on a model: a single differing bit anywhere fails.
 """
 
@@ -29,8 +29,9 @@ from specserve.model import LlamaModel
 from specserve.step_batch import StepBatchBuilder
 from tiny_models import build_model
 
-STORAGES = ["float32", "bfloat16", "float16"]
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+STORAGES = ["float32", "bfloat16", "float16", "int8"]
+# int8: a float16 checkpoint quantized at load (LLM(quantization="int8")).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.float16}
 
 
 def bits(a) -> np.ndarray:
@@ -47,7 +48,7 @@ def assert_bitwise(a, b, msg="") -> None:
 
 def _product(packed: PackedLinear, x: np.ndarray) -> np.ndarray:
     out = np.empty((x.shape[0], packed.out_features), dtype=np.float32)
-    linear_rows(np.ascontiguousarray(x), packed.weight, packed.bias, out, False)
+    linear_rows(np.ascontiguousarray(x), packed.weight, packed.scales, packed.bias, out, False)
     return out
 
 
@@ -174,7 +175,8 @@ def model_dirs(tmp_path_factory):
 
 
 def _model(path, storage: str) -> LlamaModel:
-    model = LlamaModel.from_pretrained(path, torch.device("cpu"), DTYPES[storage])
+    model = LlamaModel.from_pretrained(path, torch.device("cpu"), DTYPES[storage],
+                                       quantization="int8" if storage == "int8" else None)
     assert model.kernels is not None and model.kernels.storage == storage
     return model
 
@@ -196,7 +198,7 @@ def _forward(model, cache, entries, logits="all") -> np.ndarray:
     return model.forward(builder.build(), cache).logits.numpy().copy()
 
 
-@pytest.mark.parametrize("storage", ["float32", "bfloat16"])
+@pytest.mark.parametrize("storage", ["float32", "bfloat16", "int8"])
 def test_row_of_a_k_decode_batch_equals_the_sequence_alone(model_dirs, storage, use_threads):
     model = _model(model_dirs["llama-gqa"], storage)
     rng = np.random.default_rng(1)
@@ -219,7 +221,7 @@ def test_row_of_a_k_decode_batch_equals_the_sequence_alone(model_dirs, storage, 
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-@pytest.mark.parametrize("storage", ["float32", "bfloat16"])
+@pytest.mark.parametrize("storage", ["float32", "bfloat16", "int8"])
 def test_row_of_a_k_token_chunk_equals_decoding_one_token_at_a_time(model_dirs, arch, storage, use_threads):
     model = _model(model_dirs[arch], storage)
     tokens = np.random.default_rng(2).integers(0, 61, 21)

@@ -8,7 +8,11 @@
   bound of an n-term dot product in float32, |err| <= gamma_{n+1} * (|x| @ |W|^T + |b|) with
   gamma_m = m u / (1 - m u), u = 2^-24 — it holds for any summation order, so for torch too (twice
   that bound between the two). A wrong packing, lane mask or bf16/fp16 widening misses it by orders of
-  magnitude. Half-size storage is compared with the weights as stored (rounded to nearest even).
+  magnitude. Half-size storage is compared with the weights as stored (rounded to nearest even), int8
+  with the weights Q8_0 holds, from `q8_0_reference` (llama.cpp's quantize_row_q8_0_ref, written here
+  in numpy): q · d is exact in float32, so the same FMA-chain emulation holds bitwise.
+- int8: the packing round-trips (re-quantizing what Q8_0 holds gives back the same q and d), every
+  weight is within the Q8_0 error bound of the original, and scales follow runs of 32 inputs.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from specserve.kernels import PackedLinear, linear_rows
 
 STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 U = 2.0 ** -24
-STORAGES = ["float32", "bfloat16", "float16"]
+STORAGES = ["float32", "bfloat16", "float16", "int8"]
 
 
 def round_f32(v: Fraction) -> Fraction:
@@ -66,8 +70,33 @@ def emulate(x: np.ndarray, w: np.ndarray, b: np.ndarray, init: np.ndarray | None
     return out
 
 
+def q8_0_reference(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's quantize_row_q8_0_ref, row by row, in float32 numpy: per run of 32 inputs,
+    d = amax / 127, id = 1 / d (0 when d is 0), q = roundf(x * id) (half away from zero), d kept as
+    float16. Returns (q int8 [out, in], d float16 [out, ceil(in / 32)])."""
+    out_features, in_features = w.shape
+    runs = -(-in_features // 32)
+    q = np.zeros((out_features, in_features), dtype=np.int8)
+    d16 = np.zeros((out_features, runs), dtype=np.float16)
+    for o in range(out_features):
+        for j in range(runs):
+            x = w[o, 32 * j: 32 * j + 32].astype(np.float32)
+            d = np.float32(np.abs(x).max()) / np.float32(127)
+            inv = np.float32(1) / d if d else np.float32(0)
+            scaled = (x * inv).astype(np.float32)
+            q[o, 32 * j: 32 * j + 32] = (np.sign(scaled) * np.floor(np.abs(scaled) + np.float32(0.5))).astype(np.int8)
+            d16[o, j] = np.float16(d)
+    return q, d16
+
+
+def dequantized(q: np.ndarray, d16: np.ndarray) -> np.ndarray:
+    return q.astype(np.float32) * np.repeat(d16.astype(np.float32), 32, axis=1)[:, :q.shape[1]]
+
+
 def stored(w: torch.Tensor, storage: str) -> torch.Tensor:
     """The weights as the packed storage holds them, widened back to float32."""
+    if storage == "int8":
+        return torch.from_numpy(dequantized(*q8_0_reference(w.numpy())))
     return w.to(STORAGE[storage]).float()
 
 
@@ -88,7 +117,7 @@ def test_every_element_is_one_fma_chain_in_k_order(storage):
     init = np.random.default_rng(0).standard_normal((5, 21)).astype(np.float32)
     for accumulate in (False, True):
         out = init.copy() if accumulate else np.full((5, 21), np.nan, dtype=np.float32)
-        linear_rows(xs, packed.weight, packed.bias, out, accumulate)
+        linear_rows(xs, packed.weight, packed.scales, packed.bias, out, accumulate)
         expected = emulate(xs, stored(w, storage).numpy(), b.numpy(), init if accumulate else None)
         np.testing.assert_array_equal(out.view(np.uint32), expected.view(np.uint32), err_msg=f"accumulate={accumulate}")
 
@@ -121,7 +150,7 @@ def test_output_lanes_past_out_features_are_never_written():
     packed = PackedLinear(w, b)
     buf = np.full(6 * 35 + 64, 7.0, dtype=np.float32)
     out = buf[: 6 * 35].reshape(6, 35)
-    linear_rows(x.numpy(), packed.weight, packed.bias, out, False)
+    linear_rows(x.numpy(), packed.weight, packed.scales, packed.bias, out, False)
     assert (buf[6 * 35:] == 7.0).all()
     torch.testing.assert_close(torch.from_numpy(out.copy()), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
 
@@ -139,4 +168,22 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="2-D"):
         PackedLinear(torch.zeros(3))
     with pytest.raises(ValueError, match="storage"):
-        PackedLinear(torch.zeros(2, 2), storage="int8")
+        PackedLinear(torch.zeros(2, 2), storage="int4")
+
+
+@pytest.mark.parametrize("shape", [(21, 37), (16, 32), (40, 100), (3, 5)])
+def test_int8_packing_round_trips_and_stays_within_the_q8_0_bound(shape):
+    gen = torch.Generator().manual_seed(shape[0] * 100 + shape[1])
+    w = torch.randn(*shape, generator=gen) * torch.logspace(-3, 1, shape[1])  # runs of very different scales
+    w[0, :min(32, shape[1])] = 0.0  # an all-zero run: d = 0, q = 0
+    packed = PackedLinear(w, None, "int8")
+    q_ref, d_ref = q8_0_reference(w.numpy())
+    held = packed.dequantized().numpy()
+    np.testing.assert_array_equal(held, dequantized(q_ref, d_ref))
+    assert (held[0, :min(32, shape[1])] == 0).all()
+    # Every weight within half a step of its run, plus what rounding d to float16 moves 127 steps by.
+    d = np.repeat(d_ref.astype(np.float64), 32, axis=1)[:, :shape[1]]
+    assert (np.abs(held - w.numpy()) <= d / 2 + 127 * d * 2.0 ** -11 + 1e-12).all()
+    again = PackedLinear(torch.from_numpy(held), None, "int8")  # quantizing what Q8_0 holds changes nothing
+    np.testing.assert_array_equal(again.dequantized().numpy(), held)
+    assert packed.nbytes == packed.weight.nbytes + packed.scales.nbytes < PackedLinear(w, None, "float16").nbytes
