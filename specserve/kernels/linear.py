@@ -149,6 +149,51 @@ def _wload(w, s, k):
     return widened
 
 
+def run_length(w, num_in):
+    """How many inputs share scales: Q8_BLOCK for int8, all of them otherwise."""
+    raise NotImplementedError("run_length runs inside numba kernels only")
+
+
+@overload(run_length, inline="always")
+def _run_length(w, num_in):
+    if w.dtype == types.int8:
+        return lambda w, num_in: Q8_BLOCK
+    return lambda w, num_in: max(num_in, 1)
+
+
+def run_scales(s, k0):
+    """The scales of the run of 32 inputs starting at k0 (int8), as lanes; a dummy for other storages."""
+    raise NotImplementedError("run_scales runs inside numba kernels only")
+
+
+def run_load(w, d, k):
+    """`wload` within a run whose scales `run_scales` loaded: w[k*16 ..] widened (times d for int8)."""
+    raise NotImplementedError("run_load runs inside numba kernels only")
+
+
+@overload(run_scales, inline="always")
+def _run_scales(s, k0):
+    if s.dtype == types.uint16 and s.ndim == 1:
+        def scales(s, k0):
+            if s.shape[0] == 0:
+                return vzero()
+            return vload(s, (k0 // Q8_BLOCK) * LANES)
+        return scales
+    return None
+
+
+@overload(run_load, inline="always")
+def _run_load(w, d, k):
+    if w.dtype == types.int8:
+        def scaled(w, d, k):
+            return vmul(vload(w, k * LANES), d)
+        return scaled
+
+    def widened(w, d, k):
+        return vload(w, k * LANES)
+    return widened
+
+
 @numba.njit(inline="always")
 def _finish(out, m, base, acc, bias, accumulate):
     """out[m, base : base + 16] (+)= acc + bias[base : base + 16], only the lanes inside `out`."""
@@ -248,18 +293,24 @@ def linear_rows(x, w, scales, bias, out, accumulate):
                 _finish(out, m, base, a0, bias, accumulate); _finish(out, m + 1, base, a1, bias, accumulate)
             m += 2
         while m < num_rows:  # one row x 4 (or 2) blocks: independent chains, each weight read once
+            # For int8 the k loop runs in stretches of 32 (Q8_0's runs), so the scales load once per stretch,
+            # not per input (other storages: one stretch). The same products in the same order as `wload`'s,
+            # so every path stays bitwise alike.
             xr = x[m]
+            run = run_length(w, num_in)
             b = first
             while b + 4 <= last:
                 w0, w1, w2, w3 = w[b], w[b + 1], w[b + 2], w[b + 3]
                 s0, s1, s2, s3 = scales[b], scales[b + 1], scales[b + 2], scales[b + 3]
                 a0 = vzero(); a1 = vzero(); a2 = vzero(); a3 = vzero()
-                for k in range(num_in):
-                    s = vbroadcast(xr[k])
-                    a0 = vfma(s, wload(w0, s0, k), a0)
-                    a1 = vfma(s, wload(w1, s1, k), a1)
-                    a2 = vfma(s, wload(w2, s2, k), a2)
-                    a3 = vfma(s, wload(w3, s3, k), a3)
+                for k0 in range(0, num_in, run):
+                    d0 = run_scales(s0, k0); d1 = run_scales(s1, k0); d2 = run_scales(s2, k0); d3 = run_scales(s3, k0)
+                    for k in range(k0, min(num_in, k0 + run)):
+                        s = vbroadcast(xr[k])
+                        a0 = vfma(s, run_load(w0, d0, k), a0)
+                        a1 = vfma(s, run_load(w1, d1, k), a1)
+                        a2 = vfma(s, run_load(w2, d2, k), a2)
+                        a3 = vfma(s, run_load(w3, d3, k), a3)
                 base = b * LANES
                 _finish(out, m, base, a0, bias, accumulate)
                 _finish(out, m, base + LANES, a1, bias, accumulate)
@@ -270,10 +321,12 @@ def linear_rows(x, w, scales, bias, out, accumulate):
                 w0, w1 = w[b], w[b + 1]
                 s0, s1 = scales[b], scales[b + 1]
                 a0 = vzero(); a1 = vzero()
-                for k in range(num_in):
-                    s = vbroadcast(xr[k])
-                    a0 = vfma(s, wload(w0, s0, k), a0)
-                    a1 = vfma(s, wload(w1, s1, k), a1)
+                for k0 in range(0, num_in, run):
+                    d0 = run_scales(s0, k0); d1 = run_scales(s1, k0)
+                    for k in range(k0, min(num_in, k0 + run)):
+                        s = vbroadcast(xr[k])
+                        a0 = vfma(s, run_load(w0, d0, k), a0)
+                        a1 = vfma(s, run_load(w1, d1, k), a1)
                 _finish(out, m, b * LANES, a0, bias, accumulate)
                 _finish(out, m, (b + 1) * LANES, a1, bias, accumulate)
                 b += 2
