@@ -14,7 +14,10 @@ any thread count. That is what lets greedy speculative decoding equal plain deco
 
 Speed: one broadcast input value feeds up to 8 vector FMAs (4 rows x 2 blocks), so many-row products
 (prefill chunks, verify trees) run near the FMA units' rate, while one row streams each weight once
-(decode is memory-bound). Half-size weights (bfloat16 bits or float16) are widened as they load.
+(decode is memory-bound). Half-size weights (bfloat16 bits or float16) are widened as they load;
+int8 weights (llama.cpp's Q8_0 layout: `quantize_q8`) are widened and multiplied by their run's float16
+scale as they load — q · d is exact in float32, so an int8 product is the same single FMA chain over the
+dequantized weights, batch-invariant like the others.
 """
 
 from __future__ import annotations
