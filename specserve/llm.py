@@ -116,10 +116,9 @@ class LLM:
         # The CPU kernels run the whole layer, attention included; naming a backend asks for the torch
         # layers with that backend instead (on the CPU: sdpa, or triton under Triton's interpreter).
         cpu_kernels = attention is None and tensor_parallel_size == 1
-        _check_quantization(quantization, self.device, cpu_kernels, kernels_unsupported(self.device, torch.float32,
-                                                                                         cfg.head_dim))
-        self.dtype = resolve_dtype(dtype, self.device, checkpoint_dtype(cfg.hf_config),
-                                   cpu_kernels and kernels_unsupported(self.device, torch.float32, cfg.head_dim) is None)
+        unsupported = kernels_unsupported(self.device, torch.float32, cfg.head_dim)  # None: the kernels can run it
+        _check_quantization(quantization, self.device, cpu_kernels, unsupported)
+        self.dtype = resolve_dtype(dtype, self.device, checkpoint_dtype(cfg.hf_config), cpu_kernels and unsupported is None)
         self._tp = self._launch_tensor_parallel(tensor_parallel_size, cfg, model_dir, threads)
         self.model = LlamaModel.from_pretrained(model_dir, self.device, self.dtype, attention, cpu_kernels=cpu_kernels,
                                                 tp=self._tp, quantization=quantization)
