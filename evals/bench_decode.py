@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from specserve.cli import QUANTIZATION_HELP, QUANTIZATIONS
 from specserve.evals import llamacpp_peer
 from specserve.evals.common import first_divergence, host, median_spread, set_threads, use_model_dir, write_json
 
@@ -32,8 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None,
                    help="CPU: weight storage float32 (default), bfloat16 or float16 (compute stays float32); "
                         "llama.cpp gets f32 weights against float32, f16 against the half-size ones")
-    p.add_argument("--quantization", choices=["int8"], default=None,
-                   help="int8: our Q8_0-layout weights (against llama.cpp's q8_0 with --peer llama.cpp)")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                   help=QUANTIZATION_HELP + "; llama.cpp gets q8_0 against it")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU kernel threads, and llama.cpp's n_threads and n_threads_batch (default: every core)")
     p.add_argument("--skip-transformers", action="store_true")

@@ -48,8 +48,6 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--threads", type=int, default=None, help=f"CPU threads for the kernels ({THREADS_HELP})")
     p.add_argument("--dtype", default=None, help="CPU: weight storage float32 (default), bfloat16 or float16")
-    p.add_argument("--quantization", choices=["int8"], default=None,
-                   help="int8: the target's products quantized at load as llama.cpp's Q8_0 (CPU kernels only)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="info (the default) logs one line per finished request; warning keeps only problems")
     p.add_argument("--log-format", default="text", choices=["text", "json"], help="json: one JSON object per line")

@@ -128,8 +128,13 @@ def _drafter_options(items: list[str]) -> dict:
     return options
 
 
+QUANTIZATIONS = ("int8",)  # specserve.llm.QUANTIZATIONS (not imported: no torch here)
+QUANTIZATION_HELP = "int8: the target's products quantized at load in llama.cpp's Q8_0 layout (CPU kernels only)"
+
+
 def add_execution_arguments(p: argparse.ArgumentParser) -> None:
-    """--attention, --no-cuda-graphs, --tensor-parallel and --no-prefix-caching (generate and serve)."""
+    """--attention, --no-cuda-graphs, --tensor-parallel, --no-prefix-caching and --quantization (generate and
+    serve)."""
     p.add_argument("--attention", default=None, choices=["triton", "sdpa"],
                    help="attention backend (default: triton on CUDA; on the CPU the compiled kernels — naming one "
                         "runs the torch layers instead)")
@@ -139,6 +144,7 @@ def add_execution_arguments(p: argparse.ArgumentParser) -> None:
                    help="split the target over N ranks (torch.distributed: N GPUs, or N CPU processes with gloo)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="prefill every prompt whole (default: reuse the KV of full blocks earlier requests computed)")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help=QUANTIZATION_HELP)
 
 
 def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
@@ -169,8 +175,6 @@ def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--dtype", default=None,
                      help="CPU: weight storage float32 (default), bfloat16 or float16 (compute stays float32); "
                           "CUDA: compute dtype (default bfloat16)")
-    gen.add_argument("--quantization", choices=["int8"], default=None,
-                     help="int8: the target's products quantized at load as llama.cpp's Q8_0 (CPU kernels only)")
     gen.add_argument("--threads", type=int, default=None, help=f"CPU threads for the kernels ({THREADS_HELP})")
     add_execution_arguments(gen)
     gen.add_argument("--compare", action="store_true",

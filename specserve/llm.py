@@ -335,7 +335,7 @@ class LLM:
         )
 
 
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8",)  # the CLI's copy: specserve.cli.QUANTIZATIONS
 
 
 def _check_quantization(quantization: str | None, device: torch.device, cpu_kernels: bool, unsupported: str | None) -> None:
