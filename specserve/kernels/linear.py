@@ -133,28 +133,21 @@ def as_numpy(x: torch.Tensor) -> np.ndarray:
     return x.numpy()
 
 
-def wload(w, s, k):
-    """Input k's weights for a block's 16 outputs as float32 lanes: w[k*16 : k*16+16] widened, times
-    their scales s[(k // 32) * 16 ..] for int8 (q · d is exact in float32: 8 by 11 significant bits),
-    so every storage feeds the same one-FMA-per-input chain. Compiled per storage (see `_wload`)."""
-    raise NotImplementedError("wload runs inside numba kernels only")
-
-
-@overload(wload, inline="always")
-def _wload(w, s, k):
-    if w.dtype == types.int8:
-        def scaled(w, s, k):
-            return vmul(vload(w, k * LANES), vload(s, (k // Q8_BLOCK) * LANES))
-        return scaled
-
-    def widened(w, s, k):
-        return vload(w, k * LANES)
-    return widened
-
-
 def run_length(w, num_in):
-    """How many inputs share scales: Q8_BLOCK for int8, all of them otherwise."""
-    raise NotImplementedError("run_length runs inside numba kernels only")
+    """How many consecutive inputs share scales: Q8_BLOCK for int8, all of them otherwise."""
+    raise NotImplementedError("runs inside numba kernels only")
+
+
+def run_scales(w, s, k):
+    """The scales of the run holding input k as lanes (int8: s[(k // 32) * 16 ..]); unused lanes otherwise."""
+    raise NotImplementedError("runs inside numba kernels only")
+
+
+def run_load(w, d, k):
+    """Input k's weights for a block's 16 outputs as float32 lanes: w[k*16 : k*16+16] widened, times the
+    run's scales d for int8 (q · d is exact in float32: 8 by 11 significant bits), so every storage feeds the
+    same one-FMA-per-input chain. A loop over one run loads d once (`run_scales`); `wload` per input."""
+    raise NotImplementedError("runs inside numba kernels only")
 
 
 @overload(run_length, inline="always")
@@ -164,37 +157,25 @@ def _run_length(w, num_in):
     return lambda w, num_in: max(num_in, 1)
 
 
-def run_scales(s, k0):
-    """The scales of the run of 32 inputs starting at k0 (int8), as lanes; a dummy for other storages."""
-    raise NotImplementedError("run_scales runs inside numba kernels only")
-
-
-def run_load(w, d, k):
-    """`wload` within a run whose scales `run_scales` loaded: w[k*16 ..] widened (times d for int8)."""
-    raise NotImplementedError("run_load runs inside numba kernels only")
-
-
 @overload(run_scales, inline="always")
-def _run_scales(s, k0):
-    if s.dtype == types.uint16 and s.ndim == 1:
-        def scales(s, k0):
-            if s.shape[0] == 0:
-                return vzero()
-            return vload(s, (k0 // Q8_BLOCK) * LANES)
-        return scales
-    return None
+def _run_scales(w, s, k):
+    if w.dtype == types.int8:
+        return lambda w, s, k: vload(s, (k // Q8_BLOCK) * LANES)
+    return lambda w, s, k: vzero()
 
 
 @overload(run_load, inline="always")
 def _run_load(w, d, k):
     if w.dtype == types.int8:
-        def scaled(w, d, k):
-            return vmul(vload(w, k * LANES), d)
-        return scaled
+        return lambda w, d, k: vmul(vload(w, k * LANES), d)
+    return lambda w, d, k: vload(w, k * LANES)
 
-    def widened(w, d, k):
-        return vload(w, k * LANES)
-    return widened
+
+@numba.njit(inline="always")
+def wload(w, s, k):
+    """`run_load` of input k with its run's scales loaded on the spot (the multi-row tiles, where one scale
+    load feeds 2-4 rows' FMAs)."""
+    return run_load(w, run_scales(w, s, k), k)
 
 
 @numba.njit(inline="always")
@@ -307,7 +288,7 @@ def linear_rows(x, w, scales, bias, out, accumulate):
                 s0, s1, s2, s3 = scales[b], scales[b + 1], scales[b + 2], scales[b + 3]
                 a0 = vzero(); a1 = vzero(); a2 = vzero(); a3 = vzero()
                 for k0 in range(0, num_in, run):
-                    d0 = run_scales(s0, k0); d1 = run_scales(s1, k0); d2 = run_scales(s2, k0); d3 = run_scales(s3, k0)
+                    d0 = run_scales(w0, s0, k0); d1 = run_scales(w1, s1, k0); d2 = run_scales(w2, s2, k0); d3 = run_scales(w3, s3, k0)
                     for k in range(k0, min(num_in, k0 + run)):
                         s = vbroadcast(xr[k])
                         a0 = vfma(s, run_load(w0, d0, k), a0)
@@ -325,7 +306,7 @@ def linear_rows(x, w, scales, bias, out, accumulate):
                 s0, s1 = scales[b], scales[b + 1]
                 a0 = vzero(); a1 = vzero()
                 for k0 in range(0, num_in, run):
-                    d0 = run_scales(s0, k0); d1 = run_scales(s1, k0)
+                    d0 = run_scales(w0, s0, k0); d1 = run_scales(w1, s1, k0)
                     for k in range(k0, min(num_in, k0 + run)):
                         s = vbroadcast(xr[k])
                         a0 = vfma(s, run_load(w0, d0, k), a0)
