@@ -188,6 +188,12 @@ class Request:
         return self.num_tokens - self.prompt_len
 
     @property
+    def tokens_after_bonus(self) -> int:
+        """Output tokens a verify step may still add besides its bonus token (which always comes): the most
+        draft or forced tokens this step can use."""
+        return self.max_tokens - self.num_output - 1
+
+    @property
     def prefilled(self) -> bool:
         """The whole prompt is in the cache (prefill may take several steps, one chunk each)."""
         return self.num_cached >= self.prompt_len

@@ -139,7 +139,7 @@ class Scheduler:
             prefills.append(chunk)
             tokens_left -= chunk.end - chunk.start
         # The bonus token always comes: a tree may use at most the tokens left after it.
-        caps = [max(0, min(max_budget, r.max_tokens - r.num_output - 1)) if r.speculate else 0 for r in decodes]
+        caps = [max(0, min(max_budget, r.tokens_after_bonus)) if r.speculate else 0 for r in decodes]
         return ScheduledStep(prefills, decodes, caps)
 
     def _cached_prefix(self, req: Request) -> list[int]:

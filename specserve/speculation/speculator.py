@@ -107,7 +107,7 @@ class Speculator:
         for i, r in enumerate(decodes):
             if not (r.rules or self.hooks.forced_tokens):
                 continue
-            forced = self.hooks.forced(r)[: min(self.max_forced_tokens, r.max_tokens - r.num_output - 1)]
+            forced = self.hooks.forced(r)[: min(self.max_forced_tokens, r.tokens_after_bonus)]
             if forced:
                 trees[i], budgets[i] = DraftTree.chain(forced), 0
         drafting = [i for i, b in enumerate(budgets) if b > 0]
@@ -150,7 +150,7 @@ class Speculator:
         return list(proposed)
 
     def _draft_depth(self, plan_depth: int | None) -> int:
-        depth = self.drafter.depth if self.drafter is not None else 1
+        depth = self.drafter.depth
         return min(depth, plan_depth) if plan_depth is not None else depth
 
     # ---- after the Verifier ---------------------------------------------------------------------
