@@ -29,7 +29,7 @@ import torch
 
 from specserve.drafters.base import Drafter, DraftRequest
 from specserve.drafters.draft_rng import request_generator
-from specserve.drafters.tree_builder import Frontier, TreeBuilder, adjust_level, mask_level
+from specserve.drafters.tree_builder import Frontier, TreeBuilder, adjust_level, draft_columns, mask_level
 from specserve.verify import DraftTree
 
 
@@ -59,6 +59,7 @@ class LevelDrafter(Drafter):
     # The tree builder works in draft ids; feeds, masks and the finished trees go through this map, so a
     # token outside the draft vocabulary is simply never drafted (verification is unchanged: lossless).
     id_map: np.ndarray | None = None
+    _columns: np.ndarray | None = None  # `draft_columns` of id_map, made once (penalised requests need it)
 
     def propose(self, requests: list[DraftRequest], budgets: list[int], depth: int | None = None) -> list[DraftTree]:
         if len(budgets) != len(requests):
@@ -84,7 +85,9 @@ class LevelDrafter(Drafter):
         adjusters = [w.req.adjust for w in work]
         adjusted = any(adjusters)
         if adjusted:
-            adjust_level(logits[:, None], adjusters, builder, None, None, self._target_ids)
+            if self._columns is None:
+                self._columns = draft_columns(self.id_map, self.vocab)
+            adjust_level(logits[:, None], adjusters, builder, None, None, self._target_ids, self._columns)
         if constrained:
             mask_level(logits[:, None], grammars, builder, None, None, self._target_ids, self._draft_allowed)
         front = builder.add_level(logits)
@@ -95,7 +98,7 @@ class LevelDrafter(Drafter):
                 break
             logits = _numpy(self._feed_level(work, builder, front, active, level))  # [A', W, V]
             if adjusted:
-                adjust_level(logits, adjusters, builder, front, active, self._target_ids)
+                adjust_level(logits, adjusters, builder, front, active, self._target_ids, self._columns)
             if constrained:
                 mask_level(logits, grammars, builder, front, active, self._target_ids, self._draft_allowed)
             front = builder.add_level(logits, active)

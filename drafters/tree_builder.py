@@ -178,19 +178,25 @@ def mask_level(logits: np.ndarray, grammars: list, builder: TreeBuilder, front: 
 
 
 def adjust_level(logits: np.ndarray, adjusters: list, builder: TreeBuilder, front: Frontier | None,
-                 requests: np.ndarray | None = None, target_ids=lambda ids: ids) -> None:
+                 requests: np.ndarray | None, target_ids, columns: np.ndarray) -> None:
     """Rules that edit the target's logits (penalties, logit bias) edit the draft's the same way, row by
     row along each frontier node's path, before anything is drawn (a sampled node's q is the adjusted
     draft distribution). Shapes as `mask_level`; adjusters: per builder request, a tuple of
-    `specserve.step_hooks.DraftLogits` (empty: none)."""
-    columns = None
+    `specserve.step_hooks.DraftLogits` (empty: none); columns: int64[target ids] each target id's column
+    in the logits, -1 where the draft vocabulary lacks it (`draft_columns`)."""
     for i, f, path, adjust in _frontier_rows([a or None for a in adjusters], builder, front, requests, target_ids):
-        if columns is None:  # int64[V_target]: each target id's draft column, -1 where the draft vocabulary lacks it
-            targets = target_ids(np.arange(logits.shape[-1], dtype=np.int64))
-            columns = np.full(int(targets.max()) + 1, -1, dtype=np.int64)
-            columns[targets] = np.arange(len(targets))
         for rule in adjust:
             rule.adjust(logits[i, f], path, columns)
+
+
+def draft_columns(id_map: np.ndarray | None, vocab: int) -> np.ndarray:
+    """int64[target ids]: each target id's column in a drafter's logits over `vocab` columns (draft id ->
+    target id `id_map`, None: the identity), -1 where the draft vocabulary lacks it."""
+    if id_map is None:
+        return np.arange(vocab, dtype=np.int64)
+    columns = np.full(int(id_map.max()) + 1, -1, dtype=np.int64)
+    columns[id_map] = np.arange(len(id_map))
+    return columns
 
 
 def _frontier_rows(per_request: list, builder: TreeBuilder, front: Frontier | None, requests: np.ndarray | None,
