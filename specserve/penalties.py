@@ -47,6 +47,7 @@ class PenaltyRule(RequestRule):
         self.bias_ids = torch.tensor(list(bias), dtype=torch.int64)
         self.bias_values = torch.tensor(list(bias.values()), dtype=torch.float32)
         self.counted = self.presence != 0 or self.frequency != 0 or self.repetition != 1
+        self._fixed: tuple | None = None  # `_fixed_columns`, keyed by the drafter's column map
 
     def process_logits(self, logits: torch.Tensor, tree: DraftTree) -> None:
         """logits float32[N+1, V] (this request's verify rows, in place)."""
@@ -118,11 +119,20 @@ class PenaltyRule(RequestRule):
             values = self._penalised(torch.from_numpy(row[cols]), torch.from_numpy(counts),
                                      torch.from_numpy(np.isin(targets, self.prompt_tokens)))
             row[cols] = values.numpy()
-        if self.bias_ids.numel():
-            cols, targets = columns(self.bias_ids.numpy())
-            row[cols] += self.bias_values.numpy()[np.isin(self.bias_ids.numpy(), targets)]
-        if self.min_tokens > self.generated + len(path) and self.eos.numel():
-            row[columns(self.eos.numpy())[0]] = -np.inf
+        if self.bias_ids.numel() or self.eos.numel():
+            bias_cols, bias_values, eos_cols = self._fixed_columns(draft_columns, columns)
+            row[bias_cols] += bias_values
+            if self.min_tokens > self.generated + len(path):
+                row[eos_cols] = -np.inf
+
+    def _fixed_columns(self, draft_columns: np.ndarray, columns) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(logit_bias's draft columns, their biases, the EOS tokens' draft columns) for this drafter's
+        column map: the same for every node of every step, so found once per map."""
+        if self._fixed is None or self._fixed[0] is not draft_columns:
+            bias_cols, bias_targets = columns(self.bias_ids.numpy())
+            bias_values = self.bias_values.numpy()[np.isin(self.bias_ids.numpy(), bias_targets)]
+            self._fixed = (draft_columns, bias_cols, bias_values, columns(self.eos.numpy())[0])
+        return self._fixed[1:]
 
     def accept_token(self, token: int):
         if self.counts[token] == 0:
