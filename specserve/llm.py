@@ -354,9 +354,9 @@ def _describe_model(model, model_dir: Path, max_model_len: int | None) -> str:
     """What the loading line says about the model: its size and context window (the embedded one named)."""
     params = sum(p.numel() for p in model.parameters()) if hasattr(model, "parameters") else 0
     context = max_model_len if max_model_len is not None else default_context(model.config)
-    from specserve.bundle_paths import default_model_dir
+    from specserve.bundle_paths import is_default_model
 
-    embedded = default_model_dir() is not None and Path(default_model_dir()).resolve() == Path(model_dir).resolve()
+    embedded = is_default_model(model_dir)
     size = f"{params / 1e6:.0f}M parameters, " if params else ""
     return f"{'the embedded code model, ' if embedded else ''}{size}{context}-token context"
 
