@@ -424,14 +424,14 @@ class Shapes:
         return dumps(out)
 
     def final_chunk(self, finish_reason: str, spec: dict, usage: dict | None, timing: dict | None = None,
-                    index: int = 0, logprobs: dict | None = None) -> list[str]:
+                    index: int = 0) -> list[str]:
         """The chunk with the finish reason, and the usage chunk when asked for; the last one carries ``spec``
         and ``timing`` (ms: queue_ms, ttft_ms, e2e_ms from receipt; engine_ttft_ms as LLM.generate reports)."""
         base = self._base("chat.completion.chunk" if self.chat else "text_completion")
         if self.chat:
-            choice = {"index": index, "delta": {}, "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason}
         else:
-            choice = {"index": index, "text": "", "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"index": index, "text": "", "logprobs": None, "finish_reason": finish_reason}
         chunks = [{**base, "choices": [choice]}]
         if usage is not None:
             chunks.append({**base, "choices": [], "usage": usage})

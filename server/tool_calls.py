@@ -282,7 +282,6 @@ class RequiredStream:
     def __init__(self) -> None:
         self.scanner = RequiredScanner()
         self.sent: list[int] = []  # per opened call: characters of its arguments sent
-        self.ids: list[str] = []
 
     def feed(self, text: str) -> list[dict]:
         calls = self.scanner.feed(text)
@@ -294,7 +293,6 @@ class RequiredStream:
             start, end = call["args"] if call["args"] is not None else (0, 0)
             if j == len(self.sent):
                 opened = tool_call(call["name"], text[start:end])
-                self.ids.append(opened["id"])
                 self.sent.append(end - start)
                 deltas.append({"index": j, **opened})
             elif end - start > self.sent[j]:
