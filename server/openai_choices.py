@@ -53,8 +53,8 @@ class ChoiceWriter:
     def piece(self, text: str, entries, usage: dict | None = None) -> str | None:
         """A stream chunk for new output text and its tokens' log-probabilities (None: nothing to send);
         `usage` (continuous usage stats) rides on it."""
-        self.add(text, entries)
-        if self.tools is not None:
+        if self.tools is not None:  # only tool calls read the whole output back (a streamed text is sent as it comes)
+            self.add(text, entries)
             return self._tool_piece(text, usage)
         if not text and not entries and usage is None:
             return None
@@ -78,9 +78,9 @@ class ChoiceWriter:
     def finish(self, reason: str, leftover) -> tuple[list[str], str]:
         """Chunks still owed at the end (leftover log-probabilities, held-back tool calls or content) and
         the finish reason to report."""
-        self.entries.extend(leftover)
         out = []
         if self.tools is not None:
+            self.entries.extend(leftover)
             calls = self._calls(reason)
             if calls is not None:
                 # A named call and a "required" one streamed as generated went out with the text; the
