@@ -29,29 +29,25 @@ from specserve.evals.metrics import SpecCounts
 
 
 class KernelClock:
-    """Seconds spent inside the forwards of an `LLM`'s target and drafter (its model, EAGLE head or
-    Medusa heads; a hybrid's parts'), counted by wrapping their entry points on the instances."""
+    """Seconds spent inside the forwards of an `LLM`'s target and drafter (`bench_overhead.forward_targets`:
+    the target, a draft model, an EAGLE head's layers, fusion and LM head; a hybrid's parts'), plus Medusa's
+    heads, counted by wrapping their entry points on the instances."""
 
     def __init__(self, llm) -> None:
+        from specserve.evals.bench_overhead import forward_targets
+
         self.seconds = 0.0
         self.device = llm.device
-        self._wrap(llm.model, "forward")
+        for owner, name in forward_targets(llm):
+            setattr(owner, name, self.timed(getattr(owner, name)))
         drafter = llm.engine.drafter
         for part in ([drafter, *getattr(drafter, "parts", [])] if drafter is not None else []):
-            model = getattr(part, "model", None)
-            if model is not None and model is not llm.model:
-                self._wrap(model, "forward")
-            head = getattr(part, "head", None)
-            if head is not None:
-                self._wrap(head, "forward")
-                self._wrap(head, "logits")
-            if getattr(part, "kernels", None) is not None and getattr(part, "heads", None) is not None:
+            if getattr(part, "heads", None) is None:
+                continue
+            if getattr(part, "kernels", None) is not None:
                 part.kernels = _Timed(part.kernels, self)  # Medusa's heads on the CPU kernels
-            elif getattr(part, "heads", None) is not None:
-                self._wrap(part.heads, "forward")
-
-    def _wrap(self, obj, name: str) -> None:
-        setattr(obj, name, self.timed(getattr(obj, name)))
+            else:
+                part.heads.forward = self.timed(part.heads.forward)
 
     def timed(self, fn):
         def call(*args, **kwargs):
