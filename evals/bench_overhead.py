@@ -161,15 +161,13 @@ def forward_targets(llm) -> list[tuple[object, str]]:
     return targets
 
 
-def measure(drafter: str | None, batch: int, max_tokens: int, repeats: int, prompts: list[str],
-            model: str | None = None, drafter_options: dict | None = None) -> tuple[dict, object]:
+def measure(drafter: str | None, batch: int, max_tokens: int, repeats: int, prompts: list[str]) -> tuple[dict, object]:
     """One cell: the real run, a checked replay, then `repeats` timed null-forward replays. Returns the
     figures and the LLM."""
     from specserve import LLM, SamplingParams
 
     # Static budgets and no prefix caching: a replay must run exactly the real run's forwards.
-    llm = LLM(model, drafter=drafter, drafter_options=drafter_options, speculation="static", max_num_seqs=batch,
-              enable_prefix_caching=False)
+    llm = LLM(drafter=drafter, speculation="static", max_num_seqs=batch, enable_prefix_caching=False)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
     llm.generate(batch_prompts[:1], params)  # warm-up: kernels compiled, first-call costs paid

@@ -60,10 +60,10 @@ def _generate(llm, prompt: list[int], max_tokens: int):
 
 
 def _chat_prompt(llm, messages: list[dict]) -> list[int]:
-    from specserve.server.prompts import messages_to_text
+    """The prompt the server builds for these messages (so engine and server mode time the same ids)."""
+    from specserve.server.prompts import prompt_ids
 
-    text, special = messages_to_text(llm.tokenizer, messages)
-    return list(llm.tokenizer.encode(text, add_special_tokens=special))
+    return prompt_ids(llm, None, messages)
 
 
 class _EngineChat:
