@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specserve.cli import GRAMMAR_DRAFTING, add_grammar_drafting_argument
+from specserve.cli import add_grammar_drafting_argument
+from specserve.defaults import GRAMMAR_DRAFTING
 from specserve.evals.datasets import (
     ON_BAD_LINE,
     EvalPrompt,

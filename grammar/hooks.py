@@ -17,13 +17,12 @@ import threading
 
 import torch
 
+from specserve.defaults import GRAMMAR_DRAFTING
 from specserve.grammar.compiler import GrammarCompiler
 from specserve.grammar.constraint import Constraint
 from specserve.grammar.state import GrammarState
 from specserve.step_hooks import DraftMask, RequestRule, TokenVerdict
 from specserve.verify import DraftTree
-
-GRAMMAR_DRAFTING = ("forced", "aware", "verify")
 
 __all__ = ["GRAMMAR_DRAFTING", "ConstraintRule", "ConstraintRules"]
 

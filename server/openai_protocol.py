@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from specserve.sampling import MAX_LOGPROBS
+from specserve.defaults import MAX_LOGPROBS
 from specserve.server.prompts import FieldNames, ToolMessages
 from specserve.server.tool_calls import ToolPlan, history_message, parse_tools
 from specserve.server.protocol import (

@@ -27,6 +27,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from specserve.defaults import MAX_LOGPROBS
+
 # ---- error types and codes ----------------------------------------------------------------------
 
 INVALID_REQUEST = "invalid_request_error"
@@ -283,7 +285,6 @@ OPTION_VALUES = {"stream_pacing": ("off", "smooth"), "truncation": ("disabled", 
 #: Log-probabilities of the output tokens, per response (as chat completions spell them): ``logprobs``
 #: true/false, ``top_logprobs`` 0..20 alternatives per token (given alone, it turns logprobs on).
 LOGPROB_FIELDS = ("logprobs", "top_logprobs")
-MAX_TOP_LOGPROBS = 20  # specserve.sampling.MAX_LOGPROBS, OpenAI's limit
 
 
 def parse_logprobs(obj: dict, prefix: str) -> dict[str, int]:
@@ -294,7 +295,7 @@ def parse_logprobs(obj: dict, prefix: str) -> dict[str, int]:
                             f"alternatives), got {_json_type(on)}", prefix + "logprobs")
     top = obj.get("top_logprobs")
     if top is not None:
-        top = _int(top, prefix + "top_logprobs", 0, MAX_TOP_LOGPROBS)
+        top = _int(top, prefix + "top_logprobs", 0, MAX_LOGPROBS)
         if on is False:
             raise ProtocolError("invalid_value", f"{prefix}top_logprobs needs logprobs true (or omitted)",
                                 prefix + "top_logprobs")

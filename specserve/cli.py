@@ -11,6 +11,8 @@ import sys
 import time
 from typing import Sequence
 
+from specserve.defaults import GRAMMAR_DRAFTING, QUANTIZATIONS  # light: the CLI builds its parser without torch
+
 _STARTED = time.perf_counter()  # about when the process started (this module is among the first imported)
 
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, NotADirectoryError, PermissionError, MemoryError)
@@ -128,7 +130,6 @@ def _drafter_options(items: list[str]) -> dict:
     return options
 
 
-QUANTIZATIONS = ("int8",)  # specserve.llm.QUANTIZATIONS (not imported: no torch here)
 QUANTIZATION_HELP = "int8: the target's products quantized at load in llama.cpp's Q8_0 layout (CPU kernels only)"
 
 
@@ -211,7 +212,6 @@ def kernel_threads(args: argparse.Namespace, engines: int = 1) -> int | None:
     return default_threads(engines) if on_cpu else None
 
 
-GRAMMAR_DRAFTING = ("forced", "aware", "verify")  # specserve.grammar.hooks.GRAMMAR_DRAFTING (not imported: no torch here)
 
 
 def add_grammar_drafting_argument(parser: argparse.ArgumentParser) -> None:

@@ -1,5 +1,7 @@
 """The default sampling settings, defined once for every way in: `SamplingParams` (Python), the CLI
-(`generate`, `chat`), the OpenAI-compatible HTTP API, websocket sessions and the chat page.
+(`generate`, `chat`), the OpenAI-compatible HTTP API, websocket sessions and the chat page — and the
+few choices those ways in validate (grammar drafting modes, weight quantizations, the log-probability
+limit), so none of them keeps a copy.
 
 Kept free of heavy imports: the CLI reads it while building its parser (`specserve --help` must not
 import torch).
@@ -16,6 +18,12 @@ import torch).
 from __future__ import annotations
 
 TEMPERATURE = 1.0
+#: Most top log-probabilities per position (OpenAI's limit for top_logprobs).
+MAX_LOGPROBS = 20
+#: How constrained requests draft (`LLM(grammar_drafting=...)`, grammar/hooks.py).
+GRAMMAR_DRAFTING = ("forced", "aware", "verify")
+#: Weight quantizations `LLM(quantization=...)` offers (the CPU kernels' int8, llama.cpp's Q8_0 layout).
+QUANTIZATIONS = ("int8",)
 TOP_P = 1.0
 TOP_K = 0
 MIN_P = 0.0

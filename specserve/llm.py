@@ -12,11 +12,12 @@ import torch
 
 from specserve import progress
 from specserve.config import context_limit, default_context, load_config
+from specserve.defaults import GRAMMAR_DRAFTING, QUANTIZATIONS
 from specserve.device import checkpoint_dtype, resolve_device, resolve_dtype
 from specserve.kernels import kernels_unsupported
 from specserve.drafters import TargetInfo, create_drafter
 from specserve.engine import Engine, EngineConfig
-from specserve.grammar.hooks import GRAMMAR_DRAFTING, ConstraintRules
+from specserve.grammar.hooks import ConstraintRules
 from specserve.model import LlamaModel
 from specserve.penalties import PenaltyRules
 from specserve.request import RequestOutput
@@ -335,7 +336,6 @@ class LLM:
         )
 
 
-QUANTIZATIONS = ("int8",)  # the CLI's copy: specserve.cli.QUANTIZATIONS
 
 
 def _check_quantization(quantization: str | None, device: torch.device, cpu_kernels: bool, unsupported: str | None) -> None:

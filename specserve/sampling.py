@@ -120,8 +120,8 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or not 0 <= value <= MAX_LOGPROBS):
-                raise ValueError(f"SamplingParams.{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+                                      or not 0 <= value <= defaults.MAX_LOGPROBS):
+                raise ValueError(f"SamplingParams.{name} must be None or an integer in [0, {defaults.MAX_LOGPROBS}], got {value!r}")
         given = [kind for kind in ("json_schema", "regex", "grammar", "choice") if getattr(self, kind) is not None]
         if len(given) > 1:
             raise ValueError(f"SamplingParams takes at most one of json_schema, regex, grammar and choice; got {', '.join(given)}")
@@ -167,8 +167,6 @@ class SamplingParams:
                     or self.logit_bias or self.min_tokens)
 
 
-#: Most top log-probabilities per position (OpenAI's limit for top_logprobs).
-MAX_LOGPROBS = 20
 
 
 def _token_id(key) -> int | None:
