@@ -55,13 +55,16 @@ def test_messages_go_through_the_prompt_template(server, reference_llm):
 
 
 def test_concurrent_responses_on_one_socket_do_not_cross(server, reference_llm):
+    # Long enough that the first response cannot finish while the next create waits for its reply (48 tokens
+    # once did, on a loaded machine: a few tens of ms).
+    tokens = 160
     with Conn(server.ws_url) as c:
-        ids = [c.create(input=p, max_output_tokens=48, temperature=0, ignore_eos=True) for p in PROMPTS]
+        ids = [c.create(input=p, max_output_tokens=tokens, temperature=0, ignore_eos=True) for p in PROMPTS]
         for rid in ids:
             c.wait_done(rid)
         for rid, prompt in zip(ids, PROMPTS, strict=True):
-            assert c.text(rid) == greedy_text(reference_llm, prompt, 48, ignore_eos=True), prompt
-            assert c.done[rid]["usage"]["output_tokens"] == 48
+            assert c.text(rid) == greedy_text(reference_llm, prompt, tokens, ignore_eos=True), prompt
+            assert c.done[rid]["usage"]["output_tokens"] == tokens
         # They really ran together: deltas of several responses interleave before the first done.
         order = [e.get("response_id") or e.get("response", {}).get("id") for e in c.log
                  if e["type"] in ("response.output_text.delta", "response.done")]
