@@ -8,18 +8,21 @@ a result depends only on its own inputs: batch invariance by construction, not b
 
 `F32x16` values live in registers (LLVM ``<16 x float>``). Loads widen half-size weights on the fly:
 bfloat16 is the top half of a float32 (widening is a shift), float16 converts with F16C; arithmetic
-is always float32. Half-size weights travel as 16-bit integer arrays (int16: bfloat16, uint16: float16),
-8-bit quantized ones as int8. Unaligned loads are used throughout (numpy gives 16-byte alignment at best).
+is always float32. Half-size weights travel as 16-bit integer arrays (int16: bfloat16, uint16: float16).
+`I32x16` (16 int32 lanes) carries 8-bit dot products (`vdot4`) for int8 weights. Unaligned loads are used throughout (numpy gives 16-byte alignment at best).
 """
 
 from __future__ import annotations
 
+import numba
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
 LANES = 16
+# Products at least this many 16-wide blocks (1024 outputs) use 4-block tiles: 16+ tiles, even for 4 threads.
+WIDE_PRODUCT_BLOCKS = 64
 _VEC = ir.VectorType(ir.FloatType(), LANES)
 _I32 = ir.IntType(32)
 
@@ -69,10 +72,9 @@ def vbroadcast(typingctx, value):
 def vload(typingctx, array, index):
     """array[index : index + 16] as float32 lanes. array is 1-D contiguous: float32, or half-size weights
     kept as 16-bit integers — int16 holds bfloat16 bits (widened by a shift), uint16 holds float16 bits
-    (converted with F16C) — or int8 quantized weights (converted exactly; their scales are applied by the
-    caller). numba has no float16 arithmetic, so the dtype itself says how to widen."""
+    (converted with F16C). numba has no float16 arithmetic, so the dtype itself says how to widen."""
     if not isinstance(array, types.Array) or array.ndim != 1 or array.dtype not in (
-            types.float32, types.int16, types.uint16, types.int8):
+            types.float32, types.int16, types.uint16):
         return None
 
     def codegen(context, builder, signature, args):
@@ -80,9 +82,6 @@ def vload(typingctx, array, index):
         ptr = _item_pointer(context, builder, arrty, args[0], args[1])
         if arrty.dtype == types.float32:
             return builder.load(builder.bitcast(ptr, _VEC.as_pointer()), align=4)
-        if arrty.dtype == types.int8:
-            raw8 = builder.load(builder.bitcast(ptr, ir.VectorType(ir.IntType(8), LANES).as_pointer()), align=1)
-            return builder.sitofp(raw8, _VEC)
         bits = ir.VectorType(ir.IntType(16), LANES)
         raw = builder.load(builder.bitcast(ptr, bits.as_pointer()), align=2)
         if arrty.dtype == types.uint16:  # float16
@@ -210,3 +209,144 @@ def vexp(typingctx, a):
         return builder.select(below, _vconst(0.0), y)
 
     return F32x16(a), codegen
+
+
+# ---- 16 int32 lanes: 8-bit dot products (the int8 weights' products) -------------------------------------
+#
+# An int8 product multiplies 8-bit weights by 8-bit activations and sums in int32 — exact, so no order
+# question arises inside a run of inputs. `vdot4` is the one operation: per int32 lane, four unsigned bytes
+# of `a` times four signed bytes of `b`, summed into the lane. CPUs with AVX-512 VNNI do it in one
+# instruction (vpdpbusd); elsewhere the same exact sum is spelled out in generic vector code.
+
+_IVEC = ir.VectorType(_I32, LANES)
+_BYTES = ir.VectorType(ir.IntType(8), 4 * LANES)
+
+
+def _host_has_vnni() -> bool:
+    """Whether numba's target CPU has AVX-512 VNNI (numba compiles for the host unless told otherwise)."""
+    import llvmlite.binding as llvm
+    from numba.core import config
+
+    if config.CPU_FEATURES is not None:
+        return "+avx512vnni" in config.CPU_FEATURES.split(",")
+    if config.CPU_NAME not in (None, "host"):
+        return False  # a named, portable target (e.g. "generic" for a shared cache): don't assume it
+    return bool(llvm.get_host_cpu_features().get("avx512vnni", False))
+
+
+HAS_VNNI = _host_has_vnni()
+
+
+class I32x16Type(types.Type):
+    def __init__(self) -> None:
+        super().__init__(name="I32x16")
+
+
+I32x16 = I32x16Type()
+
+
+@register_model(I32x16Type)
+class _I32x16Model(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _IVEC)
+
+
+@intrinsic
+def vizero(typingctx):
+    """16 int32 zeros."""
+
+    def codegen(context, builder, signature, args):
+        return ir.Constant(_IVEC, [0] * LANES)
+
+    return I32x16(), codegen
+
+
+@intrinsic
+def vload_bytes(typingctx, array, index):
+    """array[index : index + 64] (1-D contiguous uint8 or int8) as 16 int32 lanes of 4 bytes each."""
+    if not isinstance(array, types.Array) or array.ndim != 1 or array.dtype not in (types.uint8, types.int8):
+        return None
+
+    def codegen(context, builder, signature, args):
+        ptr = _item_pointer(context, builder, signature.args[0], args[0], args[1])
+        return builder.load(builder.bitcast(ptr, _IVEC.as_pointer()), align=1)
+
+    return I32x16(array, index), codegen
+
+
+@intrinsic
+def vbroadcast_bytes(typingctx, array, index):
+    """array[index : index + 4] (1-D contiguous int8 or uint8) as one int32, in every lane."""
+    if not isinstance(array, types.Array) or array.ndim != 1 or array.dtype not in (types.uint8, types.int8):
+        return None
+
+    def codegen(context, builder, signature, args):
+        ptr = _item_pointer(context, builder, signature.args[0], args[0], args[1])
+        word = builder.load(builder.bitcast(ptr, _I32.as_pointer()), align=1)
+        v = builder.insert_element(ir.Constant(_IVEC, ir.Undefined), word, ir.Constant(_I32, 0))
+        return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, LANES), [0] * LANES))
+
+    return I32x16(array, index), codegen
+
+
+@intrinsic
+def vdot4(typingctx, acc, a, b):
+    """acc + (per lane) sum of 4 products of a's unsigned bytes by b's signed bytes, in int32 (exact:
+    |255 · 127 · 4| fits many times over)."""
+
+    def codegen(context, builder, signature, args):
+        acc_v, a_v, b_v = args
+        if HAS_VNNI:
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_IVEC, [_IVEC] * 3),
+                                                "llvm.x86.avx512.vpdpbusd.512")
+            return builder.call(fn, [acc_v, a_v, b_v])
+        wide = ir.VectorType(_I32, 4 * LANES)
+        products = builder.mul(builder.zext(builder.bitcast(a_v, _BYTES), wide),
+                               builder.sext(builder.bitcast(b_v, _BYTES), wide))
+        total = acc_v
+        for j in range(4):  # byte j of every lane
+            part = builder.shuffle_vector(products, products,
+                                          ir.Constant(ir.VectorType(_I32, LANES), [4 * l + j for l in range(LANES)]))
+            total = builder.add(total, part)
+        return total
+
+    return I32x16(acc, a, b), codegen
+
+
+@intrinsic
+def visub_scalar(typingctx, a, value):
+    """a - value (an int32 scalar) in every lane."""
+
+    def codegen(context, builder, signature, args):
+        x = context.cast(builder, args[1], signature.args[1], types.int32)
+        v = builder.insert_element(ir.Constant(_IVEC, ir.Undefined), x, ir.Constant(_I32, 0))
+        v = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, LANES), [0] * LANES))
+        return builder.sub(args[0], v)
+
+    return I32x16(a, value), codegen
+
+
+@intrinsic
+def vtofloat(typingctx, a):
+    """int32 lanes converted to float32 (exact below 2^24)."""
+
+    def codegen(context, builder, signature, args):
+        return builder.sitofp(args[0], _VEC)
+
+    return F32x16(a), codegen
+
+
+@numba.njit(inline="always")
+def store_lanes(out, m, base, acc, bias, accumulate):
+    """out[m, base : base + 16] (+)= acc + bias[base : base + 16] — a product's 16 outputs, bias added last
+    (then the old value when accumulating into a residual); only the lanes inside `out` are written."""
+    result = vadd(acc, vload(bias, base))
+    row = out[m]
+    if base + LANES <= out.shape[1]:
+        if accumulate:
+            result = vadd(vload(row, base), result)
+        vstore(row, base, result)
+    else:
+        for lane in range(out.shape[1] - base):
+            value = vlane(result, lane)
+            row[base + lane] = row[base + lane] + value if accumulate else value

@@ -1,16 +1,20 @@
 """`PackedLinear` / `linear_rows`: the documented arithmetic, exactly, and agreement with torch.
 
-- Spec: every output element is ONE fused multiply-add chain over k = 0 .. in-1 starting from zero,
-  then + bias (then + the old value when accumulating). Checked bitwise against an exact emulation
-  (rational arithmetic, one round-to-nearest-even to float32 per FMA) — no tolerance.
+- Spec (float32 / bfloat16 / float16 weights): every output element is ONE fused multiply-add chain over
+  k = 0 .. in-1 starting from zero, then + bias (then + the old value when accumulating). Checked bitwise
+  against an exact emulation (rational arithmetic, one round-to-nearest-even to float32 per FMA).
+- Spec (int8, `linear_q8`): each row of x quantized per run of 32 (float32 scale dx = max|x| / 127,
+  q = round half away from zero), the integer sum S_j of each run exact, then one FMA chain over the runs,
+  acc = fma(S_j, round(d_j · dx_j), acc), + bias (+ old). Checked bitwise against the same emulation fed
+  by `q8_0_reference` (llama.cpp's quantize_row_q8_0_ref, written here in numpy) for weights and
+  activations, integer sums in numpy int64.
 - Against torch `F.linear` and a float64 reference for odd shapes (out not a multiple of 16, in not a
   multiple of anything, bias or not) and every weight storage. Tolerance: the standard forward-error
   bound of an n-term dot product in float32, |err| <= gamma_{n+1} * (|x| @ |W|^T + |b|) with
   gamma_m = m u / (1 - m u), u = 2^-24 — it holds for any summation order, so for torch too (twice
   that bound between the two). A wrong packing, lane mask or bf16/fp16 widening misses it by orders of
-  magnitude. Half-size storage is compared with the weights as stored (rounded to nearest even), int8
-  with the weights Q8_0 holds, from `q8_0_reference` (llama.cpp's quantize_row_q8_0_ref, written here
-  in numpy): q · d is exact in float32, so the same FMA-chain emulation holds bitwise.
+  magnitude. Half-size storage is compared with the weights as stored (rounded to nearest even); int8 with
+  the weights and the activations as Q8_0 holds them (the int8 sums are exact, so the bound holds).
 - int8: the packing round-trips (re-quantizing what Q8_0 holds gives back the same q and d), every
   weight is within the Q8_0 error bound of the original, and scales follow runs of 32 inputs.
 """
@@ -70,14 +74,15 @@ def emulate(x: np.ndarray, w: np.ndarray, b: np.ndarray, init: np.ndarray | None
     return out
 
 
-def q8_0_reference(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def q8_0_reference(w: np.ndarray, scale_dtype=np.float16) -> tuple[np.ndarray, np.ndarray]:
     """llama.cpp's quantize_row_q8_0_ref, row by row, in float32 numpy: per run of 32 inputs,
     d = amax / 127, id = 1 / d (0 when d is 0), q = roundf(x * id) (half away from zero), d kept as
-    float16. Returns (q int8 [out, in], d float16 [out, ceil(in / 32)])."""
+    float16 (weights; the kernel keeps activations' d as float32: scale_dtype). Returns (q int8 [out, in],
+    d [out, ceil(in / 32)])."""
     out_features, in_features = w.shape
     runs = -(-in_features // 32)
     q = np.zeros((out_features, in_features), dtype=np.int8)
-    d16 = np.zeros((out_features, runs), dtype=np.float16)
+    d16 = np.zeros((out_features, runs), dtype=scale_dtype)
     for o in range(out_features):
         for j in range(runs):
             x = w[o, 32 * j: 32 * j + 32].astype(np.float32)
@@ -85,7 +90,7 @@ def q8_0_reference(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             inv = np.float32(1) / d if d else np.float32(0)
             scaled = (x * inv).astype(np.float32)
             q[o, 32 * j: 32 * j + 32] = (np.sign(scaled) * np.floor(np.abs(scaled) + np.float32(0.5))).astype(np.int8)
-            d16[o, j] = np.float16(d)
+            d16[o, j] = d
     return q, d16
 
 
@@ -98,6 +103,35 @@ def stored(w: torch.Tensor, storage: str) -> torch.Tensor:
     if storage == "int8":
         return torch.from_numpy(dequantized(*q8_0_reference(w.numpy())))
     return w.to(STORAGE[storage]).float()
+
+
+def activations(x: torch.Tensor, storage: str) -> torch.Tensor:
+    """The activations the product multiplies: x itself, or for int8 x as Q8_0 holds it (float32 scales)."""
+    if storage == "int8":
+        return torch.from_numpy(dequantized(*q8_0_reference(x.numpy(), np.float32)))
+    return x
+
+
+def emulate_q8(x: np.ndarray, w: np.ndarray, b: np.ndarray, init: np.ndarray | None = None) -> np.ndarray:
+    """int8's documented arithmetic: x and w quantized per run of 32 (`q8_0_reference`), S_j = the run's
+    integer dot product (int64: exact), then per element acc = fma(S_j, round_f32(dw_j * dx_j), acc) over
+    j = 0, 1, ... from 0, then acc + b[o] (then init + that); exact emulation."""
+    qw, dw = q8_0_reference(w)
+    qx, dx = q8_0_reference(x, np.float32)
+    runs = dw.shape[1]
+    out = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)
+    for m in range(x.shape[0]):
+        for o in range(w.shape[0]):
+            acc = Fraction(0)
+            for j in range(runs):
+                s = int(np.dot(qw[o, 32 * j:32 * j + 32].astype(np.int64), qx[m, 32 * j:32 * j + 32].astype(np.int64)))
+                scale = round_f32(Fraction(float(dw[o, j])) * Fraction(float(dx[m, j])))
+                acc = round_f32(s * scale + acc)
+            acc = round_f32(acc + Fraction(float(b[o])))
+            if init is not None:
+                acc = round_f32(Fraction(float(init[m, o])) + acc)
+            out[m, o] = float(acc)
+    return out
 
 
 def _data(out_features: int, in_features: int, rows: int, bias: bool, seed: int):
@@ -118,7 +152,10 @@ def test_every_element_is_one_fma_chain_in_k_order(storage):
     for accumulate in (False, True):
         out = init.copy() if accumulate else np.full((5, 21), np.nan, dtype=np.float32)
         linear_rows(xs, packed.weight, packed.scales, packed.bias, out, accumulate)
-        expected = emulate(xs, stored(w, storage).numpy(), b.numpy(), init if accumulate else None)
+        if storage == "int8":
+            expected = emulate_q8(xs, w.numpy(), b.numpy(), init if accumulate else None)
+        else:
+            expected = emulate(xs, stored(w, storage).numpy(), b.numpy(), init if accumulate else None)
         np.testing.assert_array_equal(out.view(np.uint32), expected.view(np.uint32), err_msg=f"accumulate={accumulate}")
 
 
@@ -132,15 +169,15 @@ def test_packed_linear_matches_torch_within_the_dot_product_error_bound(storage)
         w, b, x = _data(out_features, in_features, rows, bias, seed=out_features * 1000 + in_features + rows)
         got = PackedLinear(w, b, storage)(x)
         assert got.shape == (rows, out_features) and got.dtype == torch.float32
-        w_s = stored(w, storage)
-        exact = x.double() @ w_s.double().T + (b.double() if bias else 0.0)
+        w_s, x_s = stored(w, storage), activations(x, storage)
+        exact = x_s.double() @ w_s.double().T + (b.double() if bias else 0.0)
         n = in_features + 1
         gamma = n * U / (1 - n * U)
-        magnitude = x.double().abs() @ w_s.double().abs().T + (b.double().abs() if bias else 0.0)
+        magnitude = x_s.double().abs() @ w_s.double().abs().T + (b.double().abs() if bias else 0.0)
         bound = gamma * magnitude
         excess = float(((got.double() - exact).abs() - bound).max())
         assert excess <= 0, (case, excess)
-        reference = F.linear(x, w_s, b)
+        reference = F.linear(x_s, w_s, b)
         assert bool(((got.double() - reference.double()).abs() <= 2 * bound).all()), case
 
 
@@ -186,4 +223,46 @@ def test_int8_packing_round_trips_and_stays_within_the_q8_0_bound(shape):
     assert (np.abs(held - w.numpy()) <= d / 2 + 127 * d * 2.0 ** -11 + 1e-12).all()
     again = PackedLinear(torch.from_numpy(held), None, "int8")  # quantizing what Q8_0 holds changes nothing
     np.testing.assert_array_equal(again.dequantized().numpy(), held)
-    assert packed.nbytes == packed.weight.nbytes + packed.scales.nbytes < PackedLinear(w, None, "float16").nbytes
+    runs, blocks = -(-shape[1] // 32), -(-shape[0] // 16)  # inputs padded to whole runs of 32
+    assert packed.nbytes == packed.weight.nbytes + packed.scales.nbytes == blocks * 16 * runs * (32 + 2)
+    if shape[1] % 32 == 0:
+        assert packed.nbytes < PackedLinear(w, None, "float16").nbytes
+
+
+_GENERIC_Q8 = """
+import sys, numpy as np, torch
+from specserve.kernels import simd
+from specserve.kernels.linear_q8 import linear_rows_q8
+assert not simd.HAS_VNNI
+gen = torch.Generator().manual_seed(7)
+w, x = torch.randn(40, 100, generator=gen), torch.randn(5, 100, generator=gen)
+from specserve.kernels import PackedLinear
+packed = PackedLinear(w, None, "int8")
+out = np.zeros((5, 40), dtype=np.float32)
+linear_rows_q8(x.numpy(), packed.weight, packed.scales, packed.bias, out, False)
+np.save(sys.argv[1], out)
+"""
+
+
+def test_int8_without_vnni_computes_the_same_bits(tmp_path):
+    # Without AVX-512 VNNI, `vdot4` spells the 8-bit dot product out in generic vector code; integer sums are
+    # exact, so both must give the same bits. The generic path runs in a child compiled for this CPU less VNNI.
+    import os
+    import subprocess
+    import sys
+
+    import llvmlite.binding as llvm
+
+    from specserve.kernels import simd
+
+    if not simd.HAS_VNNI:
+        pytest.skip("this CPU has no AVX-512 VNNI: the generic path is the one every other int8 test runs")
+    features = llvm.get_host_cpu_features().flatten().replace("+avx512vnni", "-avx512vnni")
+    env = dict(os.environ, NUMBA_CPU_NAME="host", NUMBA_CPU_FEATURES=features, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    subprocess.run([sys.executable, "-c", _GENERIC_Q8, str(tmp_path / "out.npy")], env=env, check=True, timeout=600)
+    gen = torch.Generator().manual_seed(7)
+    w, x = torch.randn(40, 100, generator=gen), torch.randn(5, 100, generator=gen)
+    packed = PackedLinear(w, None, "int8")
+    out = np.zeros((5, 40), dtype=np.float32)
+    linear_rows(x.numpy(), packed.weight, packed.scales, packed.bias, out, False)
+    np.testing.assert_array_equal(np.load(tmp_path / "out.npy").view(np.uint32), out.view(np.uint32))
