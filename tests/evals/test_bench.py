@@ -48,3 +48,23 @@ def test_bench_bad_input(llama_dir, capsys, args, message):
     rc = main(["bench", *args, "--model", str(llama_dir), "--device", "cpu"])
     err = capsys.readouterr().err
     assert rc == 2 and len(err.strip().splitlines()) == 1 and message in err
+
+
+def test_bench_quantization(llama_dir, tmp_path, capsys):
+    out = tmp_path / "q.json"
+    rc = main(["bench", "quantization", "--model", str(llama_dir), "--prompts", "2", "--max-tokens", "4",
+               "--json", str(out)])
+    assert rc == 0
+    assert "argmax agrees on" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    rows = result["settings"]["prompt_rows"]
+    assert result["settings"]["prompts"] == 2 and rows > 2
+    gap = result["logits_relative_gap"]
+    # int8 moves every row's logits a little (never 0, never wholesale), and the argmax mostly survives.
+    assert 0 < gap["median"] <= gap["p95"] <= gap["max"] < 0.5
+    assert 0.5 <= result["argmax_agreement"] <= 1 and result["argmax_agreement"] * rows == round(result["argmax_agreement"] * rows)
+    assert 0 <= result["greedy_identical"] <= 2 and 0 <= result["greedy_mean_common_prefix"] <= 4
+    assert result["model"]["quantized_bytes_per_token"] < 0.6 * result["model"]["float_bytes_per_token"]
+    rc = main(["bench", "quantization", "--model", str(llama_dir), "--prompts", "0"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--prompts must be >= 1" in err

@@ -1,9 +1,10 @@
 """`LLM(quantization="int8")`: Q8_0-layout weights quantized at load, on the CPU kernels.
 
-The kernel arithmetic and packing are checked in test_linear.py (bitwise against an FMA-chain emulation of
-llama.cpp's Q8_0 weights, written in numpy) and batch invariance in test_batch_invariance.py. Here: a model
-quantizes from float32, float16 and bfloat16 checkpoints alike, with logits within 5 % (relative, whole prompt; 3.1 % measured on this random 2-layer model,
-whose amplified weights make it harsher than a trained one) of the float32 model's; speculation on the
+The kernel arithmetic and packing are checked in test_linear.py (bitwise against an emulation of llama.cpp's
+q8_0 x q8_0 dot product, written in numpy) and batch invariance in test_batch_invariance.py. Here: a model
+quantizes from float32, float16 and bfloat16 checkpoints alike, with logits within 7.5 % (relative, whole
+prompt; 5.0 % measured on this random 2-layer model, whose amplified weights make it far harsher than a
+trained one: `specserve bench quantization` measures the embedded model) of the float32 model's; speculation on the
 quantized model is lossless against it (greedy output equal to its plain output for a draft model and
 n-gram, batch 1 and 4); what cannot be quantized is refused before anything loads, with a clear error.
 """
@@ -66,7 +67,7 @@ def test_quantizes_from_every_float_checkpoint_close_to_the_float_model(checkpoi
         assert llm.model.bytes_read_per_token() < 0.6 * float_bytes or name == "float32", name
         got = _logits(llm, prompt)
         gap = float((got - reference).norm() / reference.norm())
-        assert gap < 0.05, (name, gap)
+        assert gap < 0.075, (name, gap)
 
 
 def test_speculation_on_the_quantized_model_is_lossless(llama_dir, tmp_path):
