@@ -350,3 +350,63 @@ def store_lanes(out, m, base, acc, bias, accumulate):
         for lane in range(out.shape[1] - base):
             value = vlane(result, lane)
             row[base + lane] = row[base + lane] + value if accumulate else value
+
+
+# ---- quantizing activations to 8 bits (`linear_q8.quantize_activations`) -----------------------------------
+
+
+@intrinsic
+def vmax_abs(typingctx, a):
+    """max |a[lane]| over the 16 lanes (a max is exact: the order of comparison does not matter)."""
+
+    def codegen(context, builder, signature, args):
+        v, n = _call(builder, "llvm.fabs.v16f32", [args[0]], 1), LANES
+        while n > 1:  # halves compared pairwise, as vsum adds them
+            half = n // 2
+            vec = ir.VectorType(ir.FloatType(), half)
+            lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, half), list(range(half))))
+            hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, half), list(range(half, n))))
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec, vec]), f"llvm.maxnum.v{half}f32")
+            v, n = builder.call(fn, [lo, hi]), half
+        return builder.extract_element(v, ir.Constant(_I32, 0))
+
+    return types.float32(a), codegen
+
+
+@intrinsic
+def vround_to_int(typingctx, a):
+    """Each lane rounded half away from zero (C's roundf: copysign(floor(|a| + 0.5), a), the +0.5 in float32,
+    as llama.cpp's reference quantizer computes it), as int32 lanes."""
+
+    def codegen(context, builder, signature, args):
+        magnitude = _call(builder, "llvm.fabs.v16f32", [args[0]], 1)
+        rounded = _call(builder, "llvm.floor.v16f32", [builder.fadd(magnitude, _vconst(0.5))], 1)
+        return builder.fptosi(_call(builder, "llvm.copysign.v16f32", [rounded, args[0]], 2), _IVEC)
+
+    return I32x16(a), codegen
+
+
+@intrinsic
+def vstore_int8(typingctx, array, index, value):
+    """array[index : index + 16] = value's lanes truncated to 8 bits (array: 1-D contiguous int8)."""
+    if not isinstance(array, types.Array) or array.ndim != 1 or array.dtype != types.int8:
+        return None
+
+    def codegen(context, builder, signature, args):
+        ptr = _item_pointer(context, builder, signature.args[0], args[0], args[1])
+        small = ir.VectorType(ir.IntType(8), LANES)
+        builder.store(builder.trunc(args[2], small), builder.bitcast(ptr, small.as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    return types.void(array, index, value), codegen
+
+
+@intrinsic
+def visum(typingctx, a):
+    """The sum of the 16 int32 lanes (integers: exact in any order)."""
+
+    def codegen(context, builder, signature, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I32, [_IVEC]), "llvm.vector.reduce.add.v16i32")
+        return builder.call(fn, [args[0]])
+
+    return types.int32(a), codegen
