@@ -5,7 +5,9 @@ the block table; a key is visible unless the sequence's tree mask (or causal ord
 tokens, or the sliding window) hides it. Masked keys are skipped, not added as zeros, so a row's
 arithmetic depends only on the keys it sees and their order: a tree node attends exactly as the same
 token does in plain decoding once its ancestors are committed (they are then the same keys, in the
-same order). Work is split over (row, KV head) pairs; one thread computes a row's heads of a group.
+same order). Which keys a row sees (their cache slots, in order) is found once per row, block by block
+of its block table; then work is split over (row, KV head) pairs; one thread computes a row's heads of
+a group.
 
 Per (row, head): scores of the visible keys, then the softmax 16 keys at a time (`vexp`; the sum
 kept in 16 lanes and added up in one fixed order), then the weighted sum of values key by key, in
@@ -19,7 +21,7 @@ import numba
 import numpy as np
 from numba import prange
 
-from specserve.kernels.simd import LANES, vadd, vbroadcast, vexp, vfma, vload, vmul, vstore, vsub, vsum, vzero
+from specserve.kernels.simd import LANES, vadd, vbroadcast, vexp, vfma, vlane, vload, vmul, vstore, vsub, vsum, vsum4, vzero
 
 
 @numba.njit(inline="always")
@@ -41,6 +43,37 @@ def _visible(j, i, n, context, cached, width, mask_offset, tree_mask, query_pos,
 
 
 @numba.njit(parallel=True, boundscheck=False, cache=True)
+def visible_slots(token_seq, cu_query_lens, context_lens, block_tables, block_size, mask_offsets, mask_widths,
+                  tree_mask, positions, window):
+    """For each row t: the cache slots of the keys it sees, in key order — slots[t, :count[t]] (int32[T,
+    max context]) — walking its sequence's block table block by block."""
+    num_rows = token_seq.shape[0]
+    longest = 0
+    for t in range(num_rows):
+        longest = max(longest, context_lens[token_seq[t]])
+    slots = np.empty((num_rows, longest), dtype=np.int32)
+    count = np.empty(num_rows, dtype=np.int64)
+    for t in prange(num_rows):
+        b = token_seq[t]
+        row0 = cu_query_lens[b]
+        n = cu_query_lens[b + 1] - row0
+        context = context_lens[b]
+        cached = context - n
+        i = t - row0
+        width, mask_offset, query_pos = mask_widths[b], mask_offsets[b], positions[t]
+        seen = 0
+        for first in range(0, context, block_size):
+            base = block_tables[b, first // block_size] * block_size
+            for j in range(first, min(context, first + block_size)):
+                if _visible(j, i, n, context, cached, width, mask_offset, tree_mask, query_pos, positions, row0,
+                            window):
+                    slots[t, seen] = base + (j - first)
+                    seen += 1
+        count[t] = seen
+    return slots, count
+
+
+@numba.njit(parallel=True, boundscheck=False, cache=True)
 def paged_attention(q, k_cache, v_cache, token_seq, cu_query_lens, context_lens, block_tables, block_size,
                     mask_offsets, mask_widths, tree_mask, positions, window, scale, out):
     """out[t, h] = softmax(q[t, h] . K / sqrt(d)) V over row t's visible keys.
@@ -55,26 +88,16 @@ def paged_attention(q, k_cache, v_cache, token_seq, cu_query_lens, context_lens,
     group = num_heads // num_kv
     q_flat, out_flat = q.reshape(-1), out.reshape(-1)
     k_flat, v_flat = k_cache.reshape(-1), v_cache.reshape(-1)
+    slots, seen_counts = visible_slots(token_seq, cu_query_lens, context_lens, block_tables, block_size,
+                                       mask_offsets, mask_widths, tree_mask, positions, window)
     for item in prange(num_rows * num_kv):
         t = item // num_kv
         g = item % num_kv
-        b = token_seq[t]
-        row0 = cu_query_lens[b]
-        n = cu_query_lens[b + 1] - row0
-        context = context_lens[b]
-        cached = context - n
-        i = t - row0
-        width = mask_widths[b]
-        mask_offset = mask_offsets[b]
-        query_pos = positions[t]
+        seen = seen_counts[t]
         # Where each visible key's (K, V) vector starts in the flat cache, in key order.
-        starts = np.empty(context, dtype=np.int64)
-        seen = 0
-        for j in range(context):
-            if _visible(j, i, n, context, cached, width, mask_offset, tree_mask, query_pos, positions, row0, window):
-                slot = block_tables[b, j // block_size] * block_size + j % block_size
-                starts[seen] = (slot * num_kv + g) * head_dim
-                seen += 1
+        starts = np.empty(seen, dtype=np.int64)
+        for j in range(seen):
+            starts[j] = (slots[t, j] * num_kv + g) * head_dim
         padded = -(-seen // LANES) * LANES
         scores = np.full(padded, -np.inf, dtype=np.float32)  # padding lanes: exp(-inf) = 0 exactly
         for r in range(group):
@@ -90,10 +113,11 @@ def paged_attention(q, k_cache, v_cache, token_seq, cu_query_lens, context_lens,
                     c1 = vfma(qd, vload(k_flat, k1 + d), c1)
                     c2 = vfma(qd, vload(k_flat, k2 + d), c2)
                     c3 = vfma(qd, vload(k_flat, k3 + d), c3)
-                scores[j] = vsum(c0) * scale
-                scores[j + 1] = vsum(c1) * scale
-                scores[j + 2] = vsum(c2) * scale
-                scores[j + 3] = vsum(c3) * scale
+                sums = vsum4(c0, c1, c2, c3)  # each exactly vsum(c_i): the same order as a lone key's
+                scores[j] = vlane(sums, 0) * scale
+                scores[j + 1] = vlane(sums, 1) * scale
+                scores[j + 2] = vlane(sums, 2) * scale
+                scores[j + 3] = vlane(sums, 3) * scale
                 j += 4
             while j < seen:
                 k0 = starts[j]

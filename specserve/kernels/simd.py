@@ -410,3 +410,31 @@ def visum(typingctx, a):
         return builder.call(fn, [args[0]])
 
     return types.int32(a), codegen
+
+
+@intrinsic
+def vsum4(typingctx, a, b, c, d):
+    """`vsum` of four vectors at once: lanes 0-3 of the result are vsum(a), vsum(b), vsum(c), vsum(d) bit for
+    bit — the same halves added in the same pairs (lanes 0-7 + 8-15, then 4, 2, 1), interleaved so each step
+    is one vector add for all four (lanes 4-15 are 0)."""
+
+    def codegen(context, builder, signature, args):
+        def pick(x, y, idx):
+            return builder.shuffle_vector(x, y, ir.Constant(ir.VectorType(_I32, len(idx)), idx))
+
+        va, vb, vc, vd = args
+        # [a0-7 | b0-7] + [a8-15 | b8-15]: per 8 lanes, one vector's first halving step
+        ab = builder.fadd(pick(va, vb, list(range(8)) + list(range(16, 24))),
+                          pick(va, vb, list(range(8, 16)) + list(range(24, 32))))
+        cd = builder.fadd(pick(vc, vd, list(range(8)) + list(range(16, 24))),
+                          pick(vc, vd, list(range(8, 16)) + list(range(24, 32))))
+        # 4 lanes per vector: lanes 0-3 + 4-7 of each 8
+        lo = [0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27]
+        s4 = builder.fadd(pick(ab, cd, lo), pick(ab, cd, [i + 4 for i in lo]))
+        # 2 lanes per vector: lanes 0-1 + 2-3 of each 4
+        s2 = builder.fadd(pick(s4, s4, [0, 1, 4, 5, 8, 9, 12, 13]), pick(s4, s4, [2, 3, 6, 7, 10, 11, 14, 15]))
+        # 1 lane per vector: lane 0 + 1 of each 2
+        s1 = builder.fadd(pick(s2, s2, [0, 2, 4, 6]), pick(s2, s2, [1, 3, 5, 7]))
+        return pick(s1, ir.Constant(ir.VectorType(ir.FloatType(), 4), [0.0] * 4), list(range(4)) + [4] * 12)
+
+    return F32x16(a, b, c, d), codegen
