@@ -9,7 +9,12 @@ they start the engine, so a first run's wait is explained.
 
 from __future__ import annotations
 
+import hashlib
 import sys
+from pathlib import Path
+
+_PACKAGE = Path(__file__).resolve().parent
+_STAMP = "kernel-sources.sha1"
 
 
 def cached_dispatchers(prefix: str = "specserve.kernels.") -> list:
@@ -41,3 +46,32 @@ def missing_from_cache(prefix: str = "specserve.kernels.") -> list[str]:
         if not index:
             missing.append(dispatcher.py_func.__qualname__)
     return missing
+
+
+def drop_stale_entries(package: Path = _PACKAGE) -> bool:
+    """Delete the package's numba cache files (``__pycache__/*.nbi``, ``*.nbc``) when any kernel source changed
+    since they were written; returns whether it did.
+
+    numba checks a cached function against its own source file only, not the files of the kernels it
+    calls and inlines: after `linear.py` changes, `layer.py`'s cached decoder layer would still run the old
+    product (with a new weight layout: wrong numbers). A hash of every source of the package, kept beside
+    the cache, catches that. (A cache numba keeps elsewhere — an unwritable ``__pycache__`` — is left alone.)"""
+    digest = hashlib.sha1()
+    for source in sorted(package.glob("*.py")):
+        digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    stamp = package / "__pycache__" / _STAMP
+    try:
+        if stamp.read_text() == digest.hexdigest():
+            return False
+    except OSError:
+        pass
+    dropped = False
+    try:
+        for entry in [*stamp.parent.glob("*.nbi"), *stamp.parent.glob("*.nbc")]:
+            entry.unlink()
+            dropped = True
+        stamp.parent.mkdir(exist_ok=True)
+        stamp.write_text(digest.hexdigest())
+    except OSError:  # a read-only install: numba caches elsewhere (or not at all)
+        pass
+    return dropped

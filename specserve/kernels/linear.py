@@ -1,8 +1,13 @@
 """Batch-invariant products on the CPU: ``out = x @ W^T + bias`` for any number of rows.
 
-Layout (`PackedLinear`): W [out, in] is stored as blocks of 16 output rows, each block k-major —
-``packed[b, k * 16 + l] = W[16 b + l, k]`` — so one vector load brings input k's weights for 16
-outputs, and a block streams through memory in order.
+Layout (`PackedLinear`): W [out, in] is cut into blocks of 16 output rows, and blocks into tiles of
+`tile_blocks` (4 for products of 64+ blocks, else 2: see `tile_blocks`) — the unit one thread computes.
+A tile is stored k-major with its blocks interleaved — ``packed[t, (k * tb + i) * 16 + l] =
+W[16 (t * tb + i) + l, k]`` — so one vector load brings input k's weights for 16 outputs, and a tile,
+like the whole weight, is ONE sequential stream through memory. (Four separate block streams per tile,
+the layout before, left a core's hardware prefetchers ramping up on short streams: one row of a product
+beyond the caches read 15-30 % slower.) Outputs past `out` (the last tile's padding blocks) are
+zeros and never stored.
 
 Arithmetic (`linear_rows`): every output element is ONE fused multiply-add chain over k = 0, 1, ...,
 in - 1, starting from zero, then + bias (then + the old value when accumulating into a residual).
@@ -16,7 +21,7 @@ Speed: one broadcast input value feeds up to 8 vector FMAs (4 rows x 2 blocks), 
 (prefill chunks, verify trees) run near the FMA units' rate, while one row streams each weight once
 (decode is memory-bound). Half-size weights (bfloat16 bits or float16) are widened as they load.
 int8 weights (llama.cpp's Q8_0) take their own kernel, `linear_q8.linear_rows_q8` (8-bit activations,
-integer dot products); `linear_rows` picks it by the weight array's dtype.
+integer dot products, the same tiles); `linear_rows` picks it by the weight array's dtype.
 """
 
 from __future__ import annotations
@@ -28,43 +33,46 @@ from numba import prange, types
 from numba.extending import overload
 
 from specserve.kernels.linear_q8 import Q8_BLOCK, linear_rows_q8, pack_q8, quantize_q8, unpack_q8
-from specserve.kernels.simd import LANES, WIDE_PRODUCT_BLOCKS, store_lanes, vbroadcast, vfma, vload, vzero
+from specserve.kernels.simd import LANES, store_lanes, tile_blocks, vbroadcast, vfma, vload, vzero
 
 __all__ = ["PackedLinear", "Q8_BLOCK", "as_numpy", "linear_rows", "linear_rows_float", "quantize_q8"]
-
 
 
 class PackedLinear:
     """A weight [out, in] (and optional bias [out]) packed for `linear_rows`.
 
     storage: "float32", "bfloat16" (kept as int16 bits; rounded to nearest even from the source),
-    "float16" (kept as uint16 bits) or "int8" (llama.cpp's Q8_0 in `linear_q8`'s layout: weight
-    uint8[blocks, ceil(in / 32) * 32 * 16], and `scales` its float16 scales as bits, uint16[blocks,
-    ceil(in / 32) * 16]); `scales` is empty [blocks, 0] for the other storages. The bias stays float32
-    (zeros when there is none: adding 0.0 changes nothing).
+    "float16" (kept as uint16 bits) — weight [tiles, in * tile_blocks * 16] in the layout above — or
+    "int8" (llama.cpp's Q8_0 in `linear_q8`'s layout: weight uint8[tiles, ceil(in / 32) * 32 * tile_blocks *
+    16], and `scales` its float16 scales as bits, uint16[tiles * tile_blocks, ceil(in / 32) * 16]); `scales`
+    is empty [.., 0] for the other storages. The bias stays float32 [tiles * tile_blocks * 16] (zeros when
+    there is none: adding 0.0 changes nothing).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, storage: str = "float32") -> None:
         if weight.dim() != 2:
             raise ValueError(f"a linear weight must be 2-D [out, in], got {tuple(weight.shape)}")
-        out_features, in_features = weight.shape
-        blocks = -(-out_features // LANES)
-        padded = torch.zeros(blocks * LANES, in_features, dtype=torch.float32)
-        padded[:out_features] = weight.detach().to("cpu", torch.float32)
-        packed = padded.view(blocks, LANES, in_features).transpose(1, 2).reshape(blocks, in_features * LANES)
-        if storage == "float32":
-            self.weight = packed.contiguous().numpy()
-        elif storage == "bfloat16":
-            self.weight = packed.to(torch.bfloat16).contiguous().view(torch.int16).numpy()
-        elif storage == "float16":  # kept as uint16 bits: see simd.vload
-            self.weight = packed.to(torch.float16).contiguous().view(torch.int16).numpy().view(np.uint16)
-        elif storage == "int8":
-            self.weight, self.scales = pack_q8(weight)
-        else:
+        if storage not in ("float32", "bfloat16", "float16", "int8"):
             raise ValueError(f"weight storage must be float32, bfloat16, float16 or int8, got {storage!r}")
-        if storage != "int8":
-            self.scales = np.zeros((blocks, 0), dtype=np.uint16)
-        self.bias = np.zeros(blocks * LANES, dtype=np.float32)
+        out_features, in_features = weight.shape
+        self.tile_blocks = tile_blocks(-(-out_features // LANES))
+        rows = -(-out_features // (LANES * self.tile_blocks)) * LANES * self.tile_blocks  # whole tiles
+        tiles = rows // (LANES * self.tile_blocks)
+        if storage == "int8":
+            self.weight, self.scales = pack_q8(weight, self.tile_blocks)
+        else:
+            padded = torch.zeros(rows, in_features, dtype=torch.float32)
+            padded[:out_features] = weight.detach().to("cpu", torch.float32)
+            packed = padded.view(tiles, self.tile_blocks, LANES, in_features).permute(0, 3, 1, 2) \
+                .reshape(tiles, in_features * self.tile_blocks * LANES).contiguous()
+            if storage == "float32":
+                self.weight = packed.numpy()
+            elif storage == "bfloat16":
+                self.weight = packed.to(torch.bfloat16).view(torch.int16).numpy()
+            else:  # float16, kept as uint16 bits: see simd.vload
+                self.weight = packed.to(torch.float16).view(torch.int16).numpy().view(np.uint16)
+            self.scales = np.zeros((rows // LANES, 0), dtype=np.uint16)
+        self.bias = np.zeros(rows, dtype=np.float32)
         if bias is not None:
             self.bias[:out_features] = bias.detach().to("cpu", torch.float32).numpy()
         self.out_features, self.in_features, self.storage = out_features, in_features, storage
@@ -76,15 +84,14 @@ class PackedLinear:
 
     def dequantized(self) -> torch.Tensor:
         """The weight [out, in] the kernel holds, float32 (int8: q · d, exact in float32)."""
-        blocks = self.weight.shape[0]
         if self.storage == "int8":
-            q, d = unpack_q8(self.weight, self.scales, self.out_features, self.in_features)
+            q, d = unpack_q8(self.weight, self.scales, self.tile_blocks, self.out_features, self.in_features)
             return q.float() * d.float().repeat_interleave(Q8_BLOCK, dim=1)[:, :self.in_features]
-        else:
-            raw = torch.from_numpy(self.weight.view(np.int16) if self.weight.dtype == np.uint16 else self.weight)
-            w = {"float32": raw, "bfloat16": raw.view(torch.bfloat16), "float16": raw.view(torch.float16)}[self.storage]
-            w = w.float().view(blocks, self.in_features, LANES).transpose(1, 2)
-        return w.reshape(blocks * LANES, self.in_features)[:self.out_features]
+        raw = torch.from_numpy(self.weight.view(np.int16) if self.weight.dtype == np.uint16 else self.weight)
+        w = {"float32": raw, "bfloat16": raw.view(torch.bfloat16), "float16": raw.view(torch.float16)}[self.storage]
+        tiles = self.weight.shape[0]
+        w = w.float().view(tiles, self.in_features, self.tile_blocks, LANES).permute(0, 2, 3, 1)
+        return w.reshape(-1, self.in_features)[:self.out_features]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x float32[..., in] (CPU) -> float32[..., out]: a convenience for heads outside a fused layer."""
@@ -119,9 +126,9 @@ def linear_rows(x, w, scales, bias, out, accumulate):
 
     x:      float32[M, in], rows C-contiguous.
     w, scales: a `PackedLinear`'s weight and scales (float32, int16 bfloat16 bits or uint16 float16 bits
-            [blocks, in * 16] with empty scales: `linear_rows_float`; uint8 with float16 scales: int8,
-            `linear_q8.linear_rows_q8`).
-    bias:   float32[blocks * 16].
+            [tiles, in * tile_blocks * 16] with empty scales: `linear_rows_float`; uint8 with float16
+            scales: int8, `linear_q8.linear_rows_q8`).
+    bias:   float32[tiles * tile_blocks * 16].
     out:    float32[M, out_features], C-contiguous; accumulate: add to it instead of overwriting.
     """
     _product(x, w, scales, bias, out, accumulate)
@@ -131,106 +138,99 @@ def linear_rows(x, w, scales, bias, out, accumulate):
 def linear_rows_float(x, w, bias, out, accumulate):
     """`linear_rows` for float32 and half-size weights: the one-FMA-chain arithmetic of the module docstring."""
     num_rows, num_in = x.shape
-    num_blocks = w.shape[0]
-    # Tiles of 4 blocks keep 4 FMA chains busy for a single row; narrow products use tiles of 2 so
-    # threads get even shares (either way each element is computed the same: see above). The cut is
-    # a fixed width, not the thread count: asking numba for that makes the function uncacheable.
-    tile_blocks = 4 if num_blocks >= WIDE_PRODUCT_BLOCKS else 2
-    num_tiles = (num_blocks + tile_blocks - 1) // tile_blocks
+    num_tiles = w.shape[0]
+    tb = w.shape[1] // (max(num_in, 1) * LANES)  # blocks per tile
+    step = tb * LANES  # from input k's weights of a tile to input k + 1's
+    num_blocks = (out.shape[1] + LANES - 1) // LANES  # real blocks: the last tile's padding is skipped
     for tile in prange(num_tiles):
-        first = tile * tile_blocks
-        last = min(num_blocks, first + tile_blocks)
+        wt = w[tile]
+        first = tile * tb
+        count = min(num_blocks, first + tb) - first
         m = 0
         while m + 4 <= num_rows:  # 4 rows x 2 blocks: each broadcast feeds 2 FMAs, each load 4
             x0, x1, x2, x3 = x[m], x[m + 1], x[m + 2], x[m + 3]
-            b = first
-            while b + 2 <= last:
-                w0, w1 = w[b], w[b + 1]
+            i = 0
+            while i + 2 <= count:
                 a0 = vzero(); a1 = vzero(); a2 = vzero(); a3 = vzero()
                 c0 = vzero(); c1 = vzero(); c2 = vzero(); c3 = vzero()
                 for k in range(num_in):
-                    u = vload(w0, k * LANES)
-                    v = vload(w1, k * LANES)
+                    u = vload(wt, k * step + i * LANES)
+                    v = vload(wt, k * step + (i + 1) * LANES)
                     s = vbroadcast(x0[k]); a0 = vfma(s, u, a0); c0 = vfma(s, v, c0)
                     s = vbroadcast(x1[k]); a1 = vfma(s, u, a1); c1 = vfma(s, v, c1)
                     s = vbroadcast(x2[k]); a2 = vfma(s, u, a2); c2 = vfma(s, v, c2)
                     s = vbroadcast(x3[k]); a3 = vfma(s, u, a3); c3 = vfma(s, v, c3)
-                base = b * LANES
+                base = (first + i) * LANES
                 store_lanes(out, m, base, a0, bias, accumulate); store_lanes(out, m, base + LANES, c0, bias, accumulate)
                 store_lanes(out, m + 1, base, a1, bias, accumulate); store_lanes(out, m + 1, base + LANES, c1, bias, accumulate)
                 store_lanes(out, m + 2, base, a2, bias, accumulate); store_lanes(out, m + 2, base + LANES, c2, bias, accumulate)
                 store_lanes(out, m + 3, base, a3, bias, accumulate); store_lanes(out, m + 3, base + LANES, c3, bias, accumulate)
-                b += 2
-            if b < last:
-                w0 = w[b]
+                i += 2
+            if i < count:
                 a0 = vzero(); a1 = vzero(); a2 = vzero(); a3 = vzero()
                 for k in range(num_in):
-                    u = vload(w0, k * LANES)
+                    u = vload(wt, k * step + i * LANES)
                     a0 = vfma(vbroadcast(x0[k]), u, a0)
                     a1 = vfma(vbroadcast(x1[k]), u, a1)
                     a2 = vfma(vbroadcast(x2[k]), u, a2)
                     a3 = vfma(vbroadcast(x3[k]), u, a3)
-                base = b * LANES
+                base = (first + i) * LANES
                 store_lanes(out, m, base, a0, bias, accumulate); store_lanes(out, m + 1, base, a1, bias, accumulate)
                 store_lanes(out, m + 2, base, a2, bias, accumulate); store_lanes(out, m + 3, base, a3, bias, accumulate)
             m += 4
         if m + 2 <= num_rows:  # 2 rows x 2 blocks: 4 chains (2-3 rows left)
             x0, x1 = x[m], x[m + 1]
-            b = first
-            while b + 2 <= last:
-                w0, w1 = w[b], w[b + 1]
+            i = 0
+            while i + 2 <= count:
                 a0 = vzero(); a1 = vzero(); c0 = vzero(); c1 = vzero()
                 for k in range(num_in):
-                    u = vload(w0, k * LANES)
-                    v = vload(w1, k * LANES)
+                    u = vload(wt, k * step + i * LANES)
+                    v = vload(wt, k * step + (i + 1) * LANES)
                     s = vbroadcast(x0[k]); a0 = vfma(s, u, a0); c0 = vfma(s, v, c0)
                     s = vbroadcast(x1[k]); a1 = vfma(s, u, a1); c1 = vfma(s, v, c1)
-                base = b * LANES
+                base = (first + i) * LANES
                 store_lanes(out, m, base, a0, bias, accumulate); store_lanes(out, m, base + LANES, c0, bias, accumulate)
                 store_lanes(out, m + 1, base, a1, bias, accumulate); store_lanes(out, m + 1, base + LANES, c1, bias, accumulate)
-                b += 2
-            if b < last:
-                w0 = w[b]
+                i += 2
+            if i < count:
                 a0 = vzero(); a1 = vzero()
                 for k in range(num_in):
-                    u = vload(w0, k * LANES)
+                    u = vload(wt, k * step + i * LANES)
                     a0 = vfma(vbroadcast(x0[k]), u, a0)
                     a1 = vfma(vbroadcast(x1[k]), u, a1)
-                base = b * LANES
+                base = (first + i) * LANES
                 store_lanes(out, m, base, a0, bias, accumulate); store_lanes(out, m + 1, base, a1, bias, accumulate)
             m += 2
-        while m < num_rows:  # one row x 4 (or 2) blocks: independent chains, each weight read once
+        while m < num_rows:  # one row x 4 (or 2) blocks: independent chains, the tile read once, in order
             xr = x[m]
-            b = first
-            while b + 4 <= last:
-                w0, w1, w2, w3 = w[b], w[b + 1], w[b + 2], w[b + 3]
+            i = 0
+            if i + 4 <= count:
                 a0 = vzero(); a1 = vzero(); a2 = vzero(); a3 = vzero()
                 for k in range(num_in):
                     s = vbroadcast(xr[k])
-                    a0 = vfma(s, vload(w0, k * LANES), a0)
-                    a1 = vfma(s, vload(w1, k * LANES), a1)
-                    a2 = vfma(s, vload(w2, k * LANES), a2)
-                    a3 = vfma(s, vload(w3, k * LANES), a3)
-                base = b * LANES
+                    o = k * step
+                    a0 = vfma(s, vload(wt, o), a0)
+                    a1 = vfma(s, vload(wt, o + LANES), a1)
+                    a2 = vfma(s, vload(wt, o + 2 * LANES), a2)
+                    a3 = vfma(s, vload(wt, o + 3 * LANES), a3)
+                base = first * LANES
                 store_lanes(out, m, base, a0, bias, accumulate)
                 store_lanes(out, m, base + LANES, a1, bias, accumulate)
                 store_lanes(out, m, base + 2 * LANES, a2, bias, accumulate)
                 store_lanes(out, m, base + 3 * LANES, a3, bias, accumulate)
-                b += 4
-            if b + 2 <= last:
-                w0, w1 = w[b], w[b + 1]
+                i = 4
+            if i + 2 <= count:
                 a0 = vzero(); a1 = vzero()
                 for k in range(num_in):
                     s = vbroadcast(xr[k])
-                    a0 = vfma(s, vload(w0, k * LANES), a0)
-                    a1 = vfma(s, vload(w1, k * LANES), a1)
-                store_lanes(out, m, b * LANES, a0, bias, accumulate)
-                store_lanes(out, m, (b + 1) * LANES, a1, bias, accumulate)
-                b += 2
-            if b < last:
-                w0 = w[b]
+                    a0 = vfma(s, vload(wt, k * step + i * LANES), a0)
+                    a1 = vfma(s, vload(wt, k * step + (i + 1) * LANES), a1)
+                store_lanes(out, m, (first + i) * LANES, a0, bias, accumulate)
+                store_lanes(out, m, (first + i + 1) * LANES, a1, bias, accumulate)
+                i += 2
+            if i < count:
                 a0 = vzero()
                 for k in range(num_in):
-                    a0 = vfma(vbroadcast(xr[k]), vload(w0, k * LANES), a0)
-                store_lanes(out, m, b * LANES, a0, bias, accumulate)
+                    a0 = vfma(vbroadcast(xr[k]), vload(wt, k * step + i * LANES), a0)
+                store_lanes(out, m, (first + i) * LANES, a0, bias, accumulate)
             m += 1

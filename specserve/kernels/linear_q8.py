@@ -16,12 +16,13 @@ instructions per 16 weights, which bound one thread well below the memory's spee
 (AVX-512 VNNI's vpdpbusd: 64 multiply-adds in one instruction) makes the product memory-bound again.
 The cost is accuracy: activations carry ~8 bits per run of 32 (BENCHMARKS.md "8-bit weights" measures it).
 
-Layout (`PackedQ8`): weights are stored as unsigned bytes q + 128, blocks of 16 outputs, in groups of 4
-consecutive inputs: ``packed[b, g * 64 + l * 4 + i] = q[16 b + l, 4 g + i] + 128`` — one 64-byte load is 4
-inputs of 16 outputs, the shape vpdpbusd multiplies (unsigned by signed bytes). The +128 makes the
-weights unsigned; Σ (q + 128) · qx = Σ q · qx + 128 · Σ qx, and 128 · Σ qx is one integer per row and run
-(`quantize_activations` returns it), subtracted before the conversion. Inputs are padded to whole runs
-with q = 0 (and x = 0).
+Layout (`pack_q8`): weights are stored as unsigned bytes q + 128 in `linear`'s tiles (blocks of 16
+outputs, `tile_blocks` blocks a tile, each tile one sequential stream), in groups of 4 consecutive
+inputs: ``packed[t, (g * tb + i) * 64 + l * 4 + c] = q[16 (t * tb + i) + l, 4 g + c] + 128`` — one 64-byte
+load is 4 inputs of 16 outputs, the shape vpdpbusd multiplies (unsigned by signed bytes). The +128 makes
+the weights unsigned; Σ (q + 128) · qx = Σ q · qx + 128 · Σ qx, and 128 · Σ qx is one integer per row
+and run (`quantize_activations` returns it), subtracted before the conversion. Inputs are padded to
+whole runs with q = 0 (and x = 0), outputs to whole tiles.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch
 from numba import prange
 
 from specserve.kernels.simd import (
-    LANES, WIDE_PRODUCT_BLOCKS, store_lanes, vbroadcast, vbroadcast_bytes, vdot4, vfma, visum, vizero, visub_scalar, vload,
+    LANES, store_lanes, vbroadcast, vbroadcast_bytes, vdot4, vfma, visum, vizero, visub_scalar, vload,
     vload_bytes, vmax_abs, vmul, vround_to_int, vstore_int8, vtofloat, vzero,
 )
 
@@ -60,31 +61,34 @@ def quantize_q8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.view(out_features, kblocks * Q8_BLOCK)[:, :in_features].contiguous(), d.to(torch.float16)
 
 
-def pack_q8(w: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """w [out, in] -> (weight uint8[blocks, runs * 32 * 16], scales uint16[blocks, runs * 16]) in the layout
-    above; scales[b, j * 16 + l] holds output 16 b + l's float16 scale of run j, as bits."""
+def pack_q8(w: torch.Tensor, tile_blocks: int) -> tuple[np.ndarray, np.ndarray]:
+    """w [out, in] -> (weight uint8[tiles, runs * 32 * tile_blocks * 16], scales uint16[tiles * tile_blocks,
+    runs * 16]) in the layout above; scales[b, j * 16 + l] holds output 16 b + l's float16 scale of run j,
+    as bits."""
     out_features, in_features = w.shape
-    blocks = -(-out_features // LANES)
+    rows = -(-out_features // (LANES * tile_blocks)) * LANES * tile_blocks
+    tiles = rows // (LANES * tile_blocks)
     q, d = quantize_q8(w)
     runs = d.shape[1]
     padded_in = runs * Q8_BLOCK
-    qp = torch.zeros(blocks * LANES, padded_in, dtype=torch.int16)
+    qp = torch.zeros(rows, padded_in, dtype=torch.int16)
     qp[:out_features, :in_features] = q.to(torch.int16)
-    stored = (qp + WEIGHT_OFFSET).to(torch.uint8).view(blocks, LANES, padded_in // GROUP, GROUP)
-    weight = stored.permute(0, 2, 1, 3).reshape(blocks, padded_in * LANES).contiguous().numpy()
-    dp = torch.zeros(blocks * LANES, runs, dtype=torch.float16)
+    stored = (qp + WEIGHT_OFFSET).to(torch.uint8).view(tiles, tile_blocks, LANES, padded_in // GROUP, GROUP)
+    weight = stored.permute(0, 3, 1, 2, 4).reshape(tiles, padded_in * tile_blocks * LANES).contiguous().numpy()
+    dp = torch.zeros(rows, runs, dtype=torch.float16)
     dp[:out_features] = d
-    scales = dp.view(blocks, LANES, runs).transpose(1, 2).reshape(blocks, runs * LANES).contiguous()
+    scales = dp.view(rows // LANES, LANES, runs).transpose(1, 2).reshape(rows // LANES, runs * LANES).contiguous()
     return weight, scales.view(torch.int16).numpy().view(np.uint16)
 
 
-def unpack_q8(weight: np.ndarray, scales: np.ndarray, out_features: int, in_features: int
+def unpack_q8(weight: np.ndarray, scales: np.ndarray, tile_blocks: int, out_features: int, in_features: int
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """`pack_q8`'s inverse: (q int8[out, in], d float16[out, runs])."""
-    blocks = weight.shape[0]
+    tiles, blocks = weight.shape[0], scales.shape[0]
     runs = scales.shape[1] // LANES
-    q = torch.from_numpy(weight).view(blocks, runs * Q8_BLOCK // GROUP, LANES, GROUP).permute(0, 2, 1, 3)
-    q = (q.reshape(blocks * LANES, runs * Q8_BLOCK).to(torch.int16) - WEIGHT_OFFSET).to(torch.int8)
+    q = torch.from_numpy(weight).view(tiles, runs * Q8_BLOCK // GROUP, tile_blocks, LANES, GROUP)
+    q = q.permute(0, 2, 3, 1, 4).reshape(blocks * LANES, runs * Q8_BLOCK)
+    q = (q.to(torch.int16) - WEIGHT_OFFSET).to(torch.int8)
     d = torch.from_numpy(scales.view(np.int16)).view(torch.float16).view(blocks, runs, LANES).transpose(1, 2)
     return q[:out_features, :in_features].contiguous(), d.reshape(blocks * LANES, runs)[:out_features].contiguous()
 
@@ -144,37 +148,40 @@ def linear_rows_q8(x, w, scales, bias, out, accumulate):
     """out[:, :out_features] (+)= x @ W^T + bias in the arithmetic above.
 
     x:       float32[M, in], rows C-contiguous.
-    w:       uint8[blocks, runs * 32 * 16], scales: uint16[blocks, runs * 16] (`pack_q8`).
-    bias:    float32[blocks * 16]; out: float32[M, out_features], C-contiguous.
+    w:       uint8[tiles, runs * 32 * tile_blocks * 16], scales: uint16[tiles * tile_blocks, runs * 16]
+             (`pack_q8`).
+    bias:    float32[tiles * tile_blocks * 16]; out: float32[M, out_features], C-contiguous.
     """
     num_rows = x.shape[0]
-    num_blocks = w.shape[0]
+    num_tiles = w.shape[0]
     runs = scales.shape[1] // LANES
+    tb = scales.shape[0] // num_tiles  # blocks per tile
     qx, dx, correction = quantize_activations(x, runs)
     groups_per_run = Q8_BLOCK // GROUP
-    stride = GROUP * LANES  # bytes of one group: 4 inputs x 16 outputs
-    # The same tiles as linear_rows: 4-block tiles for wide products, 2 for narrow ones.
-    tile_blocks = 4 if num_blocks >= WIDE_PRODUCT_BLOCKS else 2
-    num_tiles = (num_blocks + tile_blocks - 1) // tile_blocks
+    block_bytes = GROUP * LANES  # one group of one block: 4 inputs x 16 outputs
+    stride = tb * block_bytes  # from one group of a tile to the next
+    num_blocks = (out.shape[1] + LANES - 1) // LANES  # real blocks: the last tile's padding is skipped
     for tile in prange(num_tiles):
-        first = tile * tile_blocks
-        last = min(num_blocks, first + tile_blocks)
+        wt = w[tile]
+        first = tile * tb
+        count = min(num_blocks, first + tb) - first
         m = 0
         while m + 4 <= num_rows:  # 4 rows x 2 blocks: each weight load feeds 4 dot products
             x0, x1, x2, x3 = qx[m], qx[m + 1], qx[m + 2], qx[m + 3]
-            b = first
-            while b < last:
-                pair = b + 1 < last
-                w0, s0 = w[b], scales[b]
-                w1, s1 = (w[b + 1], scales[b + 1]) if pair else (w[b], scales[b])
+            i = 0
+            while i < count:
+                pair = i + 1 < count
+                s0 = scales[first + i]
+                s1 = scales[first + i + 1] if pair else s0
+                o1 = (i + 1) * block_bytes if pair else i * block_bytes
                 a0 = vzero(); a1 = vzero(); a2 = vzero(); a3 = vzero()
                 c0 = vzero(); c1 = vzero(); c2 = vzero(); c3 = vzero()
                 for j in range(runs):
                     i0 = vizero(); i1 = vizero(); i2 = vizero(); i3 = vizero()
                     k0 = vizero(); k1 = vizero(); k2 = vizero(); k3 = vizero()
                     for g in range(j * groups_per_run, (j + 1) * groups_per_run):
-                        u = vload_bytes(w0, g * stride)
-                        v = vload_bytes(w1, g * stride)
+                        u = vload_bytes(wt, g * stride + i * block_bytes)
+                        v = vload_bytes(wt, g * stride + o1)
                         s = vbroadcast_bytes(x0, g * GROUP); i0 = vdot4(i0, u, s); k0 = vdot4(k0, v, s)
                         s = vbroadcast_bytes(x1, g * GROUP); i1 = vdot4(i1, u, s); k1 = vdot4(k1, v, s)
                         s = vbroadcast_bytes(x2, g * GROUP); i2 = vdot4(i2, u, s); k2 = vdot4(k2, v, s)
@@ -187,48 +194,63 @@ def linear_rows_q8(x, w, scales, bias, out, accumulate):
                     c1 = _run_sum(c1, k1, correction[m + 1, j], s1, j, dx[m + 1, j])
                     c2 = _run_sum(c2, k2, correction[m + 2, j], s1, j, dx[m + 2, j])
                     c3 = _run_sum(c3, k3, correction[m + 3, j], s1, j, dx[m + 3, j])
-                base = b * LANES
+                base = (first + i) * LANES
                 store_lanes(out, m, base, a0, bias, accumulate); store_lanes(out, m + 1, base, a1, bias, accumulate)
                 store_lanes(out, m + 2, base, a2, bias, accumulate); store_lanes(out, m + 3, base, a3, bias, accumulate)
                 if pair:
                     base += LANES
                     store_lanes(out, m, base, c0, bias, accumulate); store_lanes(out, m + 1, base, c1, bias, accumulate)
                     store_lanes(out, m + 2, base, c2, bias, accumulate); store_lanes(out, m + 3, base, c3, bias, accumulate)
-                b += 2
+                i += 2
             m += 4
-        while m < num_rows:  # one row x 4 blocks (then 1): independent chains, each weight read once
+        while m < num_rows:  # one row x 4 blocks (else one by one): independent chains, the tile read in order
             xr = qx[m]
-            b = first
-            while b + 4 <= last:
-                w0, w1, w2, w3 = w[b], w[b + 1], w[b + 2], w[b + 3]
-                s0, s1, s2, s3 = scales[b], scales[b + 1], scales[b + 2], scales[b + 3]
+            i = 0
+            if count == 4:
+                s0, s1, s2, s3 = scales[first], scales[first + 1], scales[first + 2], scales[first + 3]
                 a0 = vzero(); a1 = vzero(); a2 = vzero(); a3 = vzero()
                 for j in range(runs):
                     i0 = vizero(); i1 = vizero(); i2 = vizero(); i3 = vizero()
                     for g in range(j * groups_per_run, (j + 1) * groups_per_run):
                         s = vbroadcast_bytes(xr, g * GROUP)
-                        i0 = vdot4(i0, vload_bytes(w0, g * stride), s)
-                        i1 = vdot4(i1, vload_bytes(w1, g * stride), s)
-                        i2 = vdot4(i2, vload_bytes(w2, g * stride), s)
-                        i3 = vdot4(i3, vload_bytes(w3, g * stride), s)
+                        o = g * stride
+                        i0 = vdot4(i0, vload_bytes(wt, o), s)
+                        i1 = vdot4(i1, vload_bytes(wt, o + block_bytes), s)
+                        i2 = vdot4(i2, vload_bytes(wt, o + 2 * block_bytes), s)
+                        i3 = vdot4(i3, vload_bytes(wt, o + 3 * block_bytes), s)
                     a0 = _run_sum(a0, i0, correction[m, j], s0, j, dx[m, j])
                     a1 = _run_sum(a1, i1, correction[m, j], s1, j, dx[m, j])
                     a2 = _run_sum(a2, i2, correction[m, j], s2, j, dx[m, j])
                     a3 = _run_sum(a3, i3, correction[m, j], s3, j, dx[m, j])
-                base = b * LANES
+                base = first * LANES
                 store_lanes(out, m, base, a0, bias, accumulate)
                 store_lanes(out, m, base + LANES, a1, bias, accumulate)
                 store_lanes(out, m, base + 2 * LANES, a2, bias, accumulate)
                 store_lanes(out, m, base + 3 * LANES, a3, bias, accumulate)
-                b += 4
-            while b < last:
-                w0, s0 = w[b], scales[b]
+                i = 4
+            if i + 2 <= count:
+                s0, s1 = scales[first + i], scales[first + i + 1]
+                a0 = vzero(); a1 = vzero()
+                for j in range(runs):
+                    i0 = vizero(); i1 = vizero()
+                    for g in range(j * groups_per_run, (j + 1) * groups_per_run):
+                        s = vbroadcast_bytes(xr, g * GROUP)
+                        o = g * stride + i * block_bytes
+                        i0 = vdot4(i0, vload_bytes(wt, o), s)
+                        i1 = vdot4(i1, vload_bytes(wt, o + block_bytes), s)
+                    a0 = _run_sum(a0, i0, correction[m, j], s0, j, dx[m, j])
+                    a1 = _run_sum(a1, i1, correction[m, j], s1, j, dx[m, j])
+                store_lanes(out, m, (first + i) * LANES, a0, bias, accumulate)
+                store_lanes(out, m, (first + i + 1) * LANES, a1, bias, accumulate)
+                i += 2
+            while i < count:
+                s0 = scales[first + i]
                 a0 = vzero()
                 for j in range(runs):
                     i0 = vizero()
                     for g in range(j * groups_per_run, (j + 1) * groups_per_run):
-                        i0 = vdot4(i0, vload_bytes(w0, g * stride), vbroadcast_bytes(xr, g * GROUP))
+                        i0 = vdot4(i0, vload_bytes(wt, g * stride + i * block_bytes), vbroadcast_bytes(xr, g * GROUP))
                     a0 = _run_sum(a0, i0, correction[m, j], s0, j, dx[m, j])
-                store_lanes(out, m, b * LANES, a0, bias, accumulate)
-                b += 1
+                store_lanes(out, m, (first + i) * LANES, a0, bias, accumulate)
+                i += 1
             m += 1

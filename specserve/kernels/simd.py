@@ -23,6 +23,13 @@ from numba.extending import intrinsic, models, register_model
 LANES = 16
 # Products at least this many 16-wide blocks (1024 outputs) use 4-block tiles: 16+ tiles, even for 4 threads.
 WIDE_PRODUCT_BLOCKS = 64
+
+
+def tile_blocks(num_blocks: int) -> int:
+    """Blocks of 16 outputs per tile (the unit of work one thread computes, stored as one stream): 4 keep
+    4 FMA chains busy for a single row; narrow products use 2 so threads get even shares. A fixed cut, not
+    the thread count: a packed weight must not depend on how many threads run it."""
+    return 4 if num_blocks >= WIDE_PRODUCT_BLOCKS else 2
 _VEC = ir.VectorType(ir.FloatType(), LANES)
 _I32 = ir.IntType(32)
 

@@ -223,7 +223,8 @@ def test_int8_packing_round_trips_and_stays_within_the_q8_0_bound(shape):
     assert (np.abs(held - w.numpy()) <= d / 2 + 127 * d * 2.0 ** -11 + 1e-12).all()
     again = PackedLinear(torch.from_numpy(held), None, "int8")  # quantizing what Q8_0 holds changes nothing
     np.testing.assert_array_equal(again.dequantized().numpy(), held)
-    runs, blocks = -(-shape[1] // 32), -(-shape[0] // 16)  # inputs padded to whole runs of 32
+    # Inputs padded to whole runs of 32, outputs to whole tiles of 2 blocks of 16 (these products are narrow).
+    runs, blocks = -(-shape[1] // 32), -(-shape[0] // 32) * 2
     assert packed.nbytes == packed.weight.nbytes + packed.scales.nbytes == blocks * 16 * runs * (32 + 2)
     if shape[1] % 32 == 0:
         assert packed.nbytes < PackedLinear(w, None, "float16").nbytes
