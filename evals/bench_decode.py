@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPU: weight storage float32 (default), bfloat16 or float16 (compute stays float32); "
                         "llama.cpp gets f32 weights against float32, f16 against the half-size ones")
     p.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
-                   help=QUANTIZATION_HELP + "; llama.cpp gets q8_0 against it")
+                   help=QUANTIZATION_HELP + "; llama.cpp gets q8_0 / q4_0 against it")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU kernel threads, and llama.cpp's n_threads and n_threads_batch (default: every core)")
     p.add_argument("--skip-transformers", action="store_true")

@@ -39,8 +39,10 @@ SOURCE_HINT = (f"pass --llama-cpp-source DIR or set ${ENV_SOURCE} to a llama.cpp
 RECIPE_VERSION = "1"
 # Our CPU weight storage dtypes and the GGUF type that compares with each: float32 with f32;
 # half-size storage (bf16 or fp16 in memory, fp32 arithmetic) with llama.cpp's f16.
-# Our int8 quantization is Q8_0's layout (int8 weights, one float16 scale per 32), so it pairs with q8_0.
-GGUF_TYPE = {"float32": "f32", "bfloat16": "f16", "float16": "f16", "int8": "q8_0"}
+# Our int8 and int4 quantizations are Q8_0's and Q4_0's layouts (8- or 4-bit weights, one float16 scale per
+# 32), so they pair with q8_0 and q4_0. The converter writes f32 / f16 / q8_0 itself; q4_0 is quantized from its
+# f32 file by llama.cpp's own quantizer (`_quantize_q4_0`).
+GGUF_TYPE = {"float32": "f32", "bfloat16": "f16", "float16": "f16", "int8": "q8_0", "int4": "q4_0"}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 
@@ -123,7 +125,7 @@ def converter_hash(tree: Path) -> str:
 
 
 def convert(model_dir: Path, tree: Path, gguf_type: str, cache_dir: Path | None = None, *, log=None) -> Path:
-    """The GGUF file of `model_dir` at `gguf_type` (f32 | f16 | q8_0), converted once and cached.
+    """The GGUF file of `model_dir` at `gguf_type` (f32 | f16 | q8_0 | q4_0), converted once and cached.
 
     The cache key is the checkpoint's content hash, the converter's hash and RECIPE_VERSION. Raises
     ValueError with the converter's last error line when the conversion fails.
@@ -136,6 +138,8 @@ def convert(model_dir: Path, tree: Path, gguf_type: str, cache_dir: Path | None 
     out = out_dir / key / f"model-{gguf_type}.gguf"
     if out.is_file():
         return out
+    if gguf_type == "q4_0":
+        return _quantize_q4_0(convert(model_dir, tree, "f32", cache_dir, log=log), out, log=log)
     out.parent.mkdir(parents=True, exist_ok=True)
     if log is not None:
         log(f"llama.cpp: converting {model_dir} to GGUF {gguf_type} with {tree / CONVERTER} (once; cached in {out.parent})")
@@ -156,6 +160,28 @@ def convert(model_dir: Path, tree: Path, gguf_type: str, cache_dir: Path | None 
         os.replace(partial, out)  # whole files only in the cache: an interrupted run leaves nothing behind
     if log is not None:
         log(f"llama.cpp: converted in {time.perf_counter() - t0:.1f}s: {out}")
+    return out
+
+
+def _quantize_q4_0(f32: Path, out: Path, *, log=None) -> Path:
+    """llama.cpp's quantizer (llama_model_quantize) on the f32 GGUF: every weight q4_0, the LM head included
+    ("pure": by default llama.cpp keeps the LM head at 6 bits, ours is 4); the token embedding too, which a
+    tied model's LM head reads (ours keeps its embedding float32, only ever indexed)."""
+    import ctypes
+
+    import llama_cpp
+
+    if log is not None:
+        log(f"llama.cpp: quantizing {f32} to q4_0 with llama_model_quantize (once; cached)")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0
+    params.pure = True
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        partial = Path(tmp) / out.name
+        status = llama_cpp.llama_model_quantize(str(f32).encode(), str(partial).encode(), ctypes.byref(params))
+        if status != 0 or not partial.is_file():
+            raise ValueError(f"llama.cpp's quantizer failed on {str(f32)!r} (status {status})")
+        os.replace(partial, out)
     return out
 
 
@@ -271,8 +297,8 @@ def locate(source: str | None) -> Path | PeerUnavailable:
 
 def load(model_dir: str | Path, tree: Path, *, dtype, threads: int, n_ctx: int, gpu: bool = False,
          cache_dir: str | Path | None = None, log=None) -> LlamaCpp:
-    """`model_dir` converted (cached) to the GGUF type that pairs with our `dtype` (or "int8": our quantized
-    storage), loaded."""
+    """`model_dir` converted (cached) to the GGUF type that pairs with our `dtype` (or "int8" / "int4": our
+    quantized storages), loaded."""
     name = str(dtype).removeprefix("torch.")
     if name not in GGUF_TYPE:
         raise ValueError(f"no GGUF type pairs with dtype {name!r}; known: {', '.join(GGUF_TYPE)}")

@@ -132,7 +132,8 @@ def _drafter_options(items: list[str]) -> dict:
     return options
 
 
-QUANTIZATION_HELP = "int8: the target's products quantized at load in llama.cpp's Q8_0 layout (CPU kernels only)"
+QUANTIZATION_HELP = ("the target's products quantized at load: int8 in llama.cpp's Q8_0 layout, int4 in its Q4_0 "
+                     "(CPU kernels only)")
 
 
 def add_execution_arguments(p: argparse.ArgumentParser) -> None:

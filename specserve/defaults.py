@@ -22,8 +22,9 @@ TEMPERATURE = 1.0
 MAX_LOGPROBS = 20
 #: How constrained requests draft (`LLM(grammar_drafting=...)`, grammar/hooks.py).
 GRAMMAR_DRAFTING = ("forced", "aware", "verify")
-#: Weight quantizations `LLM(quantization=...)` offers (the CPU kernels' int8, llama.cpp's Q8_0 layout).
-QUANTIZATIONS = ("int8",)
+#: Weight quantizations `LLM(quantization=...)` offers (the CPU kernels' int8 and int4: llama.cpp's Q8_0 and
+#: Q4_0 layouts).
+QUANTIZATIONS = ("int8", "int4")
 TOP_P = 1.0
 TOP_K = 0
 MIN_P = 0.0

@@ -62,10 +62,10 @@ class LLM:
     enable_prefix_caching: reuse the KV of full blocks earlier requests computed (a shared system prompt,
     a chat's earlier turns): a prompt's prefill starts at its first uncached token; output is unchanged.
     quantization: "int8" stores the target's products (every layer's and the LM head) as llama.cpp's Q8_0
-    does — int8 weights with a float16 scale per output row and run of 32 inputs — quantized at load from
-    the checkpoint (float32, float16 or bfloat16), about half float16's bytes per token, multiplied as
-    llama.cpp's q8_0 x q8_0 product does (activations quantized per run of 32, integer dot products); the
-    CPU kernels only. A quantized model is a different model: speculation stays lossless against it, not against the
+    does — int8 weights with a float16 scale per output row and run of 32 inputs, about half float16's bytes
+    per token — and "int4" as its Q4_0 does (4-bit weights, the same scales: about a quarter); quantized at
+    load from the checkpoint (float32, float16 or bfloat16), multiplied as llama.cpp's q8_0 / q4_0 x q8_0
+    products do (activations quantized per run of 32, integer dot products); the CPU kernels only. A quantized model is a different model: speculation stays lossless against it, not against the
     float one (drafters keep their own weights).
     """
 

@@ -157,7 +157,7 @@ class LlamaModel(nn.Module):
     def from_pretrained(cls, model_dir: str | Path, device: torch.device, dtype: torch.dtype, attention: str | None = None,
                         cpu_kernels: bool = True, tp=None, quantization: str | None = None) -> "LlamaModel":
         """tp: load one rank's share (only its slices of the checkpoint are read); no CPU kernels then.
-        quantization: "int8" packs the CPU kernels' products as Q8_0 (`use_cpu_kernels`)."""
+        quantization: "int8" / "int4" packs the CPU kernels' products as Q8_0 / Q4_0 (`use_cpu_kernels`)."""
         cfg = load_config(model_dir)
         model = cls(cfg, device, dtype, attention, tp)
         stats: dict = {}
@@ -193,7 +193,7 @@ class LlamaModel(nn.Module):
     def use_cpu_kernels(self, quantization: str | None = None) -> bool:
         """Run forwards through `specserve.kernels` (compiled, multithreaded, batch-invariant) when the
         model and device allow it; returns whether they do (the reason is logged once otherwise).
-        quantization: "int8" packs every product (layers and LM head) as Q8_0 (`PackedLinear`)."""
+        quantization: "int8" / "int4" packs every product (layers and LM head) as Q8_0 / Q4_0 (`PackedLinear`)."""
         from specserve.kernels import ModelKernels
 
         self.kernels = ModelKernels.for_model(self, quantization)

@@ -20,8 +20,8 @@ any thread count. That is what lets greedy speculative decoding equal plain deco
 Speed: one broadcast input value feeds up to 8 vector FMAs (4 rows x 2 blocks), so many-row products
 (prefill chunks, verify trees) run near the FMA units' rate, while one row streams each weight once
 (decode is memory-bound). Half-size weights (bfloat16 bits or float16) are widened as they load.
-int8 weights (llama.cpp's Q8_0) take their own kernel, `linear_q8.linear_rows_q8` (8-bit activations,
-integer dot products, the same tiles); `linear_rows` picks it by the weight array's dtype.
+int8 and int4 weights (llama.cpp's Q8_0 and Q4_0) take their own kernel, `linear_quant.linear_rows_quant`
+(8-bit activations, integer dot products, the same tiles); `linear_rows` picks it by the weight array's dtype.
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ import torch
 from numba import prange, types
 from numba.extending import overload
 
-from specserve.kernels.linear_q8 import Q8_BLOCK, linear_rows_q8, pack_q8, quantize_q8, unpack_q8
+from specserve.kernels.linear_quant import (
+    Q4_OFFSET, Q8_BLOCK, linear_rows_quant, pack_q4, pack_q8, quantize_q8, unpack_q4, unpack_q8,
+)
 from specserve.kernels.simd import LANES, store_lanes, tile_blocks, vbroadcast, vfma, vload, vzero
 
 __all__ = ["PackedLinear", "Q8_BLOCK", "as_numpy", "linear_rows", "linear_rows_float", "quantize_q8"]
@@ -43,23 +45,26 @@ class PackedLinear:
 
     storage: "float32", "bfloat16" (kept as int16 bits; rounded to nearest even from the source),
     "float16" (kept as uint16 bits) — weight [tiles, in * tile_blocks * 16] in the layout above — or
-    "int8" (llama.cpp's Q8_0 in `linear_q8`'s layout: weight uint8[tiles, ceil(in / 32) * 32 * tile_blocks *
-    16], and `scales` its float16 scales as bits, uint16[tiles * tile_blocks, ceil(in / 32) * 16]); `scales`
-    is empty [.., 0] for the other storages. The bias stays float32 [tiles * tile_blocks * 16] (zeros when
+    "int8" / "int4" (llama.cpp's Q8_0 / Q4_0 in `linear_quant`'s layouts: weight uint8[tiles, ceil(in / 32) *
+    32 * tile_blocks * 16] / int8-typed nibble pairs [tiles, ceil(in / 32) * 16 * tile_blocks * 16], and
+    `scales` their float16 scales as bits, uint16[tiles * tile_blocks, ceil(in / 32) * 16]); `scales` is empty
+    [.., 0] for the float storages. The bias stays float32 [tiles * tile_blocks * 16] (zeros when
     there is none: adding 0.0 changes nothing).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, storage: str = "float32") -> None:
         if weight.dim() != 2:
             raise ValueError(f"a linear weight must be 2-D [out, in], got {tuple(weight.shape)}")
-        if storage not in ("float32", "bfloat16", "float16", "int8"):
-            raise ValueError(f"weight storage must be float32, bfloat16, float16 or int8, got {storage!r}")
+        if storage not in ("float32", "bfloat16", "float16", "int8", "int4"):
+            raise ValueError(f"weight storage must be float32, bfloat16, float16, int8 or int4, got {storage!r}")
         out_features, in_features = weight.shape
         self.tile_blocks = tile_blocks(-(-out_features // LANES))
         rows = -(-out_features // (LANES * self.tile_blocks)) * LANES * self.tile_blocks  # whole tiles
         tiles = rows // (LANES * self.tile_blocks)
         if storage == "int8":
             self.weight, self.scales = pack_q8(weight, self.tile_blocks)
+        elif storage == "int4":
+            self.weight, self.scales = pack_q4(weight, self.tile_blocks)
         else:
             padded = torch.zeros(rows, in_features, dtype=torch.float32)
             padded[:out_features] = weight.detach().to("cpu", torch.float32)
@@ -79,14 +84,16 @@ class PackedLinear:
 
     @property
     def nbytes(self) -> int:
-        """Bytes streamed by one product (the weight and int8's scales; padding rows included)."""
+        """Bytes streamed by one product (the weight and int8's / int4's scales; padding rows included)."""
         return self.weight.nbytes + self.scales.nbytes
 
     def dequantized(self) -> torch.Tensor:
-        """The weight [out, in] the kernel holds, float32 (int8: q · d, exact in float32)."""
-        if self.storage == "int8":
-            q, d = unpack_q8(self.weight, self.scales, self.tile_blocks, self.out_features, self.in_features)
-            return q.float() * d.float().repeat_interleave(Q8_BLOCK, dim=1)[:, :self.in_features]
+        """The weight [out, in] the kernel holds, float32 (int8: q · d, int4: (q - 8) · d, exact in float32)."""
+        if self.storage in ("int8", "int4"):
+            unpack = unpack_q8 if self.storage == "int8" else unpack_q4
+            q, d = unpack(self.weight, self.scales, self.tile_blocks, self.out_features, self.in_features)
+            q = q.float() - (Q4_OFFSET if self.storage == "int4" else 0)
+            return q * d.float().repeat_interleave(Q8_BLOCK, dim=1)[:, :self.in_features]
         raw = torch.from_numpy(self.weight.view(np.int16) if self.weight.dtype == np.uint16 else self.weight)
         w = {"float32": raw, "bfloat16": raw.view(torch.bfloat16), "float16": raw.view(torch.float16)}[self.storage]
         tiles = self.weight.shape[0]
@@ -115,8 +122,8 @@ def _product(x, w, scales, bias, out, accumulate):
 
 @overload(_product, inline="always")
 def _choose_product(x, w, scales, bias, out, accumulate):
-    if w.dtype == types.uint8:  # int8 (Q8_0) weights, stored offset to unsigned bytes
-        return lambda x, w, scales, bias, out, accumulate: linear_rows_q8(x, w, scales, bias, out, accumulate)
+    if w.dtype in (types.uint8, types.int8):  # int8 (Q8_0) and int4 (Q4_0) weights
+        return lambda x, w, scales, bias, out, accumulate: linear_rows_quant(x, w, scales, bias, out, accumulate)
     return lambda x, w, scales, bias, out, accumulate: linear_rows_float(x, w, bias, out, accumulate)
 
 
@@ -126,8 +133,8 @@ def linear_rows(x, w, scales, bias, out, accumulate):
 
     x:      float32[M, in], rows C-contiguous.
     w, scales: a `PackedLinear`'s weight and scales (float32, int16 bfloat16 bits or uint16 float16 bits
-            [tiles, in * tile_blocks * 16] with empty scales: `linear_rows_float`; uint8 with float16
-            scales: int8, `linear_q8.linear_rows_q8`).
+            [tiles, in * tile_blocks * 16] with empty scales: `linear_rows_float`; uint8 (int8) or int8-typed
+            (int4) with float16 scales: `linear_quant.linear_rows_quant`).
     bias:   float32[tiles * tile_blocks * 16].
     out:    float32[M, out_features], C-contiguous; accumulate: add to it instead of overwriting.
     """

@@ -1,7 +1,7 @@
 """The CPU executor of a `LlamaModel` (and of single decoder layers, for drafter heads).
 
 `ModelKernels.for_model(model)` packs the model's weights once (`PackedLinear`: fp32, or half-size
-bfloat16/float16 storage when the model's dtype asks for it, or int8 Q8_0 when quantized — arithmetic
+bfloat16/float16 storage when the model's dtype asks for it, or int8 Q8_0 / int4 Q4_0 when quantized — arithmetic
 stays fp32) and then runs
 whole forwards over a `StepBatch`: embedding lookup, one `decoder_layer` call per layer, final norm and
 LM head, hidden states of the asked layers for drafters. torch keeps the original weights (training
@@ -115,8 +115,8 @@ class ModelKernels:
         cfg = model.config
         self.config = cfg
         self.quantization = quantization
-        # The products' storage: the model's dtype, or int8 (Q8_0) when quantized.
-        self.storage = "int8" if quantization == "int8" else _STORAGE[model.dtype]
+        # The products' storage: the model's dtype, or int8 (Q8_0) / int4 (Q4_0) when quantized.
+        self.storage = quantization or _STORAGE[model.dtype]
         self.embed = _np(model.embed)  # float32[V, H]: only gathered, so it stays full size
         self.norm = _np(model.norm)
         self.lm_head = PackedLinear(model.lm_head, None, self.storage)

@@ -359,7 +359,7 @@ def store_lanes(out, m, base, acc, bias, accumulate):
             row[base + lane] = row[base + lane] + value if accumulate else value
 
 
-# ---- quantizing activations to 8 bits (`linear_q8.quantize_activations`) -----------------------------------
+# ---- quantizing activations to 8 bits (`linear_quant.quantize_activations`) -----------------------------------
 
 
 @intrinsic
@@ -445,3 +445,24 @@ def vsum4(typingctx, a, b, c, d):
         return pick(s1, ir.Constant(ir.VectorType(ir.FloatType(), 4), [0.0] * 4), list(range(4)) + [4] * 12)
 
     return F32x16(a, b, c, d), codegen
+
+
+@intrinsic
+def vlow_nibbles(typingctx, a):
+    """Each byte's low 4 bits (0-15) as a byte: the first of the two 4-bit weights a byte holds."""
+
+    def codegen(context, builder, signature, args):
+        return builder.and_(args[0], ir.Constant(_IVEC, [0x0F0F0F0F] * LANES))
+
+    return I32x16(a), codegen
+
+
+@intrinsic
+def vhigh_nibbles(typingctx, a):
+    """Each byte's high 4 bits (0-15) as a byte: the second of the two 4-bit weights a byte holds."""
+
+    def codegen(context, builder, signature, args):
+        shifted = builder.lshr(args[0], ir.Constant(_IVEC, [4] * LANES))
+        return builder.and_(shifted, ir.Constant(_IVEC, [0x0F0F0F0F] * LANES))
+
+    return I32x16(a), codegen

@@ -12,7 +12,7 @@ equal plain decoding by construction on the CPU.
   a k-token prompt chunk; a mixed batch of chunk + tree + decode) equals its 1-row forward; a verify
   row's logits for a tree node equal the logits plain decoding computes for that token at that
   position once its ancestors are committed — on GQA, biased (Qwen2) and sliding-window (Mistral)
-  models, fp32, bf16 and int8 (Q8_0) storage, 1 and 2 threads. Logits are compared bitwise, which is stronger than
+  models, fp32, bf16, int8 (Q8_0) and int4 (Q4_0) storage, 1 and 2 threads. Logits are compared bitwise, which is stronger than
   any near-tie argmax check on a model: a single differing bit anywhere fails.
 """
 
@@ -29,9 +29,10 @@ from specserve.model import LlamaModel
 from specserve.step_batch import StepBatchBuilder
 from tiny_models import build_model
 
-STORAGES = ["float32", "bfloat16", "float16", "int8"]
-# int8: a float16 checkpoint quantized at load (LLM(quantization="int8")).
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.float16}
+STORAGES = ["float32", "bfloat16", "float16", "int8", "int4"]
+# int8, int4: a float16 checkpoint quantized at load (LLM(quantization=...)).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.float16,
+          "int4": torch.float16}
 
 
 def bits(a) -> np.ndarray:
@@ -176,7 +177,7 @@ def model_dirs(tmp_path_factory):
 
 def _model(path, storage: str) -> LlamaModel:
     model = LlamaModel.from_pretrained(path, torch.device("cpu"), DTYPES[storage],
-                                       quantization="int8" if storage == "int8" else None)
+                                       quantization=storage if storage in ("int8", "int4") else None)
     assert model.kernels is not None and model.kernels.storage == storage
     return model
 
@@ -198,7 +199,7 @@ def _forward(model, cache, entries, logits="all") -> np.ndarray:
     return model.forward(builder.build(), cache).logits.numpy().copy()
 
 
-@pytest.mark.parametrize("storage", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("storage", ["float32", "bfloat16", "int8", "int4"])
 def test_row_of_a_k_decode_batch_equals_the_sequence_alone(model_dirs, storage, use_threads):
     model = _model(model_dirs["llama-gqa"], storage)
     rng = np.random.default_rng(1)
@@ -221,7 +222,7 @@ def test_row_of_a_k_decode_batch_equals_the_sequence_alone(model_dirs, storage, 
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-@pytest.mark.parametrize("storage", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("storage", ["float32", "bfloat16", "int8", "int4"])
 def test_row_of_a_k_token_chunk_equals_decoding_one_token_at_a_time(model_dirs, arch, storage, use_threads):
     model = _model(model_dirs[arch], storage)
     tokens = np.random.default_rng(2).integers(0, 61, 21)

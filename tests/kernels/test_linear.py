@@ -3,20 +3,21 @@
 - Spec (float32 / bfloat16 / float16 weights): every output element is ONE fused multiply-add chain over
   k = 0 .. in-1 starting from zero, then + bias (then + the old value when accumulating). Checked bitwise
   against an exact emulation (rational arithmetic, one round-to-nearest-even to float32 per FMA).
-- Spec (int8, `linear_q8`): each row of x quantized per run of 32 (float32 scale dx = max|x| / 127,
+- Spec (int8 / int4, `linear_quant`): each row of x quantized per run of 32 (float32 scale dx = max|x| / 127,
   q = round half away from zero), the integer sum S_j of each run exact, then one FMA chain over the runs,
   acc = fma(S_j, round(d_j · dx_j), acc), + bias (+ old). Checked bitwise against the same emulation fed
-  by `q8_0_reference` (llama.cpp's quantize_row_q8_0_ref, written here in numpy) for weights and
-  activations, integer sums in numpy int64.
+  by llama.cpp's reference quantizers written in numpy (tests/quant_reference.py: quantize_row_q8_0_ref for
+  activations and int8 weights, quantize_row_q4_0_ref for int4 weights), integer sums in numpy int64.
 - Against torch `F.linear` and a float64 reference for odd shapes (out not a multiple of 16, in not a
   multiple of anything, bias or not) and every weight storage. Tolerance: the standard forward-error
   bound of an n-term dot product in float32, |err| <= gamma_{n+1} * (|x| @ |W|^T + |b|) with
   gamma_m = m u / (1 - m u), u = 2^-24 — it holds for any summation order, so for torch too (twice
   that bound between the two). A wrong packing, lane mask or bf16/fp16 widening misses it by orders of
-  magnitude. Half-size storage is compared with the weights as stored (rounded to nearest even); int8 with
-  the weights and the activations as Q8_0 holds them (the int8 sums are exact, so the bound holds).
-- int8: the packing round-trips (re-quantizing what Q8_0 holds gives back the same q and d), every
-  weight is within the Q8_0 error bound of the original, and scales follow runs of 32 inputs.
+  magnitude. Half-size storage is compared with the weights as stored (rounded to nearest even); int8 and
+  int4 with the weights and the activations as Q8_0 / Q4_0 hold them (the integer sums are exact, so the
+  bound holds).
+- int8, int4: the packing round-trips (re-quantizing what Q8_0 / Q4_0 holds gives back the same weights),
+  every weight is within the format's error bound of the original, and scales follow runs of 32 inputs.
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from quant_reference import q4_0_reference, q8_0_reference
 from specserve.kernels import PackedLinear, linear_rows
 
 STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 U = 2.0 ** -24
-STORAGES = ["float32", "bfloat16", "float16", "int8"]
+STORAGES = ["float32", "bfloat16", "float16", "int8", "int4"]
 
 
 def round_f32(v: Fraction) -> Fraction:
@@ -74,49 +76,42 @@ def emulate(x: np.ndarray, w: np.ndarray, b: np.ndarray, init: np.ndarray | None
     return out
 
 
-def q8_0_reference(w: np.ndarray, scale_dtype=np.float16) -> tuple[np.ndarray, np.ndarray]:
-    """llama.cpp's quantize_row_q8_0_ref, row by row, in float32 numpy: per run of 32 inputs,
-    d = amax / 127, id = 1 / d (0 when d is 0), q = roundf(x * id) (half away from zero), d kept as
-    float16 (weights; the kernel keeps activations' d as float32: scale_dtype). Returns (q int8 [out, in],
-    d [out, ceil(in / 32)])."""
-    out_features, in_features = w.shape
-    runs = -(-in_features // 32)
-    q = np.zeros((out_features, in_features), dtype=np.int8)
-    d16 = np.zeros((out_features, runs), dtype=scale_dtype)
-    for o in range(out_features):
-        for j in range(runs):
-            x = w[o, 32 * j: 32 * j + 32].astype(np.float32)
-            d = np.float32(np.abs(x).max()) / np.float32(127)
-            inv = np.float32(1) / d if d else np.float32(0)
-            scaled = (x * inv).astype(np.float32)
-            q[o, 32 * j: 32 * j + 32] = (np.sign(scaled) * np.floor(np.abs(scaled) + np.float32(0.5))).astype(np.int8)
-            d16[o, j] = d
-    return q, d16
-
-
 def dequantized(q: np.ndarray, d16: np.ndarray) -> np.ndarray:
     return q.astype(np.float32) * np.repeat(d16.astype(np.float32), 32, axis=1)[:, :q.shape[1]]
 
 
+def signed_weights(w: np.ndarray, storage: str) -> tuple[np.ndarray, np.ndarray]:
+    """(q int64 [out, in] signed, d float16 [out, runs]) of the int8 or int4 weights, from the reference."""
+    if storage == "int8":
+        q, d = q8_0_reference(w)
+        return q.astype(np.int64), d
+    q, d = q4_0_reference(w)
+    return q.astype(np.int64) - 8, d
+
+
 def stored(w: torch.Tensor, storage: str) -> torch.Tensor:
     """The weights as the packed storage holds them, widened back to float32."""
-    if storage == "int8":
-        return torch.from_numpy(dequantized(*q8_0_reference(w.numpy())))
+    if storage in ("int8", "int4"):
+        return torch.from_numpy(dequantized(*signed_weights(w.numpy(), storage)))
     return w.to(STORAGE[storage]).float()
 
 
 def activations(x: torch.Tensor, storage: str) -> torch.Tensor:
-    """The activations the product multiplies: x itself, or for int8 x as Q8_0 holds it (float32 scales)."""
-    if storage == "int8":
-        return torch.from_numpy(dequantized(*q8_0_reference(x.numpy(), np.float32)))
+    """The activations the product multiplies: x itself, or for int8 / int4 x as Q8_0 holds it (float32 scales;
+    q * dx exact in float64, not in float32)."""
+    if storage in ("int8", "int4"):
+        q, dx = q8_0_reference(x.numpy(), np.float32)
+        return torch.from_numpy(q.astype(np.float64) * np.repeat(dx.astype(np.float64), 32, axis=1)[:, :q.shape[1]])
     return x
 
 
-def emulate_q8(x: np.ndarray, w: np.ndarray, b: np.ndarray, init: np.ndarray | None = None) -> np.ndarray:
-    """int8's documented arithmetic: x and w quantized per run of 32 (`q8_0_reference`), S_j = the run's
-    integer dot product (int64: exact), then per element acc = fma(S_j, round_f32(dw_j * dx_j), acc) over
-    j = 0, 1, ... from 0, then acc + b[o] (then init + that); exact emulation."""
-    qw, dw = q8_0_reference(w)
+def emulate_quantized(x: np.ndarray, w: np.ndarray, b: np.ndarray, storage: str,
+                      init: np.ndarray | None = None) -> np.ndarray:
+    """int8's / int4's documented arithmetic: x quantized per run of 32 (`q8_0_reference`, float32 scales), w by
+    the format's reference, S_j = the run's integer dot product (int64: exact), then per element
+    acc = fma(S_j, round_f32(dw_j * dx_j), acc) over j = 0, 1, ... from 0, then acc + b[o] (then init + that);
+    exact emulation."""
+    qw, dw = signed_weights(w, storage)
     qx, dx = q8_0_reference(x, np.float32)
     runs = dw.shape[1]
     out = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)
@@ -152,8 +147,8 @@ def test_every_element_is_one_fma_chain_in_k_order(storage):
     for accumulate in (False, True):
         out = init.copy() if accumulate else np.full((5, 21), np.nan, dtype=np.float32)
         linear_rows(xs, packed.weight, packed.scales, packed.bias, out, accumulate)
-        if storage == "int8":
-            expected = emulate_q8(xs, w.numpy(), b.numpy(), init if accumulate else None)
+        if storage in ("int8", "int4"):
+            expected = emulate_quantized(xs, w.numpy(), b.numpy(), storage, init if accumulate else None)
         else:
             expected = emulate(xs, stored(w, storage).numpy(), b.numpy(), init if accumulate else None)
         np.testing.assert_array_equal(out.view(np.uint32), expected.view(np.uint32), err_msg=f"accumulate={accumulate}")
@@ -177,7 +172,7 @@ def test_packed_linear_matches_torch_within_the_dot_product_error_bound(storage)
         bound = gamma * magnitude
         excess = float(((got.double() - exact).abs() - bound).max())
         assert excess <= 0, (case, excess)
-        reference = F.linear(x_s, w_s, b)
+        reference = F.linear(x_s.float(), w_s, b)
         assert bool(((got.double() - reference.double()).abs() <= 2 * bound).all()), case
 
 
@@ -205,11 +200,11 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="2-D"):
         PackedLinear(torch.zeros(3))
     with pytest.raises(ValueError, match="storage"):
-        PackedLinear(torch.zeros(2, 2), storage="int4")
+        PackedLinear(torch.zeros(2, 2), storage="int2")
 
 
 @pytest.mark.parametrize("shape", [(21, 37), (16, 32), (40, 100), (3, 5)])
-def test_int8_packing_round_trips_and_stays_within_the_q8_0_bound(shape):
+def test_int8_and_int4_packing_round_trip_and_stay_within_the_format_bound(shape):
     gen = torch.Generator().manual_seed(shape[0] * 100 + shape[1])
     w = torch.randn(*shape, generator=gen) * torch.logspace(-3, 1, shape[1])  # runs of very different scales
     w[0, :min(32, shape[1])] = 0.0  # an all-zero run: d = 0, q = 0
@@ -223,29 +218,37 @@ def test_int8_packing_round_trips_and_stays_within_the_q8_0_bound(shape):
     assert (np.abs(held - w.numpy()) <= d / 2 + 127 * d * 2.0 ** -11 + 1e-12).all()
     again = PackedLinear(torch.from_numpy(held), None, "int8")  # quantizing what Q8_0 holds changes nothing
     np.testing.assert_array_equal(again.dequantized().numpy(), held)
+    int4 = PackedLinear(w, None, "int4")  # and Q4_0: the reference's weights, within a step (+ float16's d):
+    held4 = int4.dequantized().numpy()  # half a step but where a value clamps from 8 to 7 steps
+    np.testing.assert_array_equal(held4, dequantized(*signed_weights(w.numpy(), "int4")))
+    d4 = np.abs(np.repeat(q4_0_reference(w.numpy())[1].astype(np.float64), 32, axis=1)[:, :shape[1]])
+    assert (np.abs(held4 - w.numpy()) <= d4 + 8 * d4 * 2.0 ** -11 + 1e-12).all()
+    np.testing.assert_array_equal(PackedLinear(torch.from_numpy(held4), None, "int4").dequantized().numpy(), held4)
     # Inputs padded to whole runs of 32, outputs to whole tiles of 2 blocks of 16 (these products are narrow).
     runs, blocks = -(-shape[1] // 32), -(-shape[0] // 32) * 2
     assert packed.nbytes == packed.weight.nbytes + packed.scales.nbytes == blocks * 16 * runs * (32 + 2)
+    assert int4.nbytes == blocks * 16 * runs * (16 + 2)
     if shape[1] % 32 == 0:
-        assert packed.nbytes < PackedLinear(w, None, "float16").nbytes
+        assert int4.nbytes < packed.nbytes < PackedLinear(w, None, "float16").nbytes
 
 
 _GENERIC_Q8 = """
 import sys, numpy as np, torch
 from specserve.kernels import simd
-from specserve.kernels.linear_q8 import linear_rows_q8
+from specserve.kernels.linear_quant import linear_rows_quant
 assert not simd.HAS_VNNI
 gen = torch.Generator().manual_seed(7)
 w, x = torch.randn(40, 100, generator=gen), torch.randn(5, 100, generator=gen)
 from specserve.kernels import PackedLinear
-packed = PackedLinear(w, None, "int8")
-out = np.zeros((5, 40), dtype=np.float32)
-linear_rows_q8(x.numpy(), packed.weight, packed.scales, packed.bias, out, False)
-np.save(sys.argv[1], out)
+for storage in ("int8", "int4"):
+    packed = PackedLinear(w, None, storage)
+    out = np.zeros((5, 40), dtype=np.float32)
+    linear_rows_quant(x.numpy(), packed.weight, packed.scales, packed.bias, out, False)
+    np.save(sys.argv[1] + storage + ".npy", out)
 """
 
 
-def test_int8_without_vnni_computes_the_same_bits(tmp_path):
+def test_int8_and_int4_without_vnni_compute_the_same_bits(tmp_path):
     # Without AVX-512 VNNI, `vdot4` spells the 8-bit dot product out in generic vector code; integer sums are
     # exact, so both must give the same bits. The generic path runs in a child compiled for this CPU less VNNI.
     import os
@@ -260,10 +263,12 @@ def test_int8_without_vnni_computes_the_same_bits(tmp_path):
         pytest.skip("this CPU has no AVX-512 VNNI: the generic path is the one every other int8 test runs")
     features = llvm.get_host_cpu_features().flatten().replace("+avx512vnni", "-avx512vnni")
     env = dict(os.environ, NUMBA_CPU_NAME="host", NUMBA_CPU_FEATURES=features, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
-    subprocess.run([sys.executable, "-c", _GENERIC_Q8, str(tmp_path / "out.npy")], env=env, check=True, timeout=600)
+    subprocess.run([sys.executable, "-c", _GENERIC_Q8, str(tmp_path / "out-")], env=env, check=True, timeout=600)
     gen = torch.Generator().manual_seed(7)
     w, x = torch.randn(40, 100, generator=gen), torch.randn(5, 100, generator=gen)
-    packed = PackedLinear(w, None, "int8")
-    out = np.zeros((5, 40), dtype=np.float32)
-    linear_rows(x.numpy(), packed.weight, packed.scales, packed.bias, out, False)
-    np.testing.assert_array_equal(np.load(tmp_path / "out.npy").view(np.uint32), out.view(np.uint32))
+    for storage in ("int8", "int4"):
+        packed = PackedLinear(w, None, storage)
+        out = np.zeros((5, 40), dtype=np.float32)
+        linear_rows(x.numpy(), packed.weight, packed.scales, packed.bias, out, False)
+        generic = np.load(tmp_path / f"out-{storage}.npy")
+        np.testing.assert_array_equal(generic.view(np.uint32), out.view(np.uint32), err_msg=storage)

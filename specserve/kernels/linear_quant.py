@@ -1,0 +1,361 @@
+"""8- and 4-bit products on the CPU: llama.cpp's Q8_0 and Q4_0 weights times 8-bit activations, summed in
+integers.
+
+Formats, per output row and run of 32 inputs sharing one float16 scale d (llama.cpp's reference quantizers):
+- Q8_0 (`quantize_q8`): d = max|w| / 127, w ≈ q · d with q = round(w / d) in [-127, 127]; 8.5 bits a weight.
+- Q4_0 (`quantize_q4`): d = m / -8 where m is the run's weight of largest magnitude (sign kept), w ≈ (q - 8) · d
+  with q = min(15, trunc(w / d + 8.5)) in [0, 15]; 4.5 bits a weight.
+
+Arithmetic (`linear_rows_quant`), as llama.cpp's q8_0 × q8_0 and q4_0 × q8_0 dot products do it: each row of x
+is quantized to Q8_0 per run of 32 (`quantize_activations`: scale dx float32, qx int8), then for every output
+o, row m and run j the integer sum S = Σ_k q[o, k] · qx[m, k] (Q4_0: Σ (q - 8) · qx) is exact in int32, and the
+float result is ONE fused multiply-add chain over the runs, acc = fma(float(S_j), d_j · dx_j, acc), j = 0, 1,
+..., from zero, then + bias (then + the old value when accumulating). Integer sums have no order to vary and
+the chain's order is fixed, so row r of a k-row product equals the 1-row product bitwise, for any tiling and
+thread count — batch-invariant like `linear.linear_rows`.
+
+Why quantize the activations: multiplying float activations by widened weights costs 4-5 vector
+instructions per 16 weights, which bound one thread well below the memory's speed; an 8-bit dot product
+(AVX-512 VNNI's vpdpbusd: 64 multiply-adds in one instruction) makes the product memory-bound again.
+The cost is accuracy: activations carry ~8 bits per run of 32 (`specserve bench quantization` measures it).
+
+Layout: weights are stored as unsigned values in `linear`'s tiles (blocks of 16 outputs, `tile_blocks`
+blocks a tile, each tile one sequential stream), in groups of 4 consecutive inputs — one 64-byte slot holds a
+group of 4 inputs for 16 outputs, the shape vpdpbusd multiplies (unsigned by signed bytes):
+- Q8_0 (`pack_q8`, uint8): q + 128, ``packed[t, (g * tb + i) * 64 + l * 4 + c] = q[16 (t * tb + i) + l, 4 g + c] + 128``.
+- Q4_0 (`pack_q4`, nibble pairs in an int8-typed array — the dtype tags the format, as int16 and uint16 tag
+  bfloat16 and float16 bits): slot (p, i) holds groups 2p (low nibbles) and 2p + 1 (high nibbles),
+  ``packed[t, (p * tb + i) * 64 + l * 4 + c] = q[.., 8 p + c] | q[.., 8 p + 4 + c] << 4`` for output 16 (t tb + i) + l.
+The offset makes the weights unsigned: Σ (q + o) · qx = Σ q · qx + o · Σ qx with o = 128 (Q8_0) or 8 (Q4_0: the
+stored nibble is the signed weight + 8, as llama.cpp stores it), and Σ qx is one integer per row and run (`quantize_activations` returns
+it), subtracted before the conversion. Inputs are padded to whole runs with zero weights (and x = 0),
+outputs to whole tiles.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+import torch
+from numba import prange, types
+from numba.extending import overload
+
+from specserve.kernels.simd import (
+    LANES, store_lanes, vbroadcast, vbroadcast_bytes, vdot4, vfma, vhigh_nibbles, visum, vizero, visub_scalar,
+    vload, vload_bytes, vlow_nibbles, vmax_abs, vmul, vround_to_int, vstore_int8, vtofloat, vzero,
+)
+
+Q8_BLOCK = 32  # inputs sharing one scale (llama.cpp's QK8_0)
+GROUP = 4  # inputs per int32 lane of one 8-bit dot product
+Q8_OFFSET = 128  # stored Q8_0 weight byte = q + 128 (unsigned)
+Q4_OFFSET = 8  # stored Q4_0 nibble = the signed weight + 8 (llama.cpp's own storage)
+
+
+def quantize_q8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's Q8_0 of w [out, in] (any float dtype): per output row and run of 32 inputs (the last run
+    may be shorter), d = max|w| / 127 and q = round(w / d) (half away from zero, as roundf), clamped to
+    ±127; d is stored as float16, as Q8_0 stores it. Returns (q int8[out, in], d float16[out, ceil(in/32)])."""
+    w = w.detach().to("cpu", torch.float32)
+    out_features, in_features = w.shape
+    kblocks = -(-in_features // Q8_BLOCK)
+    padded = torch.zeros(out_features, kblocks * Q8_BLOCK)
+    padded[:, :in_features] = w
+    runs = padded.view(out_features, kblocks, Q8_BLOCK)
+    d = runs.abs().amax(dim=2) / 127.0  # float32, as llama.cpp computes it
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    scaled = runs * inv[:, :, None]
+    q = (torch.sign(scaled) * torch.floor(scaled.abs() + 0.5)).clamp(-127, 127).to(torch.int8)
+    return q.view(out_features, kblocks * Q8_BLOCK)[:, :in_features].contiguous(), d.to(torch.float16)
+
+
+def pack_q8(w: torch.Tensor, tile_blocks: int) -> tuple[np.ndarray, np.ndarray]:
+    """w [out, in] -> (weight uint8[tiles, runs * 32 * tile_blocks * 16], scales uint16[tiles * tile_blocks,
+    runs * 16]) in the layout above; scales[b, j * 16 + l] holds output 16 b + l's float16 scale of run j,
+    as bits."""
+    out_features, in_features = w.shape
+    rows = -(-out_features // (LANES * tile_blocks)) * LANES * tile_blocks
+    tiles = rows // (LANES * tile_blocks)
+    q, d = quantize_q8(w)
+    runs = d.shape[1]
+    padded_in = runs * Q8_BLOCK
+    qp = torch.zeros(rows, padded_in, dtype=torch.int16)
+    qp[:out_features, :in_features] = q.to(torch.int16)
+    stored = (qp + Q8_OFFSET).to(torch.uint8).view(tiles, tile_blocks, LANES, padded_in // GROUP, GROUP)
+    weight = stored.permute(0, 3, 1, 2, 4).reshape(tiles, padded_in * tile_blocks * LANES).contiguous().numpy()
+    dp = torch.zeros(rows, runs, dtype=torch.float16)
+    dp[:out_features] = d
+    scales = dp.view(rows // LANES, LANES, runs).transpose(1, 2).reshape(rows // LANES, runs * LANES).contiguous()
+    return weight, scales.view(torch.int16).numpy().view(np.uint16)
+
+
+def unpack_q8(weight: np.ndarray, scales: np.ndarray, tile_blocks: int, out_features: int, in_features: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pack_q8`'s inverse: (q int8[out, in], d float16[out, runs])."""
+    tiles, blocks = weight.shape[0], scales.shape[0]
+    runs = scales.shape[1] // LANES
+    q = torch.from_numpy(weight).view(tiles, runs * Q8_BLOCK // GROUP, tile_blocks, LANES, GROUP)
+    q = q.permute(0, 2, 3, 1, 4).reshape(blocks * LANES, runs * Q8_BLOCK)
+    q = (q.to(torch.int16) - Q8_OFFSET).to(torch.int8)
+    d = torch.from_numpy(scales.view(np.int16)).view(torch.float16).view(blocks, runs, LANES).transpose(1, 2)
+    return q[:out_features, :in_features].contiguous(), d.reshape(blocks * LANES, runs)[:out_features].contiguous()
+
+
+def quantize_q4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's Q4_0 (quantize_row_q4_0_ref) of w [out, in] (any float dtype): per output row and run of 32
+    inputs, m = the run's weight of largest magnitude (the first, sign kept), d = m / -8, and the stored
+    q = min(15, trunc(w / d + 8.5)) in [0, 15], so w ≈ (q - 8) · d; d is stored as float16. Inputs past `in`
+    (a short last run) get q = 8, a zero weight. Returns (q uint8[out, runs * 32], d float16[out, runs])."""
+    w = w.detach().to("cpu", torch.float32)
+    out_features, in_features = w.shape
+    runs = -(-in_features // Q8_BLOCK)
+    padded = torch.zeros(out_features, runs * Q8_BLOCK)
+    padded[:, :in_features] = w
+    blocks = padded.view(out_features, runs, Q8_BLOCK)
+    largest = blocks.gather(2, blocks.abs().argmax(dim=2, keepdim=True))[:, :, 0]  # argmax: the first maximum
+    d = largest / -8.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.clamp(torch.trunc(blocks * inv[:, :, None] + 8.5), max=15).to(torch.uint8)
+    q = q.view(out_features, runs * Q8_BLOCK)
+    q[:, in_features:] = Q4_OFFSET
+    return q, d.to(torch.float16)
+
+
+def pack_q4(w: torch.Tensor, tile_blocks: int) -> tuple[np.ndarray, np.ndarray]:
+    """w [out, in] -> (weight int8-typed [tiles, runs * 16 * tile_blocks * 16] nibble pairs, scales uint16[tiles *
+    tile_blocks, runs * 16] float16 bits) in the layout of the module docstring."""
+    out_features, in_features = w.shape
+    rows = -(-out_features // (LANES * tile_blocks)) * LANES * tile_blocks
+    tiles = rows // (LANES * tile_blocks)
+    q, d = quantize_q4(w)
+    runs = d.shape[1]
+    padded_in = runs * Q8_BLOCK
+    qp = torch.full((rows, padded_in), Q4_OFFSET, dtype=torch.uint8)  # padding outputs: zero weights
+    qp[:out_features] = q
+    pairs = qp.view(tiles, tile_blocks, LANES, padded_in // (2 * GROUP), 2, GROUP)
+    nibbles = pairs[:, :, :, :, 0, :] | (pairs[:, :, :, :, 1, :] << 4)  # [tiles, tb, 16, pairs, 4]
+    weight = nibbles.permute(0, 3, 1, 2, 4).reshape(tiles, padded_in // 2 * tile_blocks * LANES).contiguous()
+    dp = torch.zeros(rows, runs, dtype=torch.float16)
+    dp[:out_features] = d
+    scales = dp.view(rows // LANES, LANES, runs).transpose(1, 2).reshape(rows // LANES, runs * LANES).contiguous()
+    return weight.numpy().view(np.int8), scales.view(torch.int16).numpy().view(np.uint16)
+
+
+def unpack_q4(weight: np.ndarray, scales: np.ndarray, tile_blocks: int, out_features: int, in_features: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pack_q4`'s inverse: (stored q uint8[out, in] in [0, 15], d float16[out, runs])."""
+    tiles, blocks = weight.shape[0], scales.shape[0]
+    runs = scales.shape[1] // LANES
+    nibbles = torch.from_numpy(weight.view(np.uint8)).view(tiles, runs * Q8_BLOCK // (2 * GROUP), tile_blocks, LANES,
+                                                            GROUP)
+    q = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=4)  # [tiles, pairs, tb, 16, 2, 4]
+    q = q.permute(0, 2, 3, 1, 4, 5).reshape(blocks * LANES, runs * Q8_BLOCK)
+    d = torch.from_numpy(scales.view(np.int16)).view(torch.float16).view(blocks, runs, LANES).transpose(1, 2)
+    return q[:out_features, :in_features].contiguous(), d.reshape(blocks * LANES, runs)[:out_features].contiguous()
+
+
+@numba.njit(boundscheck=False, cache=True)
+def quantize_activations(x, runs):
+    """Each row of x float32[M, in] as Q8_0 with float32 scales (llama.cpp keeps float16: float32 is a little
+    closer, at no cost): per run j of 32, dx[m, j] = max|x| / 127 and qx = round(x / dx) (half away from zero)
+    in int8[M, runs * 32] (padding inputs 0); sums[m, j] = Σ qx over the run (times the weights' offset, what
+    the offset adds to each run's integer sum: see the module docstring). Whole runs 16 lanes at a time, a short last run lane by lane;
+    both compute the same values."""
+    rows, num_in = x.shape
+    qx = np.zeros((rows, runs * Q8_BLOCK), dtype=np.int8)
+    dx = np.empty((rows, runs), dtype=np.float32)
+    sums = np.empty((rows, runs), dtype=np.int32)
+    whole = num_in // Q8_BLOCK  # runs of a full 32 inputs; a shorter last one goes lane by lane
+    for m in range(rows):
+        row, out = x[m], qx[m]
+        for j in range(whole):
+            start = j * Q8_BLOCK
+            lo, hi = vload(row, start), vload(row, start + LANES)
+            d = max(vmax_abs(lo), vmax_abs(hi)) / np.float32(127.0)
+            inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
+            scale = vbroadcast(inv)
+            q_lo, q_hi = vround_to_int(vmul(lo, scale)), vround_to_int(vmul(hi, scale))
+            vstore_int8(out, start, q_lo)
+            vstore_int8(out, start + LANES, q_hi)
+            dx[m, j] = d
+            sums[m, j] = visum(q_lo) + visum(q_hi)
+        for j in range(whole, runs):
+            start, stop = j * Q8_BLOCK, num_in
+            amax = np.float32(0.0)
+            for k in range(start, stop):
+                amax = max(amax, abs(row[k]))
+            d = amax / np.float32(127.0)
+            inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
+            total = 0
+            for k in range(start, stop):
+                v = row[k] * inv
+                q = int(math.floor(abs(v) + np.float32(0.5)))
+                q = -q if v < 0 else q
+                out[k] = q
+                total += q
+            dx[m, j] = d
+            sums[m, j] = total
+    return qx, dx, sums
+
+
+@numba.njit(inline="always")
+def _run_sum(acc, isum, correction, scales, j, dx):
+    """acc + (S_j - correction) · (d_j · dx): one run's FMA (S exact in int32; the scale product rounded once)."""
+    return vfma(vtofloat(visub_scalar(isum, correction)), vmul(vload(scales, j * LANES), vbroadcast(dx)), acc)
+
+
+def group_pair(w, p, stride, offset):
+    """Groups 2p and 2p + 1 (inputs 8p .. 8p + 7) of one block as two vectors of unsigned bytes: Q8_0 loads
+    them from two group slots, Q4_0 from the low and high nibbles of one."""
+    raise NotImplementedError("runs inside numba kernels only")
+
+
+def weight_offset(w):
+    """What the stored unsigned weights are offset by: 128 (Q8_0), 8 (Q4_0)."""
+    raise NotImplementedError("runs inside numba kernels only")
+
+
+@overload(group_pair, inline="always")
+def _group_pair(w, p, stride, offset):
+    if w.dtype == types.int8:  # Q4_0: nibble pairs (the dtype is only the format's tag)
+        def q4(w, p, stride, offset):
+            both = vload_bytes(w, p * stride + offset)
+            return vlow_nibbles(both), vhigh_nibbles(both)
+        return q4
+    return lambda w, p, stride, offset: (vload_bytes(w, 2 * p * stride + offset),
+                                         vload_bytes(w, (2 * p + 1) * stride + offset))
+
+
+@overload(weight_offset, inline="always")
+def _weight_offset(w):
+    if w.dtype == types.int8:
+        return lambda w: Q4_OFFSET
+    return lambda w: Q8_OFFSET
+
+
+@numba.njit(parallel=True, boundscheck=False, cache=True)
+def linear_rows_quant(x, w, scales, bias, out, accumulate):
+    """out[:, :out_features] (+)= x @ W^T + bias in the arithmetic above.
+
+    x:       float32[M, in], rows C-contiguous.
+    w:       [tiles, runs * 32 * tile_blocks * 16] uint8 (Q8_0: `pack_q8`) or [tiles, runs * 16 * tile_blocks *
+             16] int8-typed nibble pairs (Q4_0: `pack_q4`); scales: uint16[tiles * tile_blocks, runs * 16].
+    bias:    float32[tiles * tile_blocks * 16]; out: float32[M, out_features], C-contiguous.
+    """
+    num_rows = x.shape[0]
+    num_tiles = w.shape[0]
+    runs = scales.shape[1] // LANES
+    tb = scales.shape[0] // num_tiles  # blocks per tile
+    qx, dx, sums = quantize_activations(x, runs)
+    offset = weight_offset(w)
+    pairs_per_run = Q8_BLOCK // (2 * GROUP)
+    block_bytes = GROUP * LANES  # one slot of one block: 4 inputs x 16 outputs (Q4_0: 8 inputs)
+    stride = tb * block_bytes  # from one slot of a tile to the next
+    num_blocks = (out.shape[1] + LANES - 1) // LANES  # real blocks: the last tile's padding is skipped
+    for tile in prange(num_tiles):
+        wt = w[tile]
+        first = tile * tb
+        count = min(num_blocks, first + tb) - first
+        m = 0
+        while m + 4 <= num_rows:  # 4 rows x 2 blocks: each weight load feeds 4 dot products
+            x0, x1, x2, x3 = qx[m], qx[m + 1], qx[m + 2], qx[m + 3]
+            i = 0
+            while i < count:
+                pair = i + 1 < count
+                s0 = scales[first + i]
+                s1 = scales[first + i + 1] if pair else s0
+                o1 = (i + 1) * block_bytes if pair else i * block_bytes
+                a0 = vzero(); a1 = vzero(); a2 = vzero(); a3 = vzero()
+                c0 = vzero(); c1 = vzero(); c2 = vzero(); c3 = vzero()
+                for j in range(runs):
+                    i0 = vizero(); i1 = vizero(); i2 = vizero(); i3 = vizero()
+                    k0 = vizero(); k1 = vizero(); k2 = vizero(); k3 = vizero()
+                    for p in range(j * pairs_per_run, (j + 1) * pairs_per_run):
+                        u, u2 = group_pair(wt, p, stride, i * block_bytes)
+                        v, v2 = group_pair(wt, p, stride, o1)
+                        g = 2 * p * GROUP
+                        s = vbroadcast_bytes(x0, g); i0 = vdot4(i0, u, s); k0 = vdot4(k0, v, s)
+                        s = vbroadcast_bytes(x1, g); i1 = vdot4(i1, u, s); k1 = vdot4(k1, v, s)
+                        s = vbroadcast_bytes(x2, g); i2 = vdot4(i2, u, s); k2 = vdot4(k2, v, s)
+                        s = vbroadcast_bytes(x3, g); i3 = vdot4(i3, u, s); k3 = vdot4(k3, v, s)
+                        g += GROUP
+                        s = vbroadcast_bytes(x0, g); i0 = vdot4(i0, u2, s); k0 = vdot4(k0, v2, s)
+                        s = vbroadcast_bytes(x1, g); i1 = vdot4(i1, u2, s); k1 = vdot4(k1, v2, s)
+                        s = vbroadcast_bytes(x2, g); i2 = vdot4(i2, u2, s); k2 = vdot4(k2, v2, s)
+                        s = vbroadcast_bytes(x3, g); i3 = vdot4(i3, u2, s); k3 = vdot4(k3, v2, s)
+                    r0, r1, r2, r3 = offset * sums[m, j], offset * sums[m + 1, j], offset * sums[m + 2, j], offset * sums[m + 3, j]
+                    a0 = _run_sum(a0, i0, r0, s0, j, dx[m, j]); c0 = _run_sum(c0, k0, r0, s1, j, dx[m, j])
+                    a1 = _run_sum(a1, i1, r1, s0, j, dx[m + 1, j]); c1 = _run_sum(c1, k1, r1, s1, j, dx[m + 1, j])
+                    a2 = _run_sum(a2, i2, r2, s0, j, dx[m + 2, j]); c2 = _run_sum(c2, k2, r2, s1, j, dx[m + 2, j])
+                    a3 = _run_sum(a3, i3, r3, s0, j, dx[m + 3, j]); c3 = _run_sum(c3, k3, r3, s1, j, dx[m + 3, j])
+                base = (first + i) * LANES
+                store_lanes(out, m, base, a0, bias, accumulate); store_lanes(out, m + 1, base, a1, bias, accumulate)
+                store_lanes(out, m + 2, base, a2, bias, accumulate); store_lanes(out, m + 3, base, a3, bias, accumulate)
+                if pair:
+                    base += LANES
+                    store_lanes(out, m, base, c0, bias, accumulate); store_lanes(out, m + 1, base, c1, bias, accumulate)
+                    store_lanes(out, m + 2, base, c2, bias, accumulate); store_lanes(out, m + 3, base, c3, bias, accumulate)
+                i += 2
+            m += 4
+        while m < num_rows:  # one row x 4 blocks (else 2, 1): independent chains, the tile read in order
+            xr = qx[m]
+            i = 0
+            if count == 4:
+                s0, s1, s2, s3 = scales[first], scales[first + 1], scales[first + 2], scales[first + 3]
+                a0 = vzero(); a1 = vzero(); a2 = vzero(); a3 = vzero()
+                for j in range(runs):
+                    i0 = vizero(); i1 = vizero(); i2 = vizero(); i3 = vizero()
+                    for p in range(j * pairs_per_run, (j + 1) * pairs_per_run):
+                        s = vbroadcast_bytes(xr, 2 * p * GROUP)
+                        t = vbroadcast_bytes(xr, (2 * p + 1) * GROUP)
+                        u, u2 = group_pair(wt, p, stride, 0)
+                        i0 = vdot4(vdot4(i0, u, s), u2, t)
+                        u, u2 = group_pair(wt, p, stride, block_bytes)
+                        i1 = vdot4(vdot4(i1, u, s), u2, t)
+                        u, u2 = group_pair(wt, p, stride, 2 * block_bytes)
+                        i2 = vdot4(vdot4(i2, u, s), u2, t)
+                        u, u2 = group_pair(wt, p, stride, 3 * block_bytes)
+                        i3 = vdot4(vdot4(i3, u, s), u2, t)
+                    r = offset * sums[m, j]
+                    a0 = _run_sum(a0, i0, r, s0, j, dx[m, j])
+                    a1 = _run_sum(a1, i1, r, s1, j, dx[m, j])
+                    a2 = _run_sum(a2, i2, r, s2, j, dx[m, j])
+                    a3 = _run_sum(a3, i3, r, s3, j, dx[m, j])
+                base = first * LANES
+                store_lanes(out, m, base, a0, bias, accumulate)
+                store_lanes(out, m, base + LANES, a1, bias, accumulate)
+                store_lanes(out, m, base + 2 * LANES, a2, bias, accumulate)
+                store_lanes(out, m, base + 3 * LANES, a3, bias, accumulate)
+                i = 4
+            if i + 2 <= count:
+                s0, s1 = scales[first + i], scales[first + i + 1]
+                a0 = vzero(); a1 = vzero()
+                for j in range(runs):
+                    i0 = vizero(); i1 = vizero()
+                    for p in range(j * pairs_per_run, (j + 1) * pairs_per_run):
+                        s = vbroadcast_bytes(xr, 2 * p * GROUP)
+                        t = vbroadcast_bytes(xr, (2 * p + 1) * GROUP)
+                        u, u2 = group_pair(wt, p, stride, i * block_bytes)
+                        i0 = vdot4(vdot4(i0, u, s), u2, t)
+                        u, u2 = group_pair(wt, p, stride, (i + 1) * block_bytes)
+                        i1 = vdot4(vdot4(i1, u, s), u2, t)
+                    r = offset * sums[m, j]
+                    a0 = _run_sum(a0, i0, r, s0, j, dx[m, j])
+                    a1 = _run_sum(a1, i1, r, s1, j, dx[m, j])
+                store_lanes(out, m, (first + i) * LANES, a0, bias, accumulate)
+                store_lanes(out, m, (first + i + 1) * LANES, a1, bias, accumulate)
+                i += 2
+            while i < count:
+                s0 = scales[first + i]
+                a0 = vzero()
+                for j in range(runs):
+                    i0 = vizero()
+                    for p in range(j * pairs_per_run, (j + 1) * pairs_per_run):
+                        u, u2 = group_pair(wt, p, stride, i * block_bytes)
+                        i0 = vdot4(vdot4(i0, u, vbroadcast_bytes(xr, 2 * p * GROUP)), u2,
+                                   vbroadcast_bytes(xr, (2 * p + 1) * GROUP))
+                    a0 = _run_sum(a0, i0, offset * sums[m, j], s0, j, dx[m, j])
+                store_lanes(out, m, (first + i) * LANES, a0, bias, accumulate)
+                i += 1
+            m += 1

@@ -1,0 +1,49 @@
+"""llama.cpp's reference quantizers (ggml-quants.c: quantize_row_q8_0_ref, quantize_row_q4_0_ref), written here
+in float32 numpy from their definitions, as the tests' reference for our int8 and int4 weights."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def q8_0_reference(w: np.ndarray, scale_dtype=np.float16) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's quantize_row_q8_0_ref, row by row, in float32 numpy: per run of 32 inputs,
+    d = amax / 127, id = 1 / d (0 when d is 0), q = roundf(x * id) (half away from zero), d kept as
+    float16 (weights; the kernel keeps activations' d as float32: scale_dtype). Returns (q int8 [out, in],
+    d [out, ceil(in / 32)])."""
+    out_features, in_features = w.shape
+    runs = -(-in_features // 32)
+    q = np.zeros((out_features, in_features), dtype=np.int8)
+    d16 = np.zeros((out_features, runs), dtype=scale_dtype)
+    for o in range(out_features):
+        for j in range(runs):
+            x = w[o, 32 * j: 32 * j + 32].astype(np.float32)
+            d = np.float32(np.abs(x).max()) / np.float32(127)
+            inv = np.float32(1) / d if d else np.float32(0)
+            scaled = (x * inv).astype(np.float32)
+            q[o, 32 * j: 32 * j + 32] = (np.sign(scaled) * np.floor(np.abs(scaled) + np.float32(0.5))).astype(np.int8)
+            d16[o, j] = d
+    return q, d16
+
+
+def q4_0_reference(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's quantize_row_q4_0_ref, row by row, in float32 numpy: per run of 32 inputs, m = the value of
+    largest magnitude (the first one, sign kept), d = m / -8, id = 1 / d (0 when d is 0), stored
+    q = min(15, (int8)(x * id + 8.5)) (truncation), d kept as float16; the weight is (q - 8) * d. A short last
+    run is padded with zeros. Returns (q uint8 [out, in] in [0, 15], d float16 [out, ceil(in / 32)])."""
+    out_features, in_features = w.shape
+    runs = -(-in_features // 32)
+    q = np.zeros((out_features, in_features), dtype=np.uint8)
+    d16 = np.zeros((out_features, runs), dtype=np.float16)
+    for o in range(out_features):
+        for j in range(runs):
+            x = w[o, 32 * j: 32 * j + 32].astype(np.float32)
+            amax, m = np.float32(0), np.float32(0)
+            for v in x:
+                if amax < abs(v):
+                    amax, m = abs(v), v
+            d = m / np.float32(-8)
+            inv = np.float32(1) / d if d else np.float32(0)
+            q[o, 32 * j: 32 * j + 32] = np.minimum(15, ((x * inv).astype(np.float32) + np.float32(8.5)).astype(np.int8))
+            d16[o, j] = d
+    return q, d16
