@@ -1,5 +1,5 @@
-"""`specserve bench quantization`: how close int8 weights (llama.cpp's Q8_0, with 8-bit activations) keep a
-model to its float self, on held-out text.
+"""`specserve bench quantization`: how close int8 or int4 weights (llama.cpp's Q8_0 / Q4_0, with 8-bit
+activations) keep a model to its float self, on held-out text.
 
 Per held-out prompt (the embedded model's held-out code by default, tokenized by the model's tokenizer),
 the quantized model and the float32 model (the same checkpoint, unquantized) each run:
@@ -9,7 +9,7 @@ the quantized model and the float32 model (the same checkpoint, unquantized) eac
 
 A quantized model is a different model (speculation stays lossless against it, not against the float one);
 these figures say how different. Plain decoding only; the speed side is `specserve bench decode
---quantization int8`.
+--quantization int8|int4`.
 """
 
 from __future__ import annotations

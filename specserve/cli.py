@@ -70,8 +70,8 @@ BENCH_COMMANDS: dict[str, tuple[str, str, str, str]] = {
                  "specserve.evals.bench_overhead", "add_arguments", "run"),
     "prefix": ("prefix caching on vs off: a shared system prompt's TTFT, a chat's later turns, its cost without "
                "sharing", "specserve.evals.bench_prefix", "add_arguments", "run"),
-    "quantization": ("how close int8 weights keep a model to its float self on held-out text: logits gap, argmax "
-                     "and greedy agreement", "specserve.evals.bench_quantization", "add_arguments", "run"),
+    "quantization": ("how close int8 / int4 weights keep a model to its float self on held-out text: logits gap, "
+                     "argmax and greedy agreement", "specserve.evals.bench_quantization", "add_arguments", "run"),
     "openai-features": ("what OpenAI request features cost: logprobs' tokens/s, penalties' share of the speculative "
                         "speedup, n choices' TTFT", "specserve.evals.bench_openai_features", "add_arguments", "run"),
     "soak": ("soak and chaos run: well-behaved and hostile clients against a real server; checks that nothing "
