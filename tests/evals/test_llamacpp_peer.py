@@ -229,16 +229,19 @@ def test_llama_cpp_greedy_matches_ours_where_the_argmax_is_clear(llama_dir, gguf
 
 
 @needs_llama_cpp
-@pytest.mark.parametrize("dtype, gguf_type", [(None, "f32"), ("bfloat16", "f16")])
-def test_bench_decode_with_llama_cpp(llama_dir, gguf_cache, tmp_path, capsys, dtype, gguf_type):
+@pytest.mark.parametrize("args, gguf_type, dtype", [
+    ([], "f32", "float32"), (["--dtype", "bfloat16"], "f16", "bfloat16"),
+    (["--quantization", "int8"], "q8_0", "float32"), (["--quantization", "int4"], "q4_0", "float32"),
+])
+def test_bench_decode_with_llama_cpp(llama_dir, gguf_cache, tmp_path, capsys, args, gguf_type, dtype):
     out = tmp_path / "d.json"
     rc = main(["bench", "decode", "--model", str(llama_dir), "--prompt-tokens", "16", "--new-tokens", "16", "--repeats", "2",
                "--skip-transformers", "--threads", "1", "--peer", "llama.cpp", "--llama-cpp-cache", str(gguf_cache),
-               "--json", str(out), *(["--dtype", dtype] if dtype else [])])
+               "--json", str(out), *args])
     assert rc == 0, capsys.readouterr().err
     peer = json.loads(out.read_text())["llama_cpp"]
     assert peer["gguf_type"] == gguf_type and peer["threads"] == 1
-    assert peer["specserve_dtype"] == (dtype or "float32")
+    assert peer["specserve_dtype"] == dtype
     assert peer["tokens_per_s"]["runs"] == 2 and peer["tokens_per_s"]["median"] > 0
     assert peer["specserve_over_llama_cpp"] == pytest.approx(
         peer["specserve_tokens_per_s"]["median"] / peer["tokens_per_s"]["median"])
