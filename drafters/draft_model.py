@@ -103,7 +103,9 @@ class DraftModelDrafter(LevelDrafter):
             self.model.restrict_lm_head(draft_vocab)
             self.id_map = draft_vocab.numpy()
         if target_model is None or target_model.kernels is not None:
-            self.model.use_cpu_kernels()
+            # A quantized target's draft model is quantized the same way: its forwards are most of a draft step,
+            # and a user who chose int8/int4 chose that speed. Output stays the target's (it verifies).
+            self.model.use_cpu_kernels(target_model.kernels.quantization if target_model is not None else None)
         self.vocab = cfg.vocab_size if draft_vocab is None else len(draft_vocab)
         self.device = target.device
         self.cache = None  # made by `attach_kv` on the engine's allocator

@@ -24,6 +24,7 @@ import statistics
 import sys
 import time
 
+from specserve.defaults import QUANTIZATIONS
 from specserve.evals.common import forget_shared, set_threads, sync, write_json
 from specserve.evals.metrics import SpecCounts
 
@@ -80,6 +81,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                   help="the target's weights (int8 / int4, CPU kernels; a draft model follows, heads do not)")
     p.add_argument("--speculation", choices=("adaptive", "static"), default="adaptive",
                    help="adaptive (default: what users get) or static (every step at the drafter's own budget)")
     p.add_argument("--json", default=None, metavar="FILE")
@@ -95,8 +98,9 @@ def run(args: argparse.Namespace) -> int:
     specs = args.drafter or ["draft", "ngram"]
     prompts = heldout_prompts(args.prompts, args.prompt_chars)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    llms = {"plain": LLM(args.model, drafter=None)} | {
-        spec: LLM(args.model, drafter=spec, speculation=args.speculation) for spec in specs}
+    target = dict(quantization=args.quantization)
+    llms = {"plain": LLM(args.model, drafter=None, **target)} | {
+        spec: LLM(args.model, drafter=spec, speculation=args.speculation, **target) for spec in specs}
     for llm in llms.values():
         llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     rates: dict[str, list[float]] = {name: [] for name in llms}
@@ -119,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
         kernel_s[name] = clock.seconds
     plain_rate = statistics.median(rates["plain"])
     result = {"prompts": len(prompts), "max_tokens": args.max_tokens, "repeats": args.repeats,
-              "threads": torch.get_num_threads(), "speculation": args.speculation, "plain_tokens_per_s": plain_rate,
+              "threads": torch.get_num_threads(), "speculation": args.speculation, "quantization": args.quantization,
+              "plain_tokens_per_s": plain_rate,
               "plain_kernel_s": kernel_s["plain"], "drafters": {}}
     for name in specs:
         counts = SpecCounts.total(stats[name])
@@ -137,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         }
     print(json.dumps(result, indent=2))
     print(f"\n{'drafter':24s} {'tau':>5s} {'speedup':>8s} {'roofline':>9s} {'efficiency':>10s}  (plain "
-          f"{plain_rate:.0f} tok/s, {args.speculation} speculation)")
+          f"{plain_rate:.0f} tok/s, {args.speculation} speculation{', ' + args.quantization if args.quantization else ''})")
     for name, d in result["drafters"].items():
         print(f"{name:24s} {d['tau']:5.2f} {d['speedup']:8.2f} {d['roofline_speedup']:9.2f} {d['efficiency']:10.2f}")
     write_json(result, args.json)

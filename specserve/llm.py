@@ -65,8 +65,9 @@ class LLM:
     does — int8 weights with a float16 scale per output row and run of 32 inputs, about half float16's bytes
     per token — and "int4" as its Q4_0 does (4-bit weights, the same scales: about a quarter); quantized at
     load from the checkpoint (float32, float16 or bfloat16), multiplied as llama.cpp's q8_0 / q4_0 x q8_0
-    products do (activations quantized per run of 32, integer dot products); the CPU kernels only. A quantized model is a different model: speculation stays lossless against it, not against the
-    float one (drafters keep their own weights).
+    products do (activations quantized per run of 32, integer dot products); the CPU kernels only. A
+    quantized model is a different model: speculation stays lossless against it, not against the float one.
+    A draft model drafter is quantized the same way; EAGLE and Medusa heads keep their weights.
     """
 
     def __init__(

@@ -212,11 +212,13 @@ def test_bench_startup_prints_its_figures(tmp_path):
     assert figures["generate_first_token_s"]["median"] > 0 and figures["calibration_s"]["median"] > 0
 
 
-def test_bench_drafters_smoke(tmp_path):
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_bench_drafters_smoke(tmp_path, quantization):
     res = run("bench", "drafters", "--prompts", "1", "--max-tokens", "8", "--repeats", "1", "--drafter", "ngram",
-              "--json", str(tmp_path / "r.json"))
+              "--json", str(tmp_path / "r.json"), *(["--quantization", quantization] if quantization else []))
     assert res.returncode == 0, res.stderr
     result = json.loads((tmp_path / "r.json").read_text())
+    assert result["quantization"] == quantization
     assert result["drafters"]["ngram"]["identical_to_plain"] is True
     assert result["drafters"]["ngram"]["tau"] >= 1.0
     ngram = result["drafters"]["ngram"]
