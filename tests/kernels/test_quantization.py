@@ -116,6 +116,8 @@ def test_speculation_on_the_quantized_model_is_lossless(llama_dir, tmp_path, qua
              LLM(llama_dir, drafter=None, device="cpu", quantization=quantization).generate(prompts, params)]
     for spec in (f"draft:{draft}", "ngram"):
         llm = LLM(llama_dir, drafter=spec, device="cpu", quantization=quantization, speculation="static")
+        if spec.startswith("draft:"):  # the draft model is quantized with its target
+            assert llm.engine.drafter.model.kernels.storage == quantization
         for batch in (1, 4):
             outs = llm.generate(prompts[:batch], params)
             assert [o.token_ids for o in outs] == plain[:batch], (spec, batch)
