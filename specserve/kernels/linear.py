@@ -35,7 +35,7 @@ from numba.extending import overload
 from specserve.kernels.linear_quant import (
     Q4_OFFSET, Q8_BLOCK, linear_rows_quant, pack_q4, pack_q8, quantize_q8, unpack_q4, unpack_q8,
 )
-from specserve.kernels.simd import LANES, store_lanes, tile_blocks, vbroadcast, vfma, vload, vzero
+from specserve.kernels.simd import LANES, store_lanes, tile_blocks, tiled_rows, vbroadcast, vfma, vload, vzero
 
 __all__ = ["PackedLinear", "Q8_BLOCK", "as_numpy", "linear_rows", "linear_rows_float", "quantize_q8"]
 
@@ -59,8 +59,7 @@ class PackedLinear:
             raise ValueError(f"weight storage must be float32, bfloat16, float16, int8 or int4, got {storage!r}")
         out_features, in_features = weight.shape
         self.tile_blocks = tile_blocks(-(-out_features // LANES))
-        rows = -(-out_features // (LANES * self.tile_blocks)) * LANES * self.tile_blocks  # whole tiles
-        tiles = rows // (LANES * self.tile_blocks)
+        rows, tiles = tiled_rows(out_features, self.tile_blocks)  # outputs padded to whole tiles
         if storage == "int8":
             self.weight, self.scales = pack_q8(weight, self.tile_blocks)
         elif storage == "int4":

@@ -43,11 +43,11 @@ from numba import prange, types
 from numba.extending import overload
 
 from specserve.kernels.simd import (
-    LANES, store_lanes, vbroadcast, vbroadcast_bytes, vdot4, vfma, vhigh_nibbles, visum, vizero, visub_scalar,
+    LANES, store_lanes, tiled_rows, vbroadcast, vbroadcast_bytes, vdot4, vfma, vhigh_nibbles, visum, vizero, visub_scalar,
     vload, vload_bytes, vlow_nibbles, vmax_abs, vmul, vround_to_int, vstore_int8, vtofloat, vzero,
 )
 
-Q8_BLOCK = 32  # inputs sharing one scale (llama.cpp's QK8_0)
+Q8_BLOCK = 32  # inputs sharing one scale (llama.cpp's QK8_0, and QK4_0: both formats' runs)
 GROUP = 4  # inputs per int32 lane of one 8-bit dot product
 Q8_OFFSET = 128  # stored Q8_0 weight byte = q + 128 (unsigned)
 Q4_OFFSET = 8  # stored Q4_0 nibble = the signed weight + 8 (llama.cpp's own storage)
@@ -70,13 +70,29 @@ def quantize_q8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.view(out_features, kblocks * Q8_BLOCK)[:, :in_features].contiguous(), d.to(torch.float16)
 
 
+def _pack_scales(d: torch.Tensor, rows: int) -> np.ndarray:
+    """d float16[out, runs] -> uint16[rows / 16, runs * 16] float16 bits, [b, j * 16 + l] = output 16 b + l's
+    scale of run j (padding outputs: 0)."""
+    runs = d.shape[1]
+    padded = torch.zeros(rows, runs, dtype=torch.float16)
+    padded[:d.shape[0]] = d
+    blocks = padded.view(rows // LANES, LANES, runs).transpose(1, 2).reshape(rows // LANES, runs * LANES)
+    return blocks.contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+def _unpack_scales(scales: np.ndarray, out_features: int) -> torch.Tensor:
+    """`_pack_scales`' inverse: float16[out, runs]."""
+    blocks, runs = scales.shape[0], scales.shape[1] // LANES
+    d = torch.from_numpy(scales.view(np.int16)).view(torch.float16).view(blocks, runs, LANES).transpose(1, 2)
+    return d.reshape(blocks * LANES, runs)[:out_features].contiguous()
+
+
 def pack_q8(w: torch.Tensor, tile_blocks: int) -> tuple[np.ndarray, np.ndarray]:
     """w [out, in] -> (weight uint8[tiles, runs * 32 * tile_blocks * 16], scales uint16[tiles * tile_blocks,
     runs * 16]) in the layout above; scales[b, j * 16 + l] holds output 16 b + l's float16 scale of run j,
     as bits."""
     out_features, in_features = w.shape
-    rows = -(-out_features // (LANES * tile_blocks)) * LANES * tile_blocks
-    tiles = rows // (LANES * tile_blocks)
+    rows, tiles = tiled_rows(out_features, tile_blocks)
     q, d = quantize_q8(w)
     runs = d.shape[1]
     padded_in = runs * Q8_BLOCK
@@ -84,10 +100,7 @@ def pack_q8(w: torch.Tensor, tile_blocks: int) -> tuple[np.ndarray, np.ndarray]:
     qp[:out_features, :in_features] = q.to(torch.int16)
     stored = (qp + Q8_OFFSET).to(torch.uint8).view(tiles, tile_blocks, LANES, padded_in // GROUP, GROUP)
     weight = stored.permute(0, 3, 1, 2, 4).reshape(tiles, padded_in * tile_blocks * LANES).contiguous().numpy()
-    dp = torch.zeros(rows, runs, dtype=torch.float16)
-    dp[:out_features] = d
-    scales = dp.view(rows // LANES, LANES, runs).transpose(1, 2).reshape(rows // LANES, runs * LANES).contiguous()
-    return weight, scales.view(torch.int16).numpy().view(np.uint16)
+    return weight, _pack_scales(d, rows)
 
 
 def unpack_q8(weight: np.ndarray, scales: np.ndarray, tile_blocks: int, out_features: int, in_features: int
@@ -98,8 +111,7 @@ def unpack_q8(weight: np.ndarray, scales: np.ndarray, tile_blocks: int, out_feat
     q = torch.from_numpy(weight).view(tiles, runs * Q8_BLOCK // GROUP, tile_blocks, LANES, GROUP)
     q = q.permute(0, 2, 3, 1, 4).reshape(blocks * LANES, runs * Q8_BLOCK)
     q = (q.to(torch.int16) - Q8_OFFSET).to(torch.int8)
-    d = torch.from_numpy(scales.view(np.int16)).view(torch.float16).view(blocks, runs, LANES).transpose(1, 2)
-    return q[:out_features, :in_features].contiguous(), d.reshape(blocks * LANES, runs)[:out_features].contiguous()
+    return q[:out_features, :in_features].contiguous(), _unpack_scales(scales, out_features)
 
 
 def quantize_q4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,8 +138,7 @@ def pack_q4(w: torch.Tensor, tile_blocks: int) -> tuple[np.ndarray, np.ndarray]:
     """w [out, in] -> (weight int8-typed [tiles, runs * 16 * tile_blocks * 16] nibble pairs, scales uint16[tiles *
     tile_blocks, runs * 16] float16 bits) in the layout of the module docstring."""
     out_features, in_features = w.shape
-    rows = -(-out_features // (LANES * tile_blocks)) * LANES * tile_blocks
-    tiles = rows // (LANES * tile_blocks)
+    rows, tiles = tiled_rows(out_features, tile_blocks)
     q, d = quantize_q4(w)
     runs = d.shape[1]
     padded_in = runs * Q8_BLOCK
@@ -136,10 +147,7 @@ def pack_q4(w: torch.Tensor, tile_blocks: int) -> tuple[np.ndarray, np.ndarray]:
     pairs = qp.view(tiles, tile_blocks, LANES, padded_in // (2 * GROUP), 2, GROUP)
     nibbles = pairs[:, :, :, :, 0, :] | (pairs[:, :, :, :, 1, :] << 4)  # [tiles, tb, 16, pairs, 4]
     weight = nibbles.permute(0, 3, 1, 2, 4).reshape(tiles, padded_in // 2 * tile_blocks * LANES).contiguous()
-    dp = torch.zeros(rows, runs, dtype=torch.float16)
-    dp[:out_features] = d
-    scales = dp.view(rows // LANES, LANES, runs).transpose(1, 2).reshape(rows // LANES, runs * LANES).contiguous()
-    return weight.numpy().view(np.int8), scales.view(torch.int16).numpy().view(np.uint16)
+    return weight.numpy().view(np.int8), _pack_scales(d, rows)
 
 
 def unpack_q4(weight: np.ndarray, scales: np.ndarray, tile_blocks: int, out_features: int, in_features: int
@@ -151,8 +159,7 @@ def unpack_q4(weight: np.ndarray, scales: np.ndarray, tile_blocks: int, out_feat
                                                             GROUP)
     q = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=4)  # [tiles, pairs, tb, 16, 2, 4]
     q = q.permute(0, 2, 3, 1, 4, 5).reshape(blocks * LANES, runs * Q8_BLOCK)
-    d = torch.from_numpy(scales.view(np.int16)).view(torch.float16).view(blocks, runs, LANES).transpose(1, 2)
-    return q[:out_features, :in_features].contiguous(), d.reshape(blocks * LANES, runs)[:out_features].contiguous()
+    return q[:out_features, :in_features].contiguous(), _unpack_scales(scales, out_features)
 
 
 @numba.njit(boundscheck=False, cache=True)

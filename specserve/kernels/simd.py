@@ -30,6 +30,14 @@ def tile_blocks(num_blocks: int) -> int:
     4 FMA chains busy for a single row; narrow products use 2 so threads get even shares. A fixed cut, not
     the thread count: a packed weight must not depend on how many threads run it."""
     return 4 if num_blocks >= WIDE_PRODUCT_BLOCKS else 2
+
+
+def tiled_rows(out_features: int, tile_blocks: int) -> tuple[int, int]:
+    """(rows, tiles): outputs padded to whole tiles of `tile_blocks` blocks of 16."""
+    tiles = -(-out_features // (LANES * tile_blocks))
+    return tiles * LANES * tile_blocks, tiles
+
+
 _VEC = ir.VectorType(ir.FloatType(), LANES)
 _I32 = ir.IntType(32)
 
