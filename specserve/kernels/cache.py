@@ -68,7 +68,7 @@ def drop_stale_entries(package: Path = _PACKAGE) -> bool:
     dropped = False
     try:
         for entry in [*stamp.parent.glob("*.nbi"), *stamp.parent.glob("*.nbc")]:
-            entry.unlink()
+            entry.unlink(missing_ok=True)  # another process may have dropped it first
             dropped = True
         stamp.parent.mkdir(exist_ok=True)
         stamp.write_text(digest.hexdigest())
