@@ -6,8 +6,8 @@ tokens, or the sliding window) hides it. Masked keys are skipped, not added as z
 arithmetic depends only on the keys it sees and their order: a tree node attends exactly as the same
 token does in plain decoding once its ancestors are committed (they are then the same keys, in the
 same order). Which keys a row sees (their cache slots, in order) is found once per row, block by block
-of its block table; then work is split over (row, KV head) pairs; one thread computes a row's heads of
-a group.
+of its block table; then work is split over (row, query head) pairs, so one decode row's heads run in
+parallel even when they share one KV head (GQA; the embedded model has one).
 
 Per (row, head): scores of the visible keys, then the softmax 16 keys at a time (`vexp`; the sum
 kept in 16 lanes and added up in one fixed order), then the weighted sum of values key by key, in
@@ -90,9 +90,10 @@ def paged_attention(q, k_cache, v_cache, token_seq, cu_query_lens, context_lens,
     k_flat, v_flat = k_cache.reshape(-1), v_cache.reshape(-1)
     slots, seen_counts = visible_slots(token_seq, cu_query_lens, context_lens, block_tables, block_size,
                                        mask_offsets, mask_widths, tree_mask, positions, window)
-    for item in prange(num_rows * num_kv):
-        t = item // num_kv
-        g = item % num_kv
+    for item in prange(num_rows * num_heads):  # one query head of one row: heads of a KV group run in parallel
+        t = item // num_heads
+        h = item % num_heads
+        g = h // group  # its KV head
         seen = seen_counts[t]
         # Where each visible key's (K, V) vector starts in the flat cache, in key order.
         starts = np.empty(seen, dtype=np.int64)
@@ -100,61 +101,57 @@ def paged_attention(q, k_cache, v_cache, token_seq, cu_query_lens, context_lens,
             starts[j] = (slots[t, j] * num_kv + g) * head_dim
         padded = -(-seen // LANES) * LANES
         scores = np.full(padded, -np.inf, dtype=np.float32)  # padding lanes: exp(-inf) = 0 exactly
-        for r in range(group):
-            h = g * group + r
-            q0 = (t * num_heads + h) * head_dim
-            j = 0
-            while j + 4 <= seen:  # four keys at once: four independent dot products in flight
-                k0, k1, k2, k3 = starts[j], starts[j + 1], starts[j + 2], starts[j + 3]
-                c0 = vzero(); c1 = vzero(); c2 = vzero(); c3 = vzero()
-                for d in range(0, head_dim, LANES):
-                    qd = vload(q_flat, q0 + d)
-                    c0 = vfma(qd, vload(k_flat, k0 + d), c0)
-                    c1 = vfma(qd, vload(k_flat, k1 + d), c1)
-                    c2 = vfma(qd, vload(k_flat, k2 + d), c2)
-                    c3 = vfma(qd, vload(k_flat, k3 + d), c3)
-                sums = vsum4(c0, c1, c2, c3)  # each exactly vsum(c_i): the same order as a lone key's
-                scores[j] = vlane(sums, 0) * scale
-                scores[j + 1] = vlane(sums, 1) * scale
-                scores[j + 2] = vlane(sums, 2) * scale
-                scores[j + 3] = vlane(sums, 3) * scale
-                j += 4
-            while j < seen:
-                k0 = starts[j]
-                acc = vzero()
-                for d in range(0, head_dim, LANES):
-                    acc = vfma(vload(q_flat, q0 + d), vload(k_flat, k0 + d), acc)
-                scores[j] = vsum(acc) * scale
-                j += 1
-            for j in range(seen, padded):
-                scores[j] = -np.inf  # padding lanes (the previous head left exps there)
-            top = vbroadcast(np.float32(np.max(scores[:seen])))
-            lanes = vzero()
-            for j in range(0, padded, LANES):
-                e = vexp(vsub(vload(scores, j), top))
-                vstore(scores, j, e)
-                lanes = vadd(lanes, e)
-            inv = vbroadcast(np.float32(1.0) / vsum(lanes))
-            # Weighted sum of values, keys in order, accumulated in registers 64 dims (four 16-lane
-            # chunks) at a time: each output lane is one FMA chain over the keys.
-            for d0 in range(0, head_dim, 4 * LANES):
-                chunks = min(4, (head_dim - d0) // LANES)
-                a0 = vzero(); a1 = vzero(); a2 = vzero(); a3 = vzero()
-                for j in range(seen):
-                    v0 = starts[j] + d0
-                    pv = vbroadcast(scores[j])
-                    a0 = vfma(pv, vload(v_flat, v0), a0)
-                    if chunks > 1:
-                        a1 = vfma(pv, vload(v_flat, v0 + LANES), a1)
-                    if chunks > 2:
-                        a2 = vfma(pv, vload(v_flat, v0 + 2 * LANES), a2)
-                    if chunks > 3:
-                        a3 = vfma(pv, vload(v_flat, v0 + 3 * LANES), a3)
-                o0 = (t * num_heads + h) * head_dim + d0
-                vstore(out_flat, o0, vmul(a0, inv))
+        q0 = (t * num_heads + h) * head_dim
+        j = 0
+        while j + 4 <= seen:  # four keys at once: four independent dot products in flight
+            k0, k1, k2, k3 = starts[j], starts[j + 1], starts[j + 2], starts[j + 3]
+            c0 = vzero(); c1 = vzero(); c2 = vzero(); c3 = vzero()
+            for d in range(0, head_dim, LANES):
+                qd = vload(q_flat, q0 + d)
+                c0 = vfma(qd, vload(k_flat, k0 + d), c0)
+                c1 = vfma(qd, vload(k_flat, k1 + d), c1)
+                c2 = vfma(qd, vload(k_flat, k2 + d), c2)
+                c3 = vfma(qd, vload(k_flat, k3 + d), c3)
+            sums = vsum4(c0, c1, c2, c3)  # each exactly vsum(c_i): the same order as a lone key's
+            scores[j] = vlane(sums, 0) * scale
+            scores[j + 1] = vlane(sums, 1) * scale
+            scores[j + 2] = vlane(sums, 2) * scale
+            scores[j + 3] = vlane(sums, 3) * scale
+            j += 4
+        while j < seen:
+            k0 = starts[j]
+            acc = vzero()
+            for d in range(0, head_dim, LANES):
+                acc = vfma(vload(q_flat, q0 + d), vload(k_flat, k0 + d), acc)
+            scores[j] = vsum(acc) * scale
+            j += 1
+        top = vbroadcast(np.float32(np.max(scores[:seen])))
+        lanes = vzero()
+        for j in range(0, padded, LANES):
+            e = vexp(vsub(vload(scores, j), top))
+            vstore(scores, j, e)
+            lanes = vadd(lanes, e)
+        inv = vbroadcast(np.float32(1.0) / vsum(lanes))
+        # Weighted sum of values, keys in order, accumulated in registers 64 dims (four 16-lane
+        # chunks) at a time: each output lane is one FMA chain over the keys.
+        for d0 in range(0, head_dim, 4 * LANES):
+            chunks = min(4, (head_dim - d0) // LANES)
+            a0 = vzero(); a1 = vzero(); a2 = vzero(); a3 = vzero()
+            for j in range(seen):
+                v0 = starts[j] + d0
+                pv = vbroadcast(scores[j])
+                a0 = vfma(pv, vload(v_flat, v0), a0)
                 if chunks > 1:
-                    vstore(out_flat, o0 + LANES, vmul(a1, inv))
+                    a1 = vfma(pv, vload(v_flat, v0 + LANES), a1)
                 if chunks > 2:
-                    vstore(out_flat, o0 + 2 * LANES, vmul(a2, inv))
+                    a2 = vfma(pv, vload(v_flat, v0 + 2 * LANES), a2)
                 if chunks > 3:
-                    vstore(out_flat, o0 + 3 * LANES, vmul(a3, inv))
+                    a3 = vfma(pv, vload(v_flat, v0 + 3 * LANES), a3)
+            o0 = (t * num_heads + h) * head_dim + d0
+            vstore(out_flat, o0, vmul(a0, inv))
+            if chunks > 1:
+                vstore(out_flat, o0 + LANES, vmul(a1, inv))
+            if chunks > 2:
+                vstore(out_flat, o0 + 2 * LANES, vmul(a2, inv))
+            if chunks > 3:
+                vstore(out_flat, o0 + 3 * LANES, vmul(a3, inv))
