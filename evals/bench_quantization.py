@@ -4,7 +4,7 @@ activations) keep a model to its float self, on held-out text.
 Per held-out prompt (the embedded model's held-out code by default, tokenized by the model's tokenizer),
 the quantized model and the float32 model (the same checkpoint, unquantized) each run:
 - one prefill forward returning the logits of every prompt row: the relative gap per row
-  (‖int8 − float‖ / ‖float‖; median and 95th percentile over all rows) and how often the argmax agrees;
+  (‖quantized − float‖ / ‖float‖; median and 95th percentile over all rows) and how often the argmax agrees;
 - a greedy continuation of --max-tokens: identical or not, and the common prefix's length.
 
 A quantized model is a different model (speculation stays lossless against it, not against the float one);
@@ -55,6 +55,8 @@ def measure(args: argparse.Namespace) -> dict:
     reference = LLM(model, drafter=None, device="cpu", dtype="float32", max_num_seqs=1)
     quantized = LLM(model, drafter=None, device="cpu", quantization=args.quantization, max_num_seqs=1)
     window = reference.model.config.max_position_embeddings
+    if args.max_tokens >= window:
+        raise ValueError(f"--max-tokens {args.max_tokens} leaves no room for a prompt in the model's {window}-token window")
     texts = heldout_prompts(args.prompts)
     prompts = [reference.tokenizer.encode(text)[: window - args.max_tokens] for text in texts]
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)

@@ -138,7 +138,11 @@ def convert(model_dir: Path, tree: Path, gguf_type: str, cache_dir: Path | None 
     out = out_dir / key / f"model-{gguf_type}.gguf"
     if out.is_file():
         return out
-    if gguf_type == "q4_0":
+    if gguf_type == "q4_0":  # made by the installed llama.cpp's quantizer: its version names the folder
+        out = out.parent / f"llama-cpp-python-{require_llama_cpp()}" / out.name
+        if out.is_file():
+            return out
+        out.parent.mkdir(parents=True, exist_ok=True)
         return _quantize_q4_0(convert(model_dir, tree, "f32", cache_dir, log=log), out, log=log)
     out.parent.mkdir(parents=True, exist_ok=True)
     if log is not None:
@@ -166,23 +170,34 @@ def convert(model_dir: Path, tree: Path, gguf_type: str, cache_dir: Path | None 
 def _quantize_q4_0(f32: Path, out: Path, *, log=None) -> Path:
     """llama.cpp's quantizer (llama_model_quantize) on the f32 GGUF: every weight q4_0, the LM head included
     ("pure": by default llama.cpp keeps the LM head at 6 bits, ours is 4); the token embedding too, which a
-    tied model's LM head reads (ours keeps its embedding float32, only ever indexed)."""
+    tied model's LM head reads (ours keeps its embedding float32, only ever indexed). In a child process, as
+    the converter: llama.cpp aborts the process on some inputs (a row length that is no multiple of 32)."""
+    if log is not None:
+        log(f"llama.cpp: quantizing {f32} to q4_0 with llama_model_quantize (once; cached)")
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        partial = Path(tmp) / out.name
+        proc = subprocess.run([sys.executable, "-m", "specserve.evals.llamacpp_peer", "--quantize-q4_0", str(f32),
+                               str(partial)], capture_output=True, text=True)
+        if proc.returncode != 0 or not partial.is_file():
+            lines = [ln.strip() for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
+            why = lines[-1] if lines else f"exit status {proc.returncode}"
+            raise ValueError(f"llama.cpp's quantizer failed on {str(f32)!r}: {why}")
+        os.replace(partial, out)
+    return out
+
+
+def _run_quantizer(f32: str, outfile: str) -> None:
+    """`_quantize_q4_0`'s child: llama_model_quantize, in this process."""
     import ctypes
 
     import llama_cpp
 
-    if log is not None:
-        log(f"llama.cpp: quantizing {f32} to q4_0 with llama_model_quantize (once; cached)")
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0
     params.pure = True
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        partial = Path(tmp) / out.name
-        status = llama_cpp.llama_model_quantize(str(f32).encode(), str(partial).encode(), ctypes.byref(params))
-        if status != 0 or not partial.is_file():
-            raise ValueError(f"llama.cpp's quantizer failed on {str(f32)!r} (status {status})")
-        os.replace(partial, out)
-    return out
+    status = llama_cpp.llama_model_quantize(f32.encode(), outfile.encode(), ctypes.byref(params))
+    if status != 0:
+        raise SystemExit(f"llama_model_quantize returned {status}")
 
 
 def _stage_with_standin_tokenizer(model_dir: Path, staged: Path) -> Path:
@@ -343,6 +358,10 @@ def _run_converter(tree: str, model_dir: str, outfile: str, gguf_type: str) -> N
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 5:
-        raise SystemExit("usage: python -m specserve.evals.llamacpp_peer LLAMA_CPP_TREE MODEL_DIR OUTFILE f32|f16|q8_0")
-    _run_converter(*sys.argv[1:])
+    if len(sys.argv) == 4 and sys.argv[1] == "--quantize-q4_0":
+        _run_quantizer(*sys.argv[2:])
+    elif len(sys.argv) == 5:
+        _run_converter(*sys.argv[1:])
+    else:
+        raise SystemExit("usage: python -m specserve.evals.llamacpp_peer LLAMA_CPP_TREE MODEL_DIR OUTFILE f32|f16|q8_0\n"
+                         "       python -m specserve.evals.llamacpp_peer --quantize-q4_0 F32_GGUF OUTFILE")

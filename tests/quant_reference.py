@@ -8,7 +8,8 @@ import numpy as np
 
 def q8_0_reference(w: np.ndarray, scale_dtype=np.float16) -> tuple[np.ndarray, np.ndarray]:
     """llama.cpp's quantize_row_q8_0_ref, row by row, in float32 numpy: per run of 32 inputs,
-    d = amax / 127, id = 1 / d (0 when d is 0), q = roundf(x * id) (half away from zero), d kept as
+    d = amax / 127, id = 1 / d (0 when d is 0), q = roundf(x * id) (half away from zero; computed as
+    floor(|v| + 0.5) in float32, as our kernels do, which rounds up values within an ulp below a half), d kept as
     float16 (weights; the kernel keeps activations' d as float32: scale_dtype). Returns (q int8 [out, in],
     d [out, ceil(in / 32)])."""
     out_features, in_features = w.shape

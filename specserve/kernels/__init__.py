@@ -5,12 +5,11 @@ executor a `LlamaModel` uses on the CPU) and `threads` (one thread pool for all 
 """
 
 from specserve.kernels.cache import drop_stale_entries
+from specserve.kernels.linear import PackedLinear, linear_rows
+from specserve.kernels.model_kernels import LayerKernels, ModelKernels, kernels_unsupported
+from specserve.kernels.threads import get_threads, set_threads
 
-drop_stale_entries()  # before any kernel loads from numba's cache: see its docstring
-
-from specserve.kernels.linear import PackedLinear, linear_rows  # noqa: E402
-from specserve.kernels.model_kernels import LayerKernels, ModelKernels, kernels_unsupported  # noqa: E402
-from specserve.kernels.threads import get_threads, set_threads  # noqa: E402
+drop_stale_entries()  # every kernel module is imported, none has run: see its docstring
 
 __all__ = ["LayerKernels", "ModelKernels", "PackedLinear", "get_threads", "kernels_unsupported", "linear_rows",
            "set_threads"]

@@ -1,4 +1,5 @@
-"""Whether the compiled kernels are already in numba's on-disk cache (`cache=True`).
+"""numba's on-disk cache of the compiled kernels (`cache=True`): whether they are in it, and dropping it when
+a kernel source changed (`drop_stale_entries`).
 
 A first run on a fresh install compiles every kernel (the decoder layer, the products, paged attention,
 the drafters' matchers: ~10-15 s on 2 cores, measured in BENCHMARKS.md); numba writes them to its cache (``__pycache__`` beside the
@@ -48,30 +49,46 @@ def missing_from_cache(prefix: str = "specserve.kernels.") -> list[str]:
     return missing
 
 
-def drop_stale_entries(package: Path = _PACKAGE) -> bool:
-    """Delete the package's numba cache files (``__pycache__/*.nbi``, ``*.nbc``) when any kernel source changed
-    since they were written; returns whether it did.
+def kernel_cache_dirs(prefix: str = "specserve.kernels.") -> list[Path]:
+    """Where numba keeps the cached kernels of the imported modules under `prefix`: ``__pycache__`` beside the
+    sources, ``$NUMBA_CACHE_DIR``, or a user-wide directory when ``__pycache__`` is not writable."""
+    dirs = {_PACKAGE / "__pycache__"}
+    for dispatcher in cached_dispatchers(prefix):
+        try:
+            dirs.add(Path(dispatcher._cache._cache_path))
+        except Exception:  # numba internals moved: the default location still gets checked
+            continue
+    return sorted(dirs)
+
+
+def drop_stale_entries(package: Path = _PACKAGE, cache_dirs: list[Path] | None = None) -> bool:
+    """Delete numba's cache files of the kernels (``*.nbi``, ``*.nbc`` in each of `cache_dirs`, by default
+    `kernel_cache_dirs()`) when any kernel source changed since they were written; returns whether it did.
+    Call it after the kernel modules are imported (numba reads a cache entry at a kernel's first call, not at
+    import) and before any kernel runs.
 
     numba checks a cached function against its own source file only, not the files of the kernels it
     calls and inlines: after `linear.py` changes, `layer.py`'s cached decoder layer would still run the old
-    product (with a new weight layout: wrong numbers). A hash of every source of the package, kept beside
-    the cache, catches that. (A cache numba keeps elsewhere — an unwritable ``__pycache__`` — is left alone.)"""
+    product (with a new weight layout: wrong numbers). A hash of every source of the package, kept in each
+    cache directory, catches that. (A process still running the old code can write an old entry after the
+    check; the next source change drops it again.)"""
     digest = hashlib.sha1()
     for source in sorted(package.glob("*.py")):
         digest.update(source.name.encode() + b"\0" + source.read_bytes())
-    stamp = package / "__pycache__" / _STAMP
-    try:
-        if stamp.read_text() == digest.hexdigest():
-            return False
-    except OSError:
-        pass
     dropped = False
-    try:
-        for entry in [*stamp.parent.glob("*.nbi"), *stamp.parent.glob("*.nbc")]:
-            entry.unlink(missing_ok=True)  # another process may have dropped it first
-            dropped = True
-        stamp.parent.mkdir(exist_ok=True)
-        stamp.write_text(digest.hexdigest())
-    except OSError:  # a read-only install: numba caches elsewhere (or not at all)
-        pass
+    for directory in (cache_dirs if cache_dirs is not None else kernel_cache_dirs()):
+        stamp = directory / _STAMP
+        try:
+            if stamp.read_text() == digest.hexdigest():
+                continue
+        except OSError:
+            pass
+        try:
+            for entry in [*directory.glob("*.nbi"), *directory.glob("*.nbc")]:
+                entry.unlink(missing_ok=True)  # another process may have dropped it first
+                dropped = True
+            directory.mkdir(parents=True, exist_ok=True)
+            stamp.write_text(digest.hexdigest())
+        except OSError:  # not writable: numba cannot cache there either
+            pass
     return dropped

@@ -33,11 +33,11 @@ from numba import prange, types
 from numba.extending import overload
 
 from specserve.kernels.linear_quant import (
-    Q4_OFFSET, Q8_BLOCK, linear_rows_quant, pack_q4, pack_q8, quantize_q8, unpack_q4, unpack_q8,
+    Q4_OFFSET, Q8_BLOCK, linear_rows_quant, pack_q4, pack_q8, unpack_q4, unpack_q8,
 )
 from specserve.kernels.simd import LANES, store_lanes, tile_blocks, tiled_rows, vbroadcast, vfma, vload, vzero
 
-__all__ = ["PackedLinear", "Q8_BLOCK", "as_numpy", "linear_rows", "linear_rows_float", "quantize_q8"]
+__all__ = ["PackedLinear", "Q8_BLOCK", "as_numpy", "linear_rows", "linear_rows_float"]
 
 
 class PackedLinear:

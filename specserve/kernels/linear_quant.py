@@ -3,6 +3,8 @@ integers.
 
 Formats, per output row and run of 32 inputs sharing one float16 scale d (llama.cpp's reference quantizers):
 - Q8_0 (`quantize_q8`): d = max|w| / 127, w ≈ q · d with q = round(w / d) in [-127, 127]; 8.5 bits a weight.
+  round is half away from zero, computed as floor(|v| + 0.5) in float32 with v's sign — C's roundf but for
+  values within an ulp below a half, which the float32 + 0.5 rounds up (the tests' references do the same).
 - Q4_0 (`quantize_q4`): d = m / -8 where m is the run's weight of largest magnitude (sign kept), w ≈ (q - 8) · d
   with q = min(15, trunc(w / d + 8.5)) in [0, 15]; 4.5 bits a weight.
 
@@ -27,8 +29,8 @@ group of 4 inputs for 16 outputs, the shape vpdpbusd multiplies (unsigned by sig
   bfloat16 and float16 bits): slot (p, i) holds groups 2p (low nibbles) and 2p + 1 (high nibbles),
   ``packed[t, (p * tb + i) * 64 + l * 4 + c] = q[.., 8 p + c] | q[.., 8 p + 4 + c] << 4`` for output 16 (t tb + i) + l.
 The offset makes the weights unsigned: Σ (q + o) · qx = Σ q · qx + o · Σ qx with o = 128 (Q8_0) or 8 (Q4_0: the
-stored nibble is the signed weight + 8, as llama.cpp stores it), and Σ qx is one integer per row and run (`quantize_activations` returns
-it), subtracted before the conversion. Inputs are padded to whole runs with zero weights (and x = 0),
+stored nibble is the signed weight + 8, as llama.cpp stores it); Σ qx is one integer per row and run
+(`quantize_activations` returns it), and o · Σ qx is subtracted before the conversion. Inputs are padded to whole runs with zero weights (and x = 0),
 outputs to whole tiles.
 """
 
@@ -56,7 +58,7 @@ Q4_OFFSET = 8  # stored Q4_0 nibble = the signed weight + 8 (llama.cpp's own sto
 def quantize_q8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """llama.cpp's Q8_0 of w [out, in] (any float dtype): per output row and run of 32 inputs (the last run
     may be shorter), d = max|w| / 127 and q = round(w / d) (half away from zero, as roundf), clamped to
-    ±127; d is stored as float16, as Q8_0 stores it. Returns (q int8[out, in], d float16[out, ceil(in/32)])."""
+    ±127 (round: see the module docstring); d is stored as float16, as Q8_0 stores it. Returns (q int8[out, in], d float16[out, ceil(in/32)])."""
     w = w.detach().to("cpu", torch.float32)
     out_features, in_features = w.shape
     kblocks = -(-in_features // Q8_BLOCK)
@@ -166,8 +168,8 @@ def unpack_q4(weight: np.ndarray, scales: np.ndarray, tile_blocks: int, out_feat
 def quantize_activations(x, runs):
     """Each row of x float32[M, in] as Q8_0 with float32 scales (llama.cpp keeps float16: float32 is a little
     closer, at no cost): per run j of 32, dx[m, j] = max|x| / 127 and qx = round(x / dx) (half away from zero)
-    in int8[M, runs * 32] (padding inputs 0); sums[m, j] = Σ qx over the run (times the weights' offset, what
-    the offset adds to each run's integer sum: see the module docstring). Whole runs 16 lanes at a time, a short last run lane by lane;
+    in int8[M, runs * 32] (padding inputs 0); sums[m, j] = Σ qx over the run (the kernel subtracts offset ·
+    sums, what the weights' offset adds to each run's integer sum: see the module docstring). Whole runs 16 lanes at a time, a short last run lane by lane;
     both compute the same values."""
     rows, num_in = x.shape
     qx = np.zeros((rows, runs * Q8_BLOCK), dtype=np.int8)

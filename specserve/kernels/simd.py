@@ -9,7 +9,7 @@ a result depends only on its own inputs: batch invariance by construction, not b
 `F32x16` values live in registers (LLVM ``<16 x float>``). Loads widen half-size weights on the fly:
 bfloat16 is the top half of a float32 (widening is a shift), float16 converts with F16C; arithmetic
 is always float32. Half-size weights travel as 16-bit integer arrays (int16: bfloat16, uint16: float16).
-`I32x16` (16 int32 lanes) carries 8-bit dot products (`vdot4`) for int8 weights. Unaligned loads are used throughout (numpy gives 16-byte alignment at best).
+`I32x16` (16 int32 lanes) carries 8-bit dot products (`vdot4`) for int8 and int4 weights. Unaligned loads are used throughout (numpy gives 16-byte alignment at best).
 """
 
 from __future__ import annotations
@@ -226,9 +226,9 @@ def vexp(typingctx, a):
     return F32x16(a), codegen
 
 
-# ---- 16 int32 lanes: 8-bit dot products (the int8 weights' products) -------------------------------------
+# ---- 16 int32 lanes: 8-bit dot products (the int8 and int4 weights' products) ----------------------------
 #
-# An int8 product multiplies 8-bit weights by 8-bit activations and sums in int32 — exact, so no order
+# An int8 (or int4) product multiplies 8-bit (4-bit) weights by 8-bit activations and sums in int32 — exact, so no order
 # question arises inside a run of inputs. `vdot4` is the one operation: per int32 lane, four unsigned bytes
 # of `a` times four signed bytes of `b`, summed into the lane. CPUs with AVX-512 VNNI do it in one
 # instruction (vpdpbusd); elsewhere the same exact sum is spelled out in generic vector code.
@@ -390,8 +390,8 @@ def vmax_abs(typingctx, a):
 
 @intrinsic
 def vround_to_int(typingctx, a):
-    """Each lane rounded half away from zero (C's roundf: copysign(floor(|a| + 0.5), a), the +0.5 in float32,
-    as llama.cpp's reference quantizer computes it), as int32 lanes."""
+    """Each lane rounded half away from zero as copysign(floor(|a| + 0.5), a) with the + 0.5 in float32 (C's
+    roundf but for values within an ulp below a half, which it rounds up), as int32 lanes."""
 
     def codegen(context, builder, signature, args):
         magnitude = _call(builder, "llvm.fabs.v16f32", [args[0]], 1)

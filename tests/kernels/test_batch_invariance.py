@@ -55,10 +55,16 @@ def _product(packed: PackedLinear, x: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("storage", STORAGES)
 def test_linear_rows_row_r_of_k_rows_equals_the_one_row_product(storage, use_threads):
-    # 200 outputs = 13 blocks = tiles of 4, 4, 4, 1 blocks: every tile shape (4 rows x 2 blocks, 4 x 1,
-    # 1 row x 4 blocks, 1 x 1) and a partial last block; 77 inputs (no multiple of anything).
+    # 200 outputs = 13 blocks = tiles of 2, ..., 2, 1 blocks (narrow products); 1,060 outputs = 67 blocks = tiles
+    # of 4, ..., 4, 3 (wide ones): every tile shape (4 rows x 2 blocks, 4 x 1, 1 row x 4, 2 and 1 blocks) and a
+    # partial last block; 77 inputs (no multiple of anything, a short last run of 32).
     gen = torch.Generator().manual_seed(0)
-    packed = PackedLinear(torch.randn(200, 77, generator=gen), torch.randn(200, generator=gen), storage)
+    for out_features in (200, 1060):
+        _check_row_r_of_k_rows(PackedLinear(torch.randn(out_features, 77, generator=gen),
+                                            torch.randn(out_features, generator=gen), storage), gen, use_threads)
+
+
+def _check_row_r_of_k_rows(packed: PackedLinear, gen, use_threads) -> None:
     x = torch.randn(16, 77, generator=gen).numpy()
     rng = np.random.default_rng(0)
     by_threads = {}

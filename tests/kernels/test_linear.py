@@ -154,7 +154,8 @@ def test_every_element_is_one_fma_chain_in_k_order(storage):
         np.testing.assert_array_equal(out.view(np.uint32), expected.view(np.uint32), err_msg=f"accumulate={accumulate}")
 
 
-SHAPES = [(1, 1), (5, 3), (16, 16), (17, 31), (33, 64), (70, 129), (200, 7)]  # (out, in)
+# (out, in); 1,060 outputs: wide products' tiles of 4 blocks (and a last one of 3)
+SHAPES = [(1, 1), (5, 3), (16, 16), (17, 31), (33, 64), (70, 129), (200, 7), (1060, 45)]
 
 
 @pytest.mark.parametrize("storage", STORAGES)
