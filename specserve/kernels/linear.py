@@ -35,7 +35,9 @@ from numba.extending import overload
 from specserve.kernels.linear_quant import (
     Q4_OFFSET, Q8_BLOCK, linear_rows_quant, pack_q4, pack_q8, unpack_q4, unpack_q8,
 )
-from specserve.kernels.simd import LANES, store_lanes, tile_blocks, tiled_rows, vbroadcast, vfma, vload, vzero
+from specserve.kernels.simd import (
+    LANES, store_block_rows, store_lanes, store_row_blocks, tile_blocks, tiled_rows, vbroadcast, vfma, vload, vzero,
+)
 
 __all__ = ["PackedLinear", "Q8_BLOCK", "as_numpy", "linear_rows", "linear_rows_float"]
 
@@ -167,10 +169,8 @@ def linear_rows_float(x, w, bias, out, accumulate):
                     s = vbroadcast(x2[k]); a2 = vfma(s, u, a2); c2 = vfma(s, v, c2)
                     s = vbroadcast(x3[k]); a3 = vfma(s, u, a3); c3 = vfma(s, v, c3)
                 base = (first + i) * LANES
-                store_lanes(out, m, base, a0, bias, accumulate); store_lanes(out, m, base + LANES, c0, bias, accumulate)
-                store_lanes(out, m + 1, base, a1, bias, accumulate); store_lanes(out, m + 1, base + LANES, c1, bias, accumulate)
-                store_lanes(out, m + 2, base, a2, bias, accumulate); store_lanes(out, m + 2, base + LANES, c2, bias, accumulate)
-                store_lanes(out, m + 3, base, a3, bias, accumulate); store_lanes(out, m + 3, base + LANES, c3, bias, accumulate)
+                store_block_rows(out, m, base, a0, a1, a2, a3, bias, accumulate)
+                store_block_rows(out, m, base + LANES, c0, c1, c2, c3, bias, accumulate)
                 i += 2
             if i < count:
                 a0 = vzero(); a1 = vzero(); a2 = vzero(); a3 = vzero()
@@ -181,8 +181,7 @@ def linear_rows_float(x, w, bias, out, accumulate):
                     a2 = vfma(vbroadcast(x2[k]), u, a2)
                     a3 = vfma(vbroadcast(x3[k]), u, a3)
                 base = (first + i) * LANES
-                store_lanes(out, m, base, a0, bias, accumulate); store_lanes(out, m + 1, base, a1, bias, accumulate)
-                store_lanes(out, m + 2, base, a2, bias, accumulate); store_lanes(out, m + 3, base, a3, bias, accumulate)
+                store_block_rows(out, m, base, a0, a1, a2, a3, bias, accumulate)
             m += 4
         if m + 2 <= num_rows:  # 2 rows x 2 blocks: 4 chains (2-3 rows left)
             x0, x1 = x[m], x[m + 1]
@@ -220,10 +219,7 @@ def linear_rows_float(x, w, bias, out, accumulate):
                     a2 = vfma(s, vload(wt, o + 2 * LANES), a2)
                     a3 = vfma(s, vload(wt, o + 3 * LANES), a3)
                 base = first * LANES
-                store_lanes(out, m, base, a0, bias, accumulate)
-                store_lanes(out, m, base + LANES, a1, bias, accumulate)
-                store_lanes(out, m, base + 2 * LANES, a2, bias, accumulate)
-                store_lanes(out, m, base + 3 * LANES, a3, bias, accumulate)
+                store_row_blocks(out, m, base, a0, a1, a2, a3, bias, accumulate)
                 i = 4
             if i + 2 <= count:
                 a0 = vzero(); a1 = vzero()

@@ -45,7 +45,7 @@ from numba import prange, types
 from numba.extending import overload
 
 from specserve.kernels.simd import (
-    LANES, store_lanes, tiled_rows, vbroadcast, vbroadcast_bytes, vdot4, vfma, vhigh_nibbles, visum, vizero, visub_scalar,
+    LANES, store_block_rows, store_lanes, store_row_blocks, tiled_rows, vbroadcast, vbroadcast_bytes, vdot4, vfma, vhigh_nibbles, visum, vizero, visub_scalar,
     vload, vload_bytes, vlow_nibbles, vmax_abs, vmul, vround_to_int, vstore_int8, vtofloat, vzero,
 )
 
@@ -55,16 +55,23 @@ Q8_OFFSET = 128  # stored Q8_0 weight byte = q + 128 (unsigned)
 Q4_OFFSET = 8  # stored Q4_0 nibble = the signed weight + 8 (llama.cpp's own storage)
 
 
+def _runs(w: torch.Tensor) -> torch.Tensor:
+    """w [out, in] as float32 runs of 32 inputs, [out, ceil(in / 32), 32], a short last run padded with zeros."""
+    w = w.detach().to("cpu", torch.float32)
+    out_features, in_features = w.shape
+    runs = -(-in_features // Q8_BLOCK)
+    padded = torch.zeros(out_features, runs * Q8_BLOCK)
+    padded[:, :in_features] = w
+    return padded.view(out_features, runs, Q8_BLOCK)
+
+
 def quantize_q8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """llama.cpp's Q8_0 of w [out, in] (any float dtype): per output row and run of 32 inputs (the last run
     may be shorter), d = max|w| / 127 and q = round(w / d) (half away from zero, as roundf), clamped to
     ±127 (round: see the module docstring); d is stored as float16, as Q8_0 stores it. Returns (q int8[out, in], d float16[out, ceil(in/32)])."""
-    w = w.detach().to("cpu", torch.float32)
     out_features, in_features = w.shape
-    kblocks = -(-in_features // Q8_BLOCK)
-    padded = torch.zeros(out_features, kblocks * Q8_BLOCK)
-    padded[:, :in_features] = w
-    runs = padded.view(out_features, kblocks, Q8_BLOCK)
+    runs = _runs(w)
+    kblocks = runs.shape[1]
     d = runs.abs().amax(dim=2) / 127.0  # float32, as llama.cpp computes it
     inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
     scaled = runs * inv[:, :, None]
@@ -121,12 +128,9 @@ def quantize_q4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     inputs, m = the run's weight of largest magnitude (the first, sign kept), d = m / -8, and the stored
     q = min(15, trunc(w / d + 8.5)) in [0, 15], so w ≈ (q - 8) · d; d is stored as float16. Inputs past `in`
     (a short last run) get q = 8, a zero weight. Returns (q uint8[out, runs * 32], d float16[out, runs])."""
-    w = w.detach().to("cpu", torch.float32)
     out_features, in_features = w.shape
-    runs = -(-in_features // Q8_BLOCK)
-    padded = torch.zeros(out_features, runs * Q8_BLOCK)
-    padded[:, :in_features] = w
-    blocks = padded.view(out_features, runs, Q8_BLOCK)
+    blocks = _runs(w)
+    runs = blocks.shape[1]
     largest = blocks.gather(2, blocks.abs().argmax(dim=2, keepdim=True))[:, :, 0]  # argmax: the first maximum
     d = largest / -8.0
     inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
@@ -299,12 +303,10 @@ def linear_rows_quant(x, w, scales, bias, out, accumulate):
                     a2 = _run_sum(a2, i2, r2, s0, j, dx[m + 2, j]); c2 = _run_sum(c2, k2, r2, s1, j, dx[m + 2, j])
                     a3 = _run_sum(a3, i3, r3, s0, j, dx[m + 3, j]); c3 = _run_sum(c3, k3, r3, s1, j, dx[m + 3, j])
                 base = (first + i) * LANES
-                store_lanes(out, m, base, a0, bias, accumulate); store_lanes(out, m + 1, base, a1, bias, accumulate)
-                store_lanes(out, m + 2, base, a2, bias, accumulate); store_lanes(out, m + 3, base, a3, bias, accumulate)
+                store_block_rows(out, m, base, a0, a1, a2, a3, bias, accumulate)
                 if pair:
                     base += LANES
-                    store_lanes(out, m, base, c0, bias, accumulate); store_lanes(out, m + 1, base, c1, bias, accumulate)
-                    store_lanes(out, m + 2, base, c2, bias, accumulate); store_lanes(out, m + 3, base, c3, bias, accumulate)
+                    store_block_rows(out, m, base, c0, c1, c2, c3, bias, accumulate)
                 i += 2
             m += 4
         while m < num_rows:  # one row x 4 blocks (else 2, 1): independent chains, the tile read in order
@@ -332,10 +334,7 @@ def linear_rows_quant(x, w, scales, bias, out, accumulate):
                     a2 = _run_sum(a2, i2, r, s2, j, dx[m, j])
                     a3 = _run_sum(a3, i3, r, s3, j, dx[m, j])
                 base = first * LANES
-                store_lanes(out, m, base, a0, bias, accumulate)
-                store_lanes(out, m, base + LANES, a1, bias, accumulate)
-                store_lanes(out, m, base + 2 * LANES, a2, bias, accumulate)
-                store_lanes(out, m, base + 3 * LANES, a3, bias, accumulate)
+                store_row_blocks(out, m, base, a0, a1, a2, a3, bias, accumulate)
                 i = 4
             if i + 2 <= count:
                 s0, s1 = scales[first + i], scales[first + i + 1]

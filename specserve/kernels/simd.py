@@ -474,3 +474,21 @@ def vhigh_nibbles(typingctx, a):
         return builder.and_(shifted, ir.Constant(_IVEC, [0x0F0F0F0F] * LANES))
 
     return I32x16(a), codegen
+
+
+@numba.njit(inline="always")
+def store_row_blocks(out, m, base, a0, a1, a2, a3, bias, accumulate):
+    """`store_lanes` of four consecutive blocks of row m: out[m, base : base + 64] from a0 .. a3."""
+    store_lanes(out, m, base, a0, bias, accumulate)
+    store_lanes(out, m, base + LANES, a1, bias, accumulate)
+    store_lanes(out, m, base + 2 * LANES, a2, bias, accumulate)
+    store_lanes(out, m, base + 3 * LANES, a3, bias, accumulate)
+
+
+@numba.njit(inline="always")
+def store_block_rows(out, m, base, a0, a1, a2, a3, bias, accumulate):
+    """`store_lanes` of one block in four consecutive rows: out[m .. m + 3, base : base + 16] from a0 .. a3."""
+    store_lanes(out, m, base, a0, bias, accumulate)
+    store_lanes(out, m + 1, base, a1, bias, accumulate)
+    store_lanes(out, m + 2, base, a2, bias, accumulate)
+    store_lanes(out, m + 3, base, a3, bias, accumulate)
