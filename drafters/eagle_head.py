@@ -38,6 +38,7 @@ from torch import nn
 
 from specserve.attention import default_attention, make_backend
 from specserve.config import ModelConfig, config_from_hf
+from specserve.kernels.attention import visible_keys
 from specserve.kernels.linear import as_numpy
 from specserve.kv_cache import BlockAllocator, PagedKVCache
 from specserve.model import DecoderLayer
@@ -378,8 +379,9 @@ class _HeadKernels:
             x = np.array(self.fc(torch.from_numpy(np.concatenate([e, f], axis=1))).numpy())
             attn = None if head.layer.input_norm is not None else x.copy()
         cos, sin = (t.numpy() for t in self.rope.for_batch(batch.num_positions))
+        visible = visible_keys(batch, 0)
         for n, (layer, (k, v)) in enumerate(zip(self.layers, cache.layer_arrays())):
-            layer(x, batch, k, v, cos, sin, 0, attn if n == 0 else None)  # later layers norm x themselves
+            layer(x, batch, k, v, cos, sin, visible, attn if n == 0 else None)  # later layers norm x themselves
         return torch.from_numpy(x)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:

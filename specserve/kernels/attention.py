@@ -73,23 +73,27 @@ def visible_slots(token_seq, cu_query_lens, context_lens, block_tables, block_si
     return slots, count
 
 
+def visible_keys(batch, window: int):
+    """`visible_slots` of a `StepBatch` (window: the model's sliding window, 0 = none): the same for every
+    layer of a forward, so a forward finds it once and hands it to each layer."""
+    return visible_slots(batch.token_seq, batch.cu_query_lens, batch.context_lens, batch.block_tables,
+                         batch.block_size, batch.mask_offsets, batch.mask_widths, batch.tree_mask, batch.positions,
+                         window)
+
+
 @numba.njit(parallel=True, boundscheck=False, cache=True)
-def paged_attention(q, k_cache, v_cache, token_seq, cu_query_lens, context_lens, block_tables, block_size,
-                    mask_offsets, mask_widths, tree_mask, positions, window, scale, out):
+def paged_attention(q, k_cache, v_cache, slots, seen_counts, scale, out):
     """out[t, h] = softmax(q[t, h] . K / sqrt(d)) V over row t's visible keys.
 
     q:        float32[T, heads, head_dim] (rotary applied); out: float32[T, heads, head_dim].
     k_cache, v_cache: float32[slots, kv_heads, head_dim], this layer's cache (this step's K/V written).
-    window:   sliding window (0 = none); scale: 1 / sqrt(head_dim).
-    The rest: the StepBatch arrays of the same names.
+    slots, seen_counts: the visible keys' cache slots per row (`visible_slots`); scale: 1 / sqrt(head_dim).
     """
     num_rows, num_heads, head_dim = q.shape
     num_kv = k_cache.shape[1]
     group = num_heads // num_kv
     q_flat, out_flat = q.reshape(-1), out.reshape(-1)
     k_flat, v_flat = k_cache.reshape(-1), v_cache.reshape(-1)
-    slots, seen_counts = visible_slots(token_seq, cu_query_lens, context_lens, block_tables, block_size,
-                                       mask_offsets, mask_widths, tree_mask, positions, window)
     for item in prange(num_rows * num_heads):  # one query head of one row: heads of a KV group run in parallel
         t = item // num_heads
         h = item % num_heads

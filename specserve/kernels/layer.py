@@ -98,9 +98,7 @@ def silu_mul(gate_up, out):
 @numba.njit(boundscheck=False, cache=True)
 def decoder_layer(x, attn_input, input_norm, post_norm, q_norm, k_norm, eps,
                   qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, gate_up_w, gate_up_s, gate_up_b, down_w, down_s, down_b, inter,
-                  num_heads, num_kv, head_dim, cos, sin, k_cache, v_cache, window,
-                  positions, slot_mapping, token_seq, cu_query_lens, context_lens, block_tables,
-                  block_size, mask_offsets, mask_widths, tree_mask):
+                  num_heads, num_kv, head_dim, cos, sin, k_cache, v_cache, positions, slot_mapping, slots, seen_counts):
     """One decoder layer over a StepBatch, updating the residual stream x float32[T, hidden] in place.
 
     attn_input: float32[T, in] what attention reads; pass an empty [0, 0] array to use
@@ -108,7 +106,7 @@ def decoder_layer(x, attn_input, input_norm, post_norm, q_norm, k_norm, eps,
     q_norm, k_norm: float32[head_dim] per-head norms applied before rotary (Qwen3), or both empty [0].
     *_w, *_s:   `PackedLinear.weight`s and `.scales`; *_b their float32 biases; inter: intermediate size.
     cos, sin:   float32[max_positions, head_dim] rotary tables; k_cache, v_cache: this layer's cache.
-    The rest: the StepBatch arrays of the same names (window 0 = no sliding window).
+    positions, slot_mapping: the StepBatch arrays; slots, seen_counts: its visible keys (`attention.visible_keys`).
     """
     rows, hidden = x.shape
     if attn_input.shape[0] == 0:
@@ -122,8 +120,7 @@ def decoder_layer(x, attn_input, input_norm, post_norm, q_norm, k_norm, eps,
     rope_and_write_cache(qkv, cos, sin, positions, slot_mapping, num_heads, num_kv, head_dim, q, k_cache, v_cache)
     attn = np.empty((rows, num_heads, head_dim), dtype=np.float32)
     scale = np.float32(1.0 / math.sqrt(head_dim))
-    paged_attention(q, k_cache, v_cache, token_seq, cu_query_lens, context_lens, block_tables, block_size,
-                    mask_offsets, mask_widths, tree_mask, positions, window, scale, attn)
+    paged_attention(q, k_cache, v_cache, slots, seen_counts, scale, attn)
     linear_rows(attn.reshape(rows, num_heads * head_dim), o_w, o_s, o_b, x, True)
     normed = np.empty((rows, hidden), dtype=np.float32)
     rms_norm_rows(x, post_norm, eps, normed)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from specserve.kernels.arena import pack_into_arena
+from specserve.kernels.attention import visible_keys
 from specserve.kernels.layer import decoder_layer, rms_norm
 from specserve.kernels.linear import PackedLinear, linear_rows
 from specserve.kernels.simd import LANES
@@ -85,17 +86,18 @@ class LayerKernels:
                 + self.q_norm.nbytes + self.k_norm.nbytes)
 
     def __call__(self, x: np.ndarray, batch: StepBatch, k_cache: np.ndarray, v_cache: np.ndarray,
-                 cos: np.ndarray, sin: np.ndarray, window: int, attn_input: np.ndarray | None = None) -> None:
-        """Run the layer on x float32[T, hidden] in place (attn_input: see `decoder_layer`)."""
+                 cos: np.ndarray, sin: np.ndarray, visible: tuple[np.ndarray, np.ndarray],
+                 attn_input: np.ndarray | None = None) -> None:
+        """Run the layer on x float32[T, hidden] in place. visible: the batch's `attention.visible_keys` (found once
+        per forward, the same for every layer); attn_input: see `decoder_layer`."""
         decoder_layer(
             x, _NO_INPUT if attn_input is None else attn_input, self.input_norm, self.post_norm,
             self.q_norm, self.k_norm, self.eps,
             self.qkv.weight, self.qkv.scales, self.qkv.bias, self.o_proj.weight, self.o_proj.scales, self.o_proj.bias,
             self.gate_up.weight, self.gate_up.scales, self.gate_up.bias, self.down.weight, self.down.scales,
             self.down.bias, self.inter,
-            self.num_heads, self.num_kv, self.head_dim, cos, sin, k_cache, v_cache, window,
-            batch.positions, batch.slot_mapping, batch.token_seq, batch.cu_query_lens, batch.context_lens,
-            batch.block_tables, batch.block_size, batch.mask_offsets, batch.mask_widths, batch.tree_mask,
+            self.num_heads, self.num_kv, self.head_dim, cos, sin, k_cache, v_cache, batch.positions,
+            batch.slot_mapping, *visible,
         )
 
 
@@ -138,10 +140,11 @@ class ModelKernels:
         hidden: dict[int, torch.Tensor] = {}
         kv = cache.layer_arrays()
         cos, sin = (t.numpy() for t in self.rope.for_batch(batch.num_positions))  # the kernels never bounds-check
+        visible = visible_keys(batch, self.window)
         for i, layer in enumerate(self.layers):
             if i in hidden_layers:
                 hidden[i] = torch.from_numpy(x[batch.hidden_rows])
-            layer(x, batch, kv[i][0], kv[i][1], cos, sin, self.window)
+            layer(x, batch, kv[i][0], kv[i][1], cos, sin, visible)
         num_layers = self.config.num_layers
         if num_layers in hidden_layers:
             hidden[num_layers] = torch.from_numpy(self.final_norm(x[batch.hidden_rows]))

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from specserve.kernels import PackedLinear, linear_rows
-from specserve.kernels.attention import paged_attention
+from specserve.kernels.attention import paged_attention, visible_keys
 from specserve.kv_cache import BlockAllocator
 from specserve.model import LlamaModel
 from specserve.step_batch import StepBatchBuilder
@@ -153,9 +153,7 @@ def test_near_tie_in_attention_needs_keys_in_slot_order(use_threads):
     for threads in (1, 2):
         use_threads(threads)
         out = np.full_like(q, np.nan)
-        paged_attention(q, k_cache, v_cache, batch.token_seq, batch.cu_query_lens, batch.context_lens,
-                        batch.block_tables, batch.block_size, batch.mask_offsets, batch.mask_widths, batch.tree_mask,
-                        batch.positions, 0, np.float32(head_dim ** -0.5), out)
+        paged_attention(q, k_cache, v_cache, *visible_keys(batch, 0), np.float32(head_dim ** -0.5), out)
         assert (out[..., 0] == out[..., 1]).all() and (out[..., 0] > 0).all(), out[..., :2]
     # The inputs discriminate: the same weighted sum with the keys in reversed order breaks the tie.
     acc = np.float32(0)
