@@ -233,19 +233,26 @@ def test_int8_and_int4_packing_round_trip_and_stay_within_the_format_bound(shape
         assert int4.nbytes < packed.nbytes < PackedLinear(w, None, "float16").nbytes
 
 
-_GENERIC_Q8 = """
+_QUANTIZED_PRODUCTS = """
 import sys, numpy as np, torch
-from specserve.kernels import simd
-from specserve.kernels.linear_quant import linear_rows_quant
-assert not simd.HAS_VNNI
-gen = torch.Generator().manual_seed(7)
-w, x = torch.randn(40, 100, generator=gen), torch.randn(5, 100, generator=gen)
-from specserve.kernels import PackedLinear
-for storage in ("int8", "int4"):
-    packed = PackedLinear(w, None, storage)
-    out = np.zeros((5, 40), dtype=np.float32)
-    linear_rows_quant(x.numpy(), packed.weight, packed.scales, packed.bias, out, False)
-    np.save(sys.argv[1] + storage + ".npy", out)
+from specserve.kernels import PackedLinear, linear_rows
+
+
+def products():
+    gen = torch.Generator().manual_seed(7)
+    w, x = torch.randn(40, 100, generator=gen), torch.randn(5, 100, generator=gen)
+    outs = {}
+    for storage in ("int8", "int4"):
+        packed = PackedLinear(w, None, storage)
+        outs[storage] = np.zeros((5, 40), dtype=np.float32)
+        linear_rows(x.numpy(), packed.weight, packed.scales, packed.bias, outs[storage], False)
+    return outs
+
+
+if __name__ == "__main__":  # the child: this CPU less VNNI
+    from specserve.kernels import simd
+    assert not simd.HAS_VNNI
+    np.savez(sys.argv[1], **products())
 """
 
 
@@ -264,12 +271,10 @@ def test_int8_and_int4_without_vnni_compute_the_same_bits(tmp_path):
         pytest.skip("this CPU has no AVX-512 VNNI: the generic path is the one every other int8 test runs")
     features = llvm.get_host_cpu_features().flatten().replace("+avx512vnni", "-avx512vnni")
     env = dict(os.environ, NUMBA_CPU_NAME="host", NUMBA_CPU_FEATURES=features, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
-    subprocess.run([sys.executable, "-c", _GENERIC_Q8, str(tmp_path / "out-")], env=env, check=True, timeout=600)
-    gen = torch.Generator().manual_seed(7)
-    w, x = torch.randn(40, 100, generator=gen), torch.randn(5, 100, generator=gen)
-    for storage in ("int8", "int4"):
-        packed = PackedLinear(w, None, storage)
-        out = np.zeros((5, 40), dtype=np.float32)
-        linear_rows(x.numpy(), packed.weight, packed.scales, packed.bias, out, False)
-        generic = np.load(tmp_path / f"out-{storage}.npy")
-        np.testing.assert_array_equal(generic.view(np.uint32), out.view(np.uint32), err_msg=storage)
+    subprocess.run([sys.executable, "-c", _QUANTIZED_PRODUCTS, str(tmp_path / "generic.npz")], env=env, check=True,
+                   timeout=600)
+    here: dict = {"__name__": "here"}
+    exec(_QUANTIZED_PRODUCTS, here)  # the same products with VNNI, in this process
+    generic = np.load(tmp_path / "generic.npz")
+    for storage, out in here["products"]().items():
+        np.testing.assert_array_equal(generic[storage].view(np.uint32), out.view(np.uint32), err_msg=storage)
