@@ -32,9 +32,8 @@ import torch
 from numba import prange, types
 from numba.extending import overload
 
-from specserve.kernels.linear_quant import (
-    Q4_OFFSET, Q8_BLOCK, linear_rows_quant, pack_q4, pack_q8, unpack_q4, unpack_q8,
-)
+from specserve.kernels.linear_quant import linear_rows_quant
+from specserve.kernels.quant_packing import Q4_OFFSET, Q8_BLOCK, pack_q4, pack_q8, unpack_q4, unpack_q8
 from specserve.kernels.simd import (
     LANES, store_block_rows, store_lanes, store_row_blocks, tile_blocks, tiled_rows, vbroadcast, vfma, vload, vzero,
 )
@@ -47,7 +46,7 @@ class PackedLinear:
 
     storage: "float32", "bfloat16" (kept as int16 bits; rounded to nearest even from the source),
     "float16" (kept as uint16 bits) — weight [tiles, in * tile_blocks * 16] in the layout above — or
-    "int8" / "int4" (llama.cpp's Q8_0 / Q4_0 in `linear_quant`'s layouts: weight uint8[tiles, ceil(in / 32) *
+    "int8" / "int4" (llama.cpp's Q8_0 / Q4_0 in `quant_packing`'s layouts: weight uint8[tiles, ceil(in / 32) *
     32 * tile_blocks * 16] / int8-typed nibble pairs [tiles, ceil(in / 32) * 16 * tile_blocks * 16], and
     `scales` their float16 scales as bits, uint16[tiles * tile_blocks, ceil(in / 32) * 16]); `scales` is empty
     [.., 0] for the float storages. The bias stays float32 [tiles * tile_blocks * 16] (zeros when

@@ -1,12 +1,7 @@
 """8- and 4-bit products on the CPU: llama.cpp's Q8_0 and Q4_0 weights times 8-bit activations, summed in
 integers.
 
-Formats, per output row and run of 32 inputs sharing one float16 scale d (llama.cpp's reference quantizers):
-- Q8_0 (`quantize_q8`): d = max|w| / 127, w ≈ q · d with q = round(w / d) in [-127, 127]; 8.5 bits a weight.
-  round is half away from zero, computed as floor(|v| + 0.5) in float32 with v's sign — C's roundf but for
-  values within an ulp below a half, which the float32 + 0.5 rounds up (the tests' references do the same).
-- Q4_0 (`quantize_q4`): d = m / -8 where m is the run's weight of largest magnitude (sign kept), w ≈ (q - 8) · d
-  with q = min(15, trunc(w / d + 8.5)) in [0, 15]; 4.5 bits a weight.
+Formats and layouts: `quant_packing` (llama.cpp's quantizers, packing from float weights or from blocks as given).
 
 Arithmetic (`linear_rows_quant`), as llama.cpp's q8_0 × q8_0 and q4_0 × q8_0 dot products do it: each row of x
 is quantized to Q8_0 per run of 32 (`quantize_activations`: scale dx float32, qx int8), then for every output
@@ -21,17 +16,10 @@ instructions per 16 weights, which bound one thread well below the memory's spee
 (AVX-512 VNNI's vpdpbusd: 64 multiply-adds in one instruction) makes the product memory-bound again.
 The cost is accuracy: activations carry ~8 bits per run of 32 (`specserve bench quantization` measures it).
 
-Layout: weights are stored as unsigned values in `linear`'s tiles (blocks of 16 outputs, `tile_blocks`
-blocks a tile, each tile one sequential stream), in groups of 4 consecutive inputs — one 64-byte slot holds a
-group of 4 inputs for 16 outputs, the shape vpdpbusd multiplies (unsigned by signed bytes):
-- Q8_0 (`pack_q8`, uint8): q + 128, ``packed[t, (g * tb + i) * 64 + l * 4 + c] = q[16 (t * tb + i) + l, 4 g + c] + 128``.
-- Q4_0 (`pack_q4`, nibble pairs in an int8-typed array — the dtype tags the format, as int16 and uint16 tag
-  bfloat16 and float16 bits): slot (p, i) holds groups 2p (low nibbles) and 2p + 1 (high nibbles),
-  ``packed[t, (p * tb + i) * 64 + l * 4 + c] = q[.., 8 p + c] | q[.., 8 p + 4 + c] << 4`` for output 16 (t tb + i) + l.
-The offset makes the weights unsigned: Σ (q + o) · qx = Σ q · qx + o · Σ qx with o = 128 (Q8_0) or 8 (Q4_0: the
-stored nibble is the signed weight + 8, as llama.cpp stores it); Σ qx is one integer per row and run
-(`quantize_activations` returns it), and o · Σ qx is subtracted before the conversion. Inputs are padded to whole runs with zero weights (and x = 0),
-outputs to whole tiles.
+The stored weights are unsigned (vpdpbusd multiplies unsigned by signed bytes), offset by o: Σ (q + o) · qx =
+Σ q · qx + o · Σ qx with o = 128 (Q8_0) or 8 (Q4_0: the stored nibble is the signed weight + 8, as llama.cpp
+stores it); Σ qx is one integer per row and run (`quantize_activations` returns it), and o · Σ qx is subtracted
+before the conversion. Inputs are padded to whole runs with zero weights (and x = 0), outputs to whole tiles.
 """
 
 from __future__ import annotations
@@ -40,132 +28,17 @@ import math
 
 import numba
 import numpy as np
-import torch
 from numba import prange, types
 from numba.extending import overload
 
+from specserve.kernels.quant_packing import (  # noqa: F401 (the packing API, re-exported: it lived here)
+    GROUP, Q4_OFFSET, Q8_BLOCK, Q8_OFFSET, pack_q4, pack_q4_blocks, pack_q8, pack_q8_blocks, quantize_q4, quantize_q8,
+    unpack_q4, unpack_q8,
+)
 from specserve.kernels.simd import (
-    LANES, store_block_rows, store_lanes, store_row_blocks, tiled_rows, vbroadcast, vbroadcast_bytes, vdot4, vfma, vhigh_nibbles, visum, vizero, visub_scalar,
+    LANES, store_block_rows, store_lanes, store_row_blocks, vbroadcast, vbroadcast_bytes, vdot4, vfma, vhigh_nibbles, visum, vizero, visub_scalar,
     vload, vload_bytes, vlow_nibbles, vmax_abs, vmul, vround_to_int, vstore_int8, vtofloat, vzero,
 )
-
-Q8_BLOCK = 32  # inputs sharing one scale (llama.cpp's QK8_0, and QK4_0: both formats' runs)
-GROUP = 4  # inputs per int32 lane of one 8-bit dot product
-Q8_OFFSET = 128  # stored Q8_0 weight byte = q + 128 (unsigned)
-Q4_OFFSET = 8  # stored Q4_0 nibble = the signed weight + 8 (llama.cpp's own storage)
-
-
-def _runs(w: torch.Tensor) -> torch.Tensor:
-    """w [out, in] as float32 runs of 32 inputs, [out, ceil(in / 32), 32], a short last run padded with zeros."""
-    w = w.detach().to("cpu", torch.float32)
-    out_features, in_features = w.shape
-    runs = -(-in_features // Q8_BLOCK)
-    padded = torch.zeros(out_features, runs * Q8_BLOCK)
-    padded[:, :in_features] = w
-    return padded.view(out_features, runs, Q8_BLOCK)
-
-
-def quantize_q8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """llama.cpp's Q8_0 of w [out, in] (any float dtype): per output row and run of 32 inputs (the last run
-    may be shorter), d = max|w| / 127 and q = round(w / d) (half away from zero, as roundf), clamped to
-    ±127 (round: see the module docstring); d is stored as float16, as Q8_0 stores it. Returns (q int8[out, in], d float16[out, ceil(in/32)])."""
-    out_features, in_features = w.shape
-    runs = _runs(w)
-    kblocks = runs.shape[1]
-    d = runs.abs().amax(dim=2) / 127.0  # float32, as llama.cpp computes it
-    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
-    scaled = runs * inv[:, :, None]
-    q = (torch.sign(scaled) * torch.floor(scaled.abs() + 0.5)).clamp(-127, 127).to(torch.int8)
-    return q.view(out_features, kblocks * Q8_BLOCK)[:, :in_features].contiguous(), d.to(torch.float16)
-
-
-def _pack_scales(d: torch.Tensor, rows: int) -> np.ndarray:
-    """d float16[out, runs] -> uint16[rows / 16, runs * 16] float16 bits, [b, j * 16 + l] = output 16 b + l's
-    scale of run j (padding outputs: 0)."""
-    runs = d.shape[1]
-    padded = torch.zeros(rows, runs, dtype=torch.float16)
-    padded[:d.shape[0]] = d
-    blocks = padded.view(rows // LANES, LANES, runs).transpose(1, 2).reshape(rows // LANES, runs * LANES)
-    return blocks.contiguous().view(torch.int16).numpy().view(np.uint16)
-
-
-def _unpack_scales(scales: np.ndarray, out_features: int) -> torch.Tensor:
-    """`_pack_scales`' inverse: float16[out, runs]."""
-    blocks, runs = scales.shape[0], scales.shape[1] // LANES
-    d = torch.from_numpy(scales.view(np.int16)).view(torch.float16).view(blocks, runs, LANES).transpose(1, 2)
-    return d.reshape(blocks * LANES, runs)[:out_features].contiguous()
-
-
-def pack_q8(w: torch.Tensor, tile_blocks: int) -> tuple[np.ndarray, np.ndarray]:
-    """w [out, in] -> (weight uint8[tiles, runs * 32 * tile_blocks * 16], scales uint16[tiles * tile_blocks,
-    runs * 16]) in the layout above; scales[b, j * 16 + l] holds output 16 b + l's float16 scale of run j,
-    as bits."""
-    out_features, in_features = w.shape
-    rows, tiles = tiled_rows(out_features, tile_blocks)
-    q, d = quantize_q8(w)
-    runs = d.shape[1]
-    padded_in = runs * Q8_BLOCK
-    qp = torch.zeros(rows, padded_in, dtype=torch.int16)
-    qp[:out_features, :in_features] = q.to(torch.int16)
-    stored = (qp + Q8_OFFSET).to(torch.uint8).view(tiles, tile_blocks, LANES, padded_in // GROUP, GROUP)
-    weight = stored.permute(0, 3, 1, 2, 4).reshape(tiles, padded_in * tile_blocks * LANES).contiguous().numpy()
-    return weight, _pack_scales(d, rows)
-
-
-def unpack_q8(weight: np.ndarray, scales: np.ndarray, tile_blocks: int, out_features: int, in_features: int
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`pack_q8`'s inverse: (q int8[out, in], d float16[out, runs])."""
-    tiles, blocks = weight.shape[0], scales.shape[0]
-    runs = scales.shape[1] // LANES
-    q = torch.from_numpy(weight).view(tiles, runs * Q8_BLOCK // GROUP, tile_blocks, LANES, GROUP)
-    q = q.permute(0, 2, 3, 1, 4).reshape(blocks * LANES, runs * Q8_BLOCK)
-    q = (q.to(torch.int16) - Q8_OFFSET).to(torch.int8)
-    return q[:out_features, :in_features].contiguous(), _unpack_scales(scales, out_features)
-
-
-def quantize_q4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """llama.cpp's Q4_0 (quantize_row_q4_0_ref) of w [out, in] (any float dtype): per output row and run of 32
-    inputs, m = the run's weight of largest magnitude (the first, sign kept), d = m / -8, and the stored
-    q = min(15, trunc(w / d + 8.5)) in [0, 15], so w ≈ (q - 8) · d; d is stored as float16. Inputs past `in`
-    (a short last run) get q = 8, a zero weight. Returns (q uint8[out, runs * 32], d float16[out, runs])."""
-    out_features, in_features = w.shape
-    blocks = _runs(w)
-    runs = blocks.shape[1]
-    largest = blocks.gather(2, blocks.abs().argmax(dim=2, keepdim=True))[:, :, 0]  # argmax: the first maximum
-    d = largest / -8.0
-    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
-    q = torch.clamp(torch.trunc(blocks * inv[:, :, None] + 8.5), max=15).to(torch.uint8)
-    q = q.view(out_features, runs * Q8_BLOCK)
-    q[:, in_features:] = Q4_OFFSET
-    return q, d.to(torch.float16)
-
-
-def pack_q4(w: torch.Tensor, tile_blocks: int) -> tuple[np.ndarray, np.ndarray]:
-    """w [out, in] -> (weight int8-typed [tiles, runs * 16 * tile_blocks * 16] nibble pairs, scales uint16[tiles *
-    tile_blocks, runs * 16] float16 bits) in the layout of the module docstring."""
-    out_features, in_features = w.shape
-    rows, tiles = tiled_rows(out_features, tile_blocks)
-    q, d = quantize_q4(w)
-    runs = d.shape[1]
-    padded_in = runs * Q8_BLOCK
-    qp = torch.full((rows, padded_in), Q4_OFFSET, dtype=torch.uint8)  # padding outputs: zero weights
-    qp[:out_features] = q
-    pairs = qp.view(tiles, tile_blocks, LANES, padded_in // (2 * GROUP), 2, GROUP)
-    nibbles = pairs[:, :, :, :, 0, :] | (pairs[:, :, :, :, 1, :] << 4)  # [tiles, tb, 16, pairs, 4]
-    weight = nibbles.permute(0, 3, 1, 2, 4).reshape(tiles, padded_in // 2 * tile_blocks * LANES).contiguous()
-    return weight.numpy().view(np.int8), _pack_scales(d, rows)
-
-
-def unpack_q4(weight: np.ndarray, scales: np.ndarray, tile_blocks: int, out_features: int, in_features: int
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`pack_q4`'s inverse: (stored q uint8[out, in] in [0, 15], d float16[out, runs])."""
-    tiles, blocks = weight.shape[0], scales.shape[0]
-    runs = scales.shape[1] // LANES
-    nibbles = torch.from_numpy(weight.view(np.uint8)).view(tiles, runs * Q8_BLOCK // (2 * GROUP), tile_blocks, LANES,
-                                                            GROUP)
-    q = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=4)  # [tiles, pairs, tb, 16, 2, 4]
-    q = q.permute(0, 2, 3, 1, 4, 5).reshape(blocks * LANES, runs * Q8_BLOCK)
-    return q[:out_features, :in_features].contiguous(), _unpack_scales(scales, out_features)
 
 
 @numba.njit(boundscheck=False, cache=True)
