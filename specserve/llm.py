@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from specserve import progress
-from specserve.config import context_limit, default_context, load_config
+from specserve.config import context_limit, default_context
 from specserve.defaults import GRAMMAR_DRAFTING, QUANTIZATIONS
 from specserve.device import checkpoint_dtype, resolve_device, resolve_dtype
 from specserve.kernels import kernels_unsupported
@@ -99,23 +99,17 @@ class LLM:
             raise ValueError(f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {speculation!r}")
         if grammar_drafting not in GRAMMAR_DRAFTING:
             raise ValueError(f"grammar_drafting must be one of {', '.join(GRAMMAR_DRAFTING)}, got {grammar_drafting!r}")
-        if model is None:
-            from specserve.bundle_paths import default_model_dir
+        from specserve.loading import open_checkpoint, resolve_model
 
-            model = default_model_dir()
-            if model is None:
-                raise ValueError(
-                    "no model given and no embedded default model is installed: pass a model directory "
-                    "(Python: model='DIR', CLI: --model DIR), or build the bundle with `specserve train bundle`"
-                )
-        model_dir = Path(model)
+        model_dir = resolve_model(model)
         if threads is not None:
             from specserve.kernels import set_threads
 
             set_threads(threads)
         progress.begin("loading model")
         self.device = resolve_device(device)
-        cfg = load_config(model_dir)
+        checkpoint = open_checkpoint(model_dir)
+        cfg = checkpoint.config
         # The CPU kernels run the whole layer, attention included; naming a backend asks for the torch
         # layers with that backend instead (on the CPU: sdpa, or triton under Triton's interpreter).
         cpu_kernels = attention is None and tensor_parallel_size == 1
@@ -124,7 +118,7 @@ class LLM:
         self.dtype = resolve_dtype(dtype, self.device, checkpoint_dtype(cfg.hf_config), cpu_kernels and unsupported is None)
         self._tp = self._launch_tensor_parallel(tensor_parallel_size, cfg, model_dir, threads)
         self.model = LlamaModel.from_pretrained(model_dir, self.device, self.dtype, attention, cpu_kernels=cpu_kernels,
-                                                tp=self._tp, quantization=quantization)
+                                                tp=self._tp, quantization=quantization, checkpoint=checkpoint)
         if threads is not None and self.model.kernels is None and self.device.type == "cpu":
             torch.set_num_threads(threads)  # the torch path does the heavy work itself here
         elif self.model.kernels is not None:
@@ -136,8 +130,9 @@ class LLM:
             torch.set_num_threads(1)
         cfg = self.model.config
         self.model_dir = str(model_dir)
-        self.tokenizer = _load_tokenizer(model_dir)
-        progress.end(_describe_model(self.model, model_dir, max_model_len))
+        self.checkpoint = checkpoint
+        self.tokenizer = checkpoint.tokenizer()
+        progress.end(_describe_model(self.model, checkpoint, max_model_len, quantization))
         if max_model_len is None:
             max_model_len = default_context(cfg)
         limit = context_limit(cfg)
@@ -174,7 +169,7 @@ class LLM:
             if self.device.type == "cuda":
                 kv_bytes = self._cuda_kv_bytes(max_num_seqs, max_prefill_tokens, drafter_obj, gpu_memory_utilization)
             kv_cache_tokens = min(max_num_seqs * (max_model_len + 64), kv_bytes // per_slot)
-        eos_token_ids = _eos_token_ids(model_dir, cfg.hf_config, self.tokenizer)
+        eos_token_ids = checkpoint.eos_token_ids(self.tokenizer)
         # Output constraints (json_schema / regex / grammar / choice) reach the step as rules: this factory
         # gives each constrained request its matcher; `compile`/`compiled` let a server compile off-thread.
         self.constraints = ConstraintRules(self.tokenizer, cfg.vocab_size, eos_token_ids, grammar_drafting)
@@ -352,15 +347,24 @@ def _check_quantization(quantization: str | None, device: torch.device, cpu_kern
         raise ValueError(f"quantization={quantization!r} runs on the CPU kernels only, and here {why}")
 
 
-def _describe_model(model, model_dir: Path, max_model_len: int | None) -> str:
-    """What the loading line says about the model: its size and context window (the embedded one named)."""
-    params = sum(p.numel() for p in model.parameters()) if hasattr(model, "parameters") else 0
-    context = max_model_len if max_model_len is not None else default_context(model.config)
+def _describe_model(model, checkpoint, max_model_len: int | None, quantization: str | None) -> str:
+    """What the loading line says about the model: which one, its size, weights and context window."""
     from specserve.bundle_paths import is_default_model
+    from specserve.loading.default_model import DESCRIPTION, default_model_file
 
-    embedded = is_default_model(model_dir)
-    size = f"{params / 1e6:.0f}M parameters, " if params else ""
-    return f"{'the embedded code model, ' if embedded else ''}{size}{context}-token context"
+    path = checkpoint.path
+    context = max_model_len if max_model_len is not None else default_context(model.config)
+    if is_default_model(path):
+        name = "the tiny code model, "
+    elif path == default_model_file():
+        name = f"the default model, {DESCRIPTION}, "
+    else:
+        name = ""
+    weights = checkpoint.describe()
+    if weights and quantization is not None:
+        weights += f", requantized as {quantization}"
+    params = model.config.num_params
+    return f"{name}{params / 1e6:.0f}M parameters, {weights + ', ' if weights else ''}{context}-token context"
 
 
 def _engine_phase_name(model) -> str:
@@ -373,32 +377,3 @@ def _engine_phase_name(model) -> str:
     return "starting engine"
 
 
-def _load_tokenizer(model_dir: Path):
-    """The directory's tokenizer through transformers, or None when it ships none."""
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    if not any((model_dir / n).exists() for n in names):
-        return None
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
-    except Exception as exc:
-        raise ValueError(f"cannot load the tokenizer in {str(model_dir)!r}: {exc}") from exc
-
-
-def _eos_token_ids(model_dir: Path, hf_config, tokenizer) -> tuple[int, ...]:
-    """EOS ids from generation_config.json, else config.json, else the tokenizer."""
-    eos = None
-    gen = model_dir / "generation_config.json"
-    if gen.is_file():
-        try:
-            eos = json.loads(gen.read_text()).get("eos_token_id")
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"{str(gen)!r} is not valid JSON: {exc}") from exc
-    if eos is None:
-        eos = getattr(hf_config, "eos_token_id", None)
-    if eos is None and tokenizer is not None:
-        eos = tokenizer.eos_token_id
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)

@@ -24,8 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.attention import default_attention, make_backend
-from specserve.checkpoint import load_state_dict
-from specserve.config import ModelConfig, load_config
+from specserve.config import ModelConfig
 from specserve.kv_cache import BlockAllocator, PagedKVCache
 from specserve.rope import RotaryTable
 from specserve.step_batch import StepBatch
@@ -143,6 +142,7 @@ class LlamaModel(nn.Module):
         self.kernels = None  # CPU compiled kernels (`use_cpu_kernels`), when they run this model
         self.graphs = None  # CUDA graphs of this model's forward (`use_cuda_graphs`)
         self._vocab_rows: tuple[int, int] | None = None  # TP, a rank holding the whole LM head: its own rows
+        self.quant_blocks: dict = {}  # fused product name -> QuantBlocks a GGUF file stores (see load_hf_state)
         self.checkpoint_bytes_read = 0
 
     @property
@@ -154,16 +154,25 @@ class LlamaModel(nn.Module):
         return self.lm_head[lo:hi]
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, device: torch.device, dtype: torch.dtype, attention: str | None = None,
-                        cpu_kernels: bool = True, tp=None, quantization: str | None = None) -> "LlamaModel":
-        """tp: load one rank's share (only its slices of the checkpoint are read); no CPU kernels then.
-        quantization: "int8" / "int4" packs the CPU kernels' products as Q8_0 / Q4_0 (`use_cpu_kernels`)."""
-        cfg = load_config(model_dir)
-        model = cls(cfg, device, dtype, attention, tp)
-        stats: dict = {}
-        model.load_hf_state(load_state_dict(model_dir, cfg, device, dtype, tp.shard if tp else None, stats))
-        model.checkpoint_bytes_read = stats["bytes_read"]
+    def from_pretrained(cls, model_path: str | Path, device: torch.device, dtype: torch.dtype, attention: str | None = None,
+                        cpu_kernels: bool = True, tp=None, quantization: str | None = None,
+                        checkpoint=None) -> "LlamaModel":
+        """Load a Hugging Face directory or a GGUF file (`specserve.loading`; `checkpoint`: one already opened).
+        tp: load one rank's share (only its slices of the checkpoint are read); no CPU kernels then.
+        quantization: "int8" / "int4" packs the CPU kernels' products as Q8_0 / Q4_0 (`use_cpu_kernels`); None
+        keeps a GGUF file's Q8_0 / Q4_0 / Q4_1 products as stored."""
+        from specserve.kernels import kernels_unsupported
+        from specserve.loading import open_checkpoint
+
+        checkpoint = checkpoint if checkpoint is not None else open_checkpoint(model_path)
+        model = cls(checkpoint.config, device, dtype, attention, tp)
         cpu_kernels = cpu_kernels and tp is None
+        # The kernels run a GGUF file's blocks as stored: no float copies of those products are needed then.
+        blocks_only = cpu_kernels and quantization is None and kernels_unsupported(device, dtype, model.config.head_dim) is None
+        stats: dict = {}
+        state, blocks = checkpoint.load(dtype, device, tp.shard if tp else None, stats, blocks_only=blocks_only)
+        model.load_hf_state(state, blocks)
+        model.checkpoint_bytes_read = stats["bytes_read"]
         if cpu_kernels:
             model.use_cpu_kernels(quantization)
         if quantization is not None and model.kernels is None:
@@ -187,6 +196,8 @@ class LlamaModel(nn.Module):
                 rows.unique().numel() != rows.numel():
             raise ValueError(f"restrict_lm_head needs distinct token ids in [0, {vocab}), got {len(rows)} ids")
         self.lm_head = nn.Parameter(self.lm_head.data[rows.to(self.lm_head.device)].clone(), requires_grad=False)
+        if "lm_head" in self.quant_blocks:
+            self.quant_blocks["lm_head"] = self.quant_blocks["lm_head"].take_rows(rows)
         if self.kernels is not None:
             self.use_cpu_kernels(self.kernels.quantization)
 
@@ -212,8 +223,23 @@ class LlamaModel(nn.Module):
         self.graphs = graphs
 
     @torch.no_grad()
-    def load_hf_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Take HF-named tensors (already checked by the loader) and fuse them into our layout."""
+    def load_hf_state(self, state: dict[str, torch.Tensor], blocks: dict | None = None) -> None:
+        """Take HF-named tensors (already checked by the loader) and fuse them into our layout.
+
+        blocks: HF name -> `loading.gguf_blocks.QuantBlocks` for weights a GGUF file stores as Q8_0 / Q4_0 / Q4_1;
+        they are fused the same way into `quant_blocks` (keys "layers.I.qkv", ..., "lm_head"), which the CPU
+        kernels run as stored. A fused product whose parts differ in format gets none (its float weights run)."""
+        from specserve.loading.gguf_blocks import QuantBlocks
+
+        blocks = blocks or {}
+        self.quant_blocks = {}
+
+        def fuse(key: str, names: list[str]) -> None:
+            if all(n in blocks for n in names):
+                fused = QuantBlocks.concat([blocks[n] for n in names])
+                if fused is not None:
+                    self.quant_blocks[key] = fused
+
         self.embed.data = state["model.embed_tokens.weight"]
         self.norm.data = state["model.norm.weight"]
         if not self.config.tie_word_embeddings:
@@ -222,6 +248,7 @@ class LlamaModel(nn.Module):
             # Rank 0 (and every rank of a tied head) holds the whole table: its rows are a view; other ranks
             # read only theirs.
             self._vocab_rows = self.tp.shard.vocab_part(self.config.vocab_size)
+        fuse("lm_head", ["model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"])
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             layer.input_norm.data = state[p + "input_layernorm.weight"]
@@ -239,6 +266,10 @@ class LlamaModel(nn.Module):
             if layer.gate_up_bias is not None:
                 layer.gate_up_bias.data = torch.cat([state[p + "mlp.gate_proj.bias"], state[p + "mlp.up_proj.bias"]])
             layer.down.data = state[p + "mlp.down_proj.weight"]
+            fuse(f"layers.{i}.qkv", [p + f"self_attn.{n}_proj.weight" for n in "qkv"])
+            fuse(f"layers.{i}.o_proj", [p + "self_attn.o_proj.weight"])
+            fuse(f"layers.{i}.gate_up", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+            fuse(f"layers.{i}.down", [p + "mlp.down_proj.weight"])
             if layer.down_bias is not None:
                 layer.down_bias.data = state[p + "mlp.down_proj.bias"]
 

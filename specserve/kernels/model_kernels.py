@@ -62,19 +62,29 @@ def _np(t: torch.Tensor | None) -> np.ndarray:
     return np.zeros(0, dtype=np.float32) if t is None else t.detach().to("cpu", torch.float32).contiguous().numpy()
 
 
+def packed(weight: torch.Tensor, bias: torch.Tensor | None, storage: str, blocks=None) -> PackedLinear:
+    """A product packed as `storage`, or from a GGUF file's quantized blocks as they are stored."""
+    if blocks is not None:
+        return PackedLinear.from_blocks(blocks.fmt, blocks.q, blocks.d, blocks.m, bias)
+    return PackedLinear(weight, bias, storage)
+
+
 class LayerKernels:
     """One `DecoderLayer`'s weights packed for `decoder_layer`, and the call itself."""
 
-    def __init__(self, layer, storage: str) -> None:
+    def __init__(self, layer, storage: str, blocks: dict | None = None) -> None:
+        """blocks: product name ("qkv", "o_proj", "gate_up", "down") -> `QuantBlocks` run as stored instead of
+        packing the layer's float weight as `storage`."""
         self.input_norm = _np(layer.input_norm)
         self.post_norm = _np(layer.post_attn_norm)
         self.q_norm, self.k_norm = _np(layer.q_norm), _np(layer.k_norm)  # float32[head_dim], or [0]: none
         self.eps = np.float32(layer.eps)
-        self.qkv = PackedLinear(layer.qkv, layer.qkv_bias, storage)
-        self.o_proj = PackedLinear(layer.o_proj, layer.o_bias, storage)
-        self.gate_up = PackedLinear(layer.gate_up, layer.gate_up_bias, storage)
-        self.down = PackedLinear(layer.down, layer.down_bias, storage)
-        self.inter = layer.down.shape[1]
+        blocks = blocks or {}
+        self.qkv = packed(layer.qkv, layer.qkv_bias, storage, blocks.get("qkv"))
+        self.o_proj = packed(layer.o_proj, layer.o_bias, storage, blocks.get("o_proj"))
+        self.gate_up = packed(layer.gate_up, layer.gate_up_bias, storage, blocks.get("gate_up"))
+        self.down = packed(layer.down, layer.down_bias, storage, blocks.get("down"))
+        self.inter = self.down.in_features
         self.num_heads, self.num_kv, self.head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
 
     def products(self) -> tuple[PackedLinear, ...]:
@@ -121,8 +131,12 @@ class ModelKernels:
         self.storage = quantization or _STORAGE[model.dtype]
         self.embed = _np(model.embed)  # float32[V, H]: only gathered, so it stays full size
         self.norm = _np(model.norm)
-        self.lm_head = PackedLinear(model.lm_head, None, self.storage)
-        self.layers = [LayerKernels(layer, self.storage) for layer in model.layers]
+        # A GGUF file's Q8_0 / Q4_0 / Q4_1 products run as stored, unless a quantization was asked for.
+        blocks = getattr(model, "quant_blocks", {}) if quantization is None else {}
+        self.lm_head = packed(model.lm_head, None, self.storage, blocks.get("lm_head"))
+        self.layers = [LayerKernels(layer, self.storage, {name: blocks[f"layers.{i}.{name}"] for name in
+                                                          ("qkv", "o_proj", "gate_up", "down") if f"layers.{i}.{name}" in blocks})
+                       for i, layer in enumerate(model.layers)]
         self.rope = RotaryTable(cfg, torch.device("cpu"), torch.float32)  # fp32 tables whatever the weights' dtype
         self.window = int(cfg.sliding_window or 0)
         self.eps = np.float32(cfg.rms_norm_eps)
