@@ -20,7 +20,7 @@ any thread count. That is what lets greedy speculative decoding equal plain deco
 Speed: one broadcast input value feeds up to 8 vector FMAs (4 rows x 2 blocks), so many-row products
 (prefill chunks, verify trees) run near the FMA units' rate, while one row streams each weight once
 (decode is memory-bound). Half-size weights (bfloat16 bits or float16) are widened as they load.
-int8 and int4 weights (llama.cpp's Q8_0 and Q4_0) take their own kernel, `linear_quant.linear_rows_quant`
+int8, int4 and q4_1 weights (llama.cpp's Q8_0, Q4_0 and Q4_1) take their own kernel, `linear_quant.linear_rows_quant`
 (8-bit activations, integer dot products, the same tiles); `linear_rows` picks it by the weight array's dtype.
 """
 
@@ -33,12 +33,19 @@ from numba import prange, types
 from numba.extending import overload
 
 from specserve.kernels.linear_quant import linear_rows_quant
-from specserve.kernels.quant_packing import Q4_OFFSET, Q8_BLOCK, pack_q4, pack_q8, unpack_q4, unpack_q8
+from specserve.kernels.quant_packing import (
+    Q4_OFFSET, Q8_BLOCK, pack_q4, pack_q4_1, pack_q4_1_blocks, pack_q4_blocks, pack_q8, pack_q8_blocks, unpack_q4,
+    unpack_q4_1, unpack_q8,
+)
 from specserve.kernels.simd import (
     LANES, store_block_rows, store_lanes, store_row_blocks, tile_blocks, tiled_rows, vbroadcast, vfma, vload, vzero,
 )
 
-__all__ = ["PackedLinear", "Q8_BLOCK", "as_numpy", "linear_rows", "linear_rows_float"]
+__all__ = ["BLOCK_FORMATS", "PackedLinear", "Q8_BLOCK", "STORAGES", "as_numpy", "linear_rows", "linear_rows_float"]
+
+
+STORAGES = ("float32", "bfloat16", "float16", "int8", "int4", "q4_1")
+BLOCK_FORMATS = {"q8_0": "int8", "q4_0": "int4", "q4_1": "q4_1"}  # llama.cpp's block formats -> our storage names
 
 
 class PackedLinear:
@@ -46,25 +53,26 @@ class PackedLinear:
 
     storage: "float32", "bfloat16" (kept as int16 bits; rounded to nearest even from the source),
     "float16" (kept as uint16 bits) — weight [tiles, in * tile_blocks * 16] in the layout above — or
-    "int8" / "int4" (llama.cpp's Q8_0 / Q4_0 in `quant_packing`'s layouts: weight uint8[tiles, ceil(in / 32) *
-    32 * tile_blocks * 16] / int8-typed nibble pairs [tiles, ceil(in / 32) * 16 * tile_blocks * 16], and
-    `scales` their float16 scales as bits, uint16[tiles * tile_blocks, ceil(in / 32) * 16]); `scales` is empty
-    [.., 0] for the float storages. The bias stays float32 [tiles * tile_blocks * 16] (zeros when
-    there is none: adding 0.0 changes nothing).
+    "int8" / "int4" / "q4_1" (llama.cpp's Q8_0 / Q4_0 / Q4_1 in `quant_packing`'s layouts: weight uint8[tiles,
+    ceil(in / 32) * 32 * tile_blocks * 16] / int8-typed nibble pairs [tiles, ceil(in / 32) * 16 * tile_blocks *
+    16] (Q4_0 and Q4_1), and `scales` their float16 scales as bits, uint16[tiles * tile_blocks, ceil(in / 32) *
+    16] (Q4_1: d and m, uint32[.., ceil(in / 32) * 16])); `scales` is empty [.., 0] for the float storages. The
+    quantized storages quantize a float weight with llama.cpp's reference quantizers; `from_blocks` takes
+    blocks already quantized (a GGUF file's) as they are. The bias stays float32 [tiles * tile_blocks * 16]
+    (zeros when there is none: adding 0.0 changes nothing).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, storage: str = "float32") -> None:
         if weight.dim() != 2:
             raise ValueError(f"a linear weight must be 2-D [out, in], got {tuple(weight.shape)}")
-        if storage not in ("float32", "bfloat16", "float16", "int8", "int4"):
-            raise ValueError(f"weight storage must be float32, bfloat16, float16, int8 or int4, got {storage!r}")
+        if storage not in STORAGES:
+            raise ValueError(f"weight storage must be one of {', '.join(STORAGES)}, got {storage!r}")
         out_features, in_features = weight.shape
         self.tile_blocks = tile_blocks(-(-out_features // LANES))
         rows, tiles = tiled_rows(out_features, self.tile_blocks)  # outputs padded to whole tiles
-        if storage == "int8":
-            self.weight, self.scales = pack_q8(weight, self.tile_blocks)
-        elif storage == "int4":
-            self.weight, self.scales = pack_q4(weight, self.tile_blocks)
+        if storage in ("int8", "int4", "q4_1"):
+            pack = {"int8": pack_q8, "int4": pack_q4, "q4_1": pack_q4_1}[storage]
+            self.weight, self.scales = pack(weight, self.tile_blocks)
         else:
             padded = torch.zeros(rows, in_features, dtype=torch.float32)
             padded[:out_features] = weight.detach().to("cpu", torch.float32)
@@ -77,18 +85,54 @@ class PackedLinear:
             else:  # float16, kept as uint16 bits: see simd.vload
                 self.weight = packed.to(torch.float16).view(torch.int16).numpy().view(np.uint16)
             self.scales = np.zeros((rows // LANES, 0), dtype=np.uint16)
-        self.bias = np.zeros(rows, dtype=np.float32)
+        self._set_bias(bias, out_features, in_features, storage)
+
+    def _set_bias(self, bias: torch.Tensor | None, out_features: int, in_features: int, storage: str) -> None:
+        self.bias = np.zeros(self.weight.shape[0] * self.tile_blocks * LANES, dtype=np.float32)
         if bias is not None:
+            if tuple(bias.shape) != (out_features,):
+                raise ValueError(f"the bias must be [{out_features}], got {tuple(bias.shape)}")
             self.bias[:out_features] = bias.detach().to("cpu", torch.float32).numpy()
         self.out_features, self.in_features, self.storage = out_features, in_features, storage
 
+    @classmethod
+    def from_blocks(cls, fmt: str, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None,
+                    bias: torch.Tensor | None = None) -> "PackedLinear":
+        """llama.cpp blocks already quantized, packed as they are (no requantization): fmt "q8_0" (q int8[out, in],
+        weight q · d), "q4_0" (q uint8[out, in] in 0..15, weight (q - 8) · d) or "q4_1" (q uint8[out, in] in 0..15,
+        weight q · d + m); d and m float16[out, ceil(in / 32)], one per output and run of 32 inputs (m: q4_1
+        only). Storage "int8", "int4", "q4_1" respectively; the same packed arrays as quantizing a float weight to
+        these blocks would give. (GGUF's 4-bit bytes hold inputs k and k + 16 of a run: unpack them first.)"""
+        if fmt not in BLOCK_FORMATS:
+            raise ValueError(f"block format must be one of {', '.join(BLOCK_FORMATS)}, got {fmt!r}")
+        if (m is not None) != (fmt == "q4_1"):
+            raise ValueError(f"q4_1 blocks need their minimum m, q8_0 and q4_0 blocks have none (fmt {fmt!r})")
+        if q.dim() != 2:
+            raise ValueError(f"blocks' q must be 2-D [out, in], got {tuple(q.shape)}")
+        self = cls.__new__(cls)
+        self.tile_blocks = tile_blocks(-(-q.shape[0] // LANES))
+        q, d = q.detach().cpu(), d.detach().cpu()
+        if fmt == "q8_0":
+            self.weight, self.scales = pack_q8_blocks(q, d, self.tile_blocks)
+        elif fmt == "q4_0":
+            self.weight, self.scales = pack_q4_blocks(q, d, self.tile_blocks)
+        else:
+            self.weight, self.scales = pack_q4_1_blocks(q, d, m.detach().cpu(), self.tile_blocks)
+        self._set_bias(bias, q.shape[0], q.shape[1], BLOCK_FORMATS[fmt])
+        return self
+
     @property
     def nbytes(self) -> int:
-        """Bytes streamed by one product (the weight and int8's / int4's scales; padding rows included)."""
+        """Bytes streamed by one product (the weight and the quantized storages' scales; padding rows included)."""
         return self.weight.nbytes + self.scales.nbytes
 
     def dequantized(self) -> torch.Tensor:
-        """The weight [out, in] the kernel holds, float32 (int8: q · d, int4: (q - 8) · d, exact in float32)."""
+        """The weight [out, in] the kernel holds, float32 (int8: q · d, int4: (q - 8) · d, exact in float32; q4_1:
+        q · d + m, exact in float64, rounded once to float32)."""
+        if self.storage == "q4_1":
+            q, d, m = unpack_q4_1(self.weight, self.scales, self.tile_blocks, self.out_features, self.in_features)
+            runs = lambda s: s.double().repeat_interleave(Q8_BLOCK, dim=1)[:, :self.in_features]  # noqa: E731
+            return (q.double() * runs(d) + runs(m)).float()
         if self.storage in ("int8", "int4"):
             unpack = unpack_q8 if self.storage == "int8" else unpack_q4
             q, d = unpack(self.weight, self.scales, self.tile_blocks, self.out_features, self.in_features)
@@ -122,7 +166,7 @@ def _product(x, w, scales, bias, out, accumulate):
 
 @overload(_product, inline="always")
 def _choose_product(x, w, scales, bias, out, accumulate):
-    if w.dtype in (types.uint8, types.int8):  # int8 (Q8_0) and int4 (Q4_0) weights
+    if w.dtype in (types.uint8, types.int8):  # int8 (Q8_0), int4 (Q4_0) and q4_1 (Q4_1) weights
         return lambda x, w, scales, bias, out, accumulate: linear_rows_quant(x, w, scales, bias, out, accumulate)
     return lambda x, w, scales, bias, out, accumulate: linear_rows_float(x, w, bias, out, accumulate)
 
@@ -134,7 +178,7 @@ def linear_rows(x, w, scales, bias, out, accumulate):
     x:      float32[M, in], rows C-contiguous.
     w, scales: a `PackedLinear`'s weight and scales (float32, int16 bfloat16 bits or uint16 float16 bits
             [tiles, in * tile_blocks * 16] with empty scales: `linear_rows_float`; uint8 (int8) or int8-typed
-            (int4) with float16 scales: `linear_quant.linear_rows_quant`).
+            (int4, q4_1) with uint16 (d) or uint32 (q4_1: d and m) scales: `linear_quant.linear_rows_quant`).
     bias:   float32[tiles * tile_blocks * 16].
     out:    float32[M, out_features], C-contiguous; accumulate: add to it instead of overwriting.
     """

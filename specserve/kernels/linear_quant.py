@@ -1,15 +1,25 @@
-"""8- and 4-bit products on the CPU: llama.cpp's Q8_0 and Q4_0 weights times 8-bit activations, summed in
+"""8- and 4-bit products on the CPU: llama.cpp's Q8_0, Q4_0 and Q4_1 weights times 8-bit activations, summed in
 integers.
 
 Formats and layouts: `quant_packing` (llama.cpp's quantizers, packing from float weights or from blocks as given).
 
-Arithmetic (`linear_rows_quant`), as llama.cpp's q8_0 × q8_0 and q4_0 × q8_0 dot products do it: each row of x
-is quantized to Q8_0 per run of 32 (`quantize_activations`: scale dx float32, qx int8), then for every output
-o, row m and run j the integer sum S = Σ_k q[o, k] · qx[m, k] (Q4_0: Σ (q - 8) · qx) is exact in int32, and the
-float result is ONE fused multiply-add chain over the runs, acc = fma(float(S_j), d_j · dx_j, acc), j = 0, 1,
-..., from zero, then + bias (then + the old value when accumulating). Integer sums have no order to vary and
-the chain's order is fixed, so row r of a k-row product equals the 1-row product bitwise, for any tiling and
-thread count — batch-invariant like `linear.linear_rows`.
+Arithmetic (`linear_rows_quant`), as llama.cpp's q8_0 × q8_0, q4_0 × q8_0 and q4_1 × q8_1 dot products do it: each
+row of x is quantized to Q8_0 per run of 32 (`quantize_activations`: scale dx float32, qx int8, and the exact
+Σ qx of the run, int32), then for every output o, row m and run j the integer sum S = Σ_k q[o, k] · qx[m, k]
+(Q4_0: Σ (q - 8) · qx; Q4_1: Σ q · qx with the stored q in [0, 15]) is exact in int32, and the float result is
+ONE fused multiply-add chain over the runs, j = 0, 1, ..., from zero:
+- Q8_0, Q4_0: acc = fma(float(S_j), d_j · dx_j, acc);
+- Q4_1 (w = q · d + m): acc = fma(float(S_j), d_j · dx_j, acc), then acc = fma(m_j, dx_j · float(Σ qx_j), acc) —
+  the two terms of llama.cpp's d · dx · S + m · s (s = dx · Σ qx), d's first; each product in a scale rounded
+  once to float32 (d, m are float16, so m_j and d_j are exact; Σ qx is exact in float32);
+then + bias (then + the old value when accumulating). Integer sums have no order to vary and the chain's order
+is fixed, so row r of a k-row product equals the 1-row product bitwise, for any tiling and thread count —
+batch-invariant like `linear.linear_rows`.
+
+The format is a compile-time tag, the dtypes of the packed arrays (numba compiles one kernel per combination):
+weight uint8 = Q8_0; weight int8-typed (nibble pairs) with scales uint16 (d as float16 bits) = Q4_0; weight
+int8-typed with scales uint32 = Q4_1 (each uint32 only a container: viewed as uint16, a block's row holds for
+run j the 16 outputs' d at [32 j .. 32 j + 15] and their m at [32 j + 16 .. 32 j + 31], float16 bits).
 
 Why quantize the activations: multiplying float activations by widened weights costs 4-5 vector
 instructions per 16 weights, which bound one thread well below the memory's speed; an 8-bit dot product
@@ -17,9 +27,9 @@ instructions per 16 weights, which bound one thread well below the memory's spee
 The cost is accuracy: activations carry ~8 bits per run of 32 (`specserve bench quantization` measures it).
 
 The stored weights are unsigned (vpdpbusd multiplies unsigned by signed bytes), offset by o: Σ (q + o) · qx =
-Σ q · qx + o · Σ qx with o = 128 (Q8_0) or 8 (Q4_0: the stored nibble is the signed weight + 8, as llama.cpp
-stores it); Σ qx is one integer per row and run (`quantize_activations` returns it), and o · Σ qx is subtracted
-before the conversion. Inputs are padded to whole runs with zero weights (and x = 0), outputs to whole tiles.
+Σ q · qx + o · Σ qx with o = 128 (Q8_0), 8 (Q4_0: the stored nibble is the signed weight + 8, as llama.cpp stores
+it) or 0 (Q4_1: the stored nibble is q itself); o · Σ qx is subtracted before the conversion. Inputs are padded
+to whole runs with zero weights (and x = 0: padding adds nothing, to S nor to Σ qx), outputs to whole tiles.
 """
 
 from __future__ import annotations
@@ -32,8 +42,8 @@ from numba import prange, types
 from numba.extending import overload
 
 from specserve.kernels.quant_packing import (  # noqa: F401 (the packing API, re-exported: it lived here)
-    GROUP, Q4_OFFSET, Q8_BLOCK, Q8_OFFSET, pack_q4, pack_q4_blocks, pack_q8, pack_q8_blocks, quantize_q4, quantize_q8,
-    unpack_q4, unpack_q8,
+    GROUP, Q4_OFFSET, Q8_BLOCK, Q8_OFFSET, pack_q4, pack_q4_1, pack_q4_1_blocks, pack_q4_blocks, pack_q8,
+    pack_q8_blocks, quantize_q4, quantize_q4_1, quantize_q8, unpack_q4, unpack_q4_1, unpack_q8,
 )
 from specserve.kernels.simd import (
     LANES, store_block_rows, store_lanes, store_row_blocks, vbroadcast, vbroadcast_bytes, vdot4, vfma, vhigh_nibbles, visum, vizero, visub_scalar,
@@ -46,7 +56,8 @@ def quantize_activations(x, runs):
     """Each row of x float32[M, in] as Q8_0 with float32 scales (llama.cpp keeps float16: float32 is a little
     closer, at no cost): per run j of 32, dx[m, j] = max|x| / 127 and qx = round(x / dx) (half away from zero)
     in int8[M, runs * 32] (padding inputs 0); sums[m, j] = Σ qx over the run (the kernel subtracts offset ·
-    sums, what the weights' offset adds to each run's integer sum: see the module docstring). Whole runs 16 lanes at a time, a short last run lane by lane;
+    sums, what the weights' offset adds to each run's integer sum, and Q4_1 multiplies m by dx · sums: see the
+    module docstring). Whole runs 16 lanes at a time, a short last run lane by lane;
     both compute the same values."""
     rows, num_in = x.shape
     qx = np.zeros((rows, runs * Q8_BLOCK), dtype=np.int8)
@@ -85,26 +96,40 @@ def quantize_activations(x, runs):
     return qx, dx, sums
 
 
-@numba.njit(inline="always")
-def _run_sum(acc, isum, correction, scales, j, dx):
-    """acc + (S_j - correction) · (d_j · dx): one run's FMA (S exact in int32; the scale product rounded once)."""
-    return vfma(vtofloat(visub_scalar(isum, correction)), vmul(vload(scales, j * LANES), vbroadcast(dx)), acc)
+def run_sum(acc, isum, total, offset, scales, j, dx):
+    """acc after run j of one output block: isum the run's integer sums Σ stored q · qx (16 outputs), total = Σ qx
+    (the row's `sums`), offset the stored weights' (`weight_offset`), scales the block's row of scales, dx the
+    row's activation scale — one FMA (Q8_0, Q4_0) or two (Q4_1) of the module docstring's chain."""
+    raise NotImplementedError("runs inside numba kernels only")
 
 
 def group_pair(w, p, stride, offset):
     """Groups 2p and 2p + 1 (inputs 8p .. 8p + 7) of one block as two vectors of unsigned bytes: Q8_0 loads
-    them from two group slots, Q4_0 from the low and high nibbles of one."""
+    them from two group slots, Q4_0 and Q4_1 from the low and high nibbles of one."""
     raise NotImplementedError("runs inside numba kernels only")
 
 
-def weight_offset(w):
-    """What the stored unsigned weights are offset by: 128 (Q8_0), 8 (Q4_0)."""
+def weight_offset(w, scales):
+    """What the stored unsigned weights are offset by: 128 (Q8_0), 8 (Q4_0), 0 (Q4_1)."""
     raise NotImplementedError("runs inside numba kernels only")
+
+
+@overload(run_sum, inline="always")
+def _run_sum(acc, isum, total, offset, scales, j, dx):
+    if scales.dtype == types.uint32:  # Q4_1: d and m (float16 bits) of each run, 16 outputs each, in turn
+        def q4_1(acc, isum, total, offset, scales, j, dx):
+            dm = scales.view(np.uint16)
+            acc = vfma(vtofloat(isum), vmul(vload(dm, 2 * j * LANES), vbroadcast(dx)), acc)
+            return vfma(vload(dm, (2 * j + 1) * LANES), vbroadcast(dx * np.float32(total)), acc)
+        return q4_1
+    # Q8_0, Q4_0: acc + (S_j - offset · Σ qx) · (d_j · dx), S exact in int32, the scale product rounded once
+    return lambda acc, isum, total, offset, scales, j, dx: vfma(
+        vtofloat(visub_scalar(isum, offset * total)), vmul(vload(scales, j * LANES), vbroadcast(dx)), acc)
 
 
 @overload(group_pair, inline="always")
 def _group_pair(w, p, stride, offset):
-    if w.dtype == types.int8:  # Q4_0: nibble pairs (the dtype is only the format's tag)
+    if w.dtype == types.int8:  # Q4_0, Q4_1: nibble pairs (the dtype is only the format's tag)
         def q4(w, p, stride, offset):
             both = vload_bytes(w, p * stride + offset)
             return vlow_nibbles(both), vhigh_nibbles(both)
@@ -114,10 +139,12 @@ def _group_pair(w, p, stride, offset):
 
 
 @overload(weight_offset, inline="always")
-def _weight_offset(w):
+def _weight_offset(w, scales):
+    if scales.dtype == types.uint32:
+        return lambda w, scales: 0
     if w.dtype == types.int8:
-        return lambda w: Q4_OFFSET
-    return lambda w: Q8_OFFSET
+        return lambda w, scales: Q4_OFFSET
+    return lambda w, scales: Q8_OFFSET
 
 
 @numba.njit(parallel=True, boundscheck=False, cache=True)
@@ -125,8 +152,9 @@ def linear_rows_quant(x, w, scales, bias, out, accumulate):
     """out[:, :out_features] (+)= x @ W^T + bias in the arithmetic above.
 
     x:       float32[M, in], rows C-contiguous.
-    w:       [tiles, runs * 32 * tile_blocks * 16] uint8 (Q8_0: `pack_q8`) or [tiles, runs * 16 * tile_blocks *
-             16] int8-typed nibble pairs (Q4_0: `pack_q4`); scales: uint16[tiles * tile_blocks, runs * 16].
+    w:       [tiles, runs * 32 * tile_blocks * 16] uint8 (Q8_0: `pack_q8_blocks`) or [tiles, runs * 16 * tile_blocks
+             * 16] int8-typed nibble pairs (Q4_0: `pack_q4_blocks`, Q4_1: `pack_q4_1_blocks`).
+    scales:  uint16[tiles * tile_blocks, runs * 16] (Q8_0, Q4_0: d) or uint32[.., runs * 16] (Q4_1: d and m).
     bias:    float32[tiles * tile_blocks * 16]; out: float32[M, out_features], C-contiguous.
     """
     num_rows = x.shape[0]
@@ -134,9 +162,9 @@ def linear_rows_quant(x, w, scales, bias, out, accumulate):
     runs = scales.shape[1] // LANES
     tb = scales.shape[0] // num_tiles  # blocks per tile
     qx, dx, sums = quantize_activations(x, runs)
-    offset = weight_offset(w)
+    offset = weight_offset(w, scales)
     pairs_per_run = Q8_BLOCK // (2 * GROUP)
-    block_bytes = GROUP * LANES  # one slot of one block: 4 inputs x 16 outputs (Q4_0: 8 inputs)
+    block_bytes = GROUP * LANES  # one slot of one block: 4 inputs x 16 outputs (Q4_0, Q4_1: 8 inputs)
     stride = tb * block_bytes  # from one slot of a tile to the next
     num_blocks = (out.shape[1] + LANES - 1) // LANES  # real blocks: the last tile's padding is skipped
     for tile in prange(num_tiles):
@@ -170,11 +198,11 @@ def linear_rows_quant(x, w, scales, bias, out, accumulate):
                         s = vbroadcast_bytes(x1, g); i1 = vdot4(i1, u2, s); k1 = vdot4(k1, v2, s)
                         s = vbroadcast_bytes(x2, g); i2 = vdot4(i2, u2, s); k2 = vdot4(k2, v2, s)
                         s = vbroadcast_bytes(x3, g); i3 = vdot4(i3, u2, s); k3 = vdot4(k3, v2, s)
-                    r0, r1, r2, r3 = offset * sums[m, j], offset * sums[m + 1, j], offset * sums[m + 2, j], offset * sums[m + 3, j]
-                    a0 = _run_sum(a0, i0, r0, s0, j, dx[m, j]); c0 = _run_sum(c0, k0, r0, s1, j, dx[m, j])
-                    a1 = _run_sum(a1, i1, r1, s0, j, dx[m + 1, j]); c1 = _run_sum(c1, k1, r1, s1, j, dx[m + 1, j])
-                    a2 = _run_sum(a2, i2, r2, s0, j, dx[m + 2, j]); c2 = _run_sum(c2, k2, r2, s1, j, dx[m + 2, j])
-                    a3 = _run_sum(a3, i3, r3, s0, j, dx[m + 3, j]); c3 = _run_sum(c3, k3, r3, s1, j, dx[m + 3, j])
+                    t0, t1, t2, t3 = sums[m, j], sums[m + 1, j], sums[m + 2, j], sums[m + 3, j]
+                    a0 = run_sum(a0, i0, t0, offset, s0, j, dx[m, j]); c0 = run_sum(c0, k0, t0, offset, s1, j, dx[m, j])
+                    a1 = run_sum(a1, i1, t1, offset, s0, j, dx[m + 1, j]); c1 = run_sum(c1, k1, t1, offset, s1, j, dx[m + 1, j])
+                    a2 = run_sum(a2, i2, t2, offset, s0, j, dx[m + 2, j]); c2 = run_sum(c2, k2, t2, offset, s1, j, dx[m + 2, j])
+                    a3 = run_sum(a3, i3, t3, offset, s0, j, dx[m + 3, j]); c3 = run_sum(c3, k3, t3, offset, s1, j, dx[m + 3, j])
                 base = (first + i) * LANES
                 store_block_rows(out, m, base, a0, a1, a2, a3, bias, accumulate)
                 if pair:
@@ -201,11 +229,11 @@ def linear_rows_quant(x, w, scales, bias, out, accumulate):
                         i2 = vdot4(vdot4(i2, u, s), u2, t)
                         u, u2 = group_pair(wt, p, stride, 3 * block_bytes)
                         i3 = vdot4(vdot4(i3, u, s), u2, t)
-                    r = offset * sums[m, j]
-                    a0 = _run_sum(a0, i0, r, s0, j, dx[m, j])
-                    a1 = _run_sum(a1, i1, r, s1, j, dx[m, j])
-                    a2 = _run_sum(a2, i2, r, s2, j, dx[m, j])
-                    a3 = _run_sum(a3, i3, r, s3, j, dx[m, j])
+                    t = sums[m, j]
+                    a0 = run_sum(a0, i0, t, offset, s0, j, dx[m, j])
+                    a1 = run_sum(a1, i1, t, offset, s1, j, dx[m, j])
+                    a2 = run_sum(a2, i2, t, offset, s2, j, dx[m, j])
+                    a3 = run_sum(a3, i3, t, offset, s3, j, dx[m, j])
                 base = first * LANES
                 store_row_blocks(out, m, base, a0, a1, a2, a3, bias, accumulate)
                 i = 4
@@ -221,9 +249,9 @@ def linear_rows_quant(x, w, scales, bias, out, accumulate):
                         i0 = vdot4(vdot4(i0, u, s), u2, t)
                         u, u2 = group_pair(wt, p, stride, (i + 1) * block_bytes)
                         i1 = vdot4(vdot4(i1, u, s), u2, t)
-                    r = offset * sums[m, j]
-                    a0 = _run_sum(a0, i0, r, s0, j, dx[m, j])
-                    a1 = _run_sum(a1, i1, r, s1, j, dx[m, j])
+                    t = sums[m, j]
+                    a0 = run_sum(a0, i0, t, offset, s0, j, dx[m, j])
+                    a1 = run_sum(a1, i1, t, offset, s1, j, dx[m, j])
                 store_lanes(out, m, (first + i) * LANES, a0, bias, accumulate)
                 store_lanes(out, m, (first + i + 1) * LANES, a1, bias, accumulate)
                 i += 2
@@ -236,7 +264,7 @@ def linear_rows_quant(x, w, scales, bias, out, accumulate):
                         u, u2 = group_pair(wt, p, stride, i * block_bytes)
                         i0 = vdot4(vdot4(i0, u, vbroadcast_bytes(xr, 2 * p * GROUP)), u2,
                                    vbroadcast_bytes(xr, (2 * p + 1) * GROUP))
-                    a0 = _run_sum(a0, i0, offset * sums[m, j], s0, j, dx[m, j])
+                    a0 = run_sum(a0, i0, sums[m, j], offset, s0, j, dx[m, j])
                 store_lanes(out, m, (first + i) * LANES, a0, bias, accumulate)
                 i += 1
             m += 1

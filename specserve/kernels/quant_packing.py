@@ -8,6 +8,8 @@ Formats, per output row and run of 32 inputs (a short last run is padded with ze
   for values within an ulp below a half, which the float32 + 0.5 rounds up (the tests' references do the same).
 - Q4_0 (`quantize_q4`): float16 d = m / -8 where m is the run's weight of largest magnitude (sign kept),
   w ≈ (q - 8) · d with q = min(15, trunc(w / d + 8.5)) in [0, 15]; 4.5 bits a weight.
+- Q4_1 (`quantize_q4_1`): float16 d = (max - min) / 15 and float16 m = min of the run, w ≈ q · d + m with
+  q = min(15, trunc((w - min) / d + 0.5)) in [0, 15]; 5 bits a weight.
 
 Layout: weights are stored as unsigned values in `linear`'s tiles (blocks of 16 outputs, `tile_blocks` blocks a
 tile, each tile one sequential stream), in groups of 4 consecutive inputs — one 64-byte slot holds a group of 4
@@ -18,8 +20,15 @@ inputs for 16 outputs, the shape vpdpbusd multiplies (unsigned by signed bytes):
   tag bfloat16 and float16 bits): the stored q (the signed weight + 8, as llama.cpp stores it); slot (p, i) holds
   groups 2p (low nibbles) and 2p + 1 (high nibbles), ``packed[t, (p * tb + i) * 64 + l * 4 + c] = q[.., 8 p + c] |
   q[.., 8 p + 4 + c] << 4`` for output 16 (t tb + i) + l.
-Scales: uint16[tiles * tile_blocks, runs * 16] float16 bits, [b, j * 16 + l] = output 16 b + l's d of run j.
-Inputs are padded to whole runs (Q8_0: q = 0; Q4_0: q = 8, both zero weights), outputs to whole tiles (d = 0).
+- Q4_1 (`pack_q4_1_blocks`): Q4_0's nibble pairs, the stored nibble q itself (weight q · d + m).
+Scales: Q8_0, Q4_0: uint16[tiles * tile_blocks, runs * 16] float16 bits, [b, j * 16 + l] = output 16 b + l's d of
+run j. Q4_1: uint32[tiles * tile_blocks, runs * 16] — a uint32 array only as the format's tag; viewed as uint16
+[.., runs * 32], [b, j * 32 + l] = output 16 b + l's d of run j and [b, j * 32 + 16 + l] its m, float16 bits.
+Inputs are padded to whole runs (Q8_0: q = 0; Q4_0: q = 8, zero weights; Q4_1: q = 0, whose weight m meets
+x = 0), outputs to whole tiles (d = m = 0).
+
+From blocks: a GGUF file's blocks pack as they are, after unpacking llama.cpp's nibble order (its Q4_0 / Q4_1
+byte k of a run holds inputs k and k + 16: low, high nibble) into one q per input; `linear.PackedLinear.from_blocks`.
 """
 
 from __future__ import annotations
@@ -186,3 +195,55 @@ def unpack_q4(weight: np.ndarray, scales: np.ndarray, tile_blocks: int, out_feat
     """`pack_q4_blocks`' inverse: (stored q uint8[out, in] in [0, 15], d float16[out, runs])."""
     q = _unpack_nibbles(weight, tile_blocks, scales.shape[1] // LANES)
     return q[:out_features, :in_features].contiguous(), _unpack_scales(scales, out_features)
+
+
+def quantize_q4_1(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """llama.cpp's Q4_1 (quantize_row_q4_1_ref) of w [out, in] (any float dtype), in float32 as it computes: per
+    output row and run of 32 inputs, min and max of the run, d = (max - min) / 15, id = 1 / d (0 when d is 0),
+    q = min(15, trunc((w - min) · id + 0.5)) in [0, 15], d and m = min stored as float16; w ≈ q · d + m. A short
+    last run (llama.cpp has none) is padded with zeros, which count in its min and max; inputs past `in` get
+    q = 0. Returns (q uint8[out, runs * 32], d float16[out, runs], m float16[out, runs])."""
+    out_features, in_features = w.shape
+    blocks = _runs(w)
+    runs = blocks.shape[1]
+    lo, hi = blocks.amin(dim=2), blocks.amax(dim=2)
+    d = (hi - lo) / 15.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.clamp(torch.trunc((blocks - lo[:, :, None]) * inv[:, :, None] + 0.5), max=15).to(torch.uint8)
+    q = q.view(out_features, runs * Q8_BLOCK)
+    q[:, in_features:] = 0
+    return q, d.to(torch.float16), lo.to(torch.float16)
+
+
+def pack_q4_1_blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, tile_blocks: int
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_1 blocks as given — q uint8[out, runs * 32] in 0..15 (or [out, in], in <= runs * 32: the rest padded
+    with 0), d and m float16[out, runs], weight = q · d + m — packed without requantizing: (weight int8-typed nibble
+    pairs [tiles, runs * 16 * tile_blocks * 16], scales uint32[tiles * tile_blocks, runs * 16] holding d and m)
+    in the layout of the module docstring."""
+    _check_nibbles(q)
+    out_features, runs = q.shape[0], -(-q.shape[1] // Q8_BLOCK)
+    _check_scales("Q4_1 blocks' d", d, out_features, runs)
+    _check_scales("Q4_1 blocks' m", m, out_features, runs)
+    rows, _ = tiled_rows(out_features, tile_blocks)
+    d_bits, m_bits = _pack_scales(d, rows), _pack_scales(m, rows)  # [blocks, runs * 16] each
+    blocks = rows // LANES
+    both = np.stack([d_bits.reshape(blocks, runs, LANES), m_bits.reshape(blocks, runs, LANES)], axis=2)
+    scales = np.ascontiguousarray(both.reshape(blocks, runs * 2 * LANES)).view(np.uint32)
+    return _pack_nibbles(q, rows, runs, tile_blocks, 0), scales
+
+
+def pack_q4_1(w: torch.Tensor, tile_blocks: int) -> tuple[np.ndarray, np.ndarray]:
+    """w [out, in] -> `pack_q4_1_blocks` of `quantize_q4_1(w)`."""
+    return pack_q4_1_blocks(*quantize_q4_1(w), tile_blocks)
+
+
+def unpack_q4_1(weight: np.ndarray, scales: np.ndarray, tile_blocks: int, out_features: int, in_features: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`pack_q4_1_blocks`' inverse: (q uint8[out, in] in [0, 15], d float16[out, runs], m float16[out, runs])."""
+    blocks, runs = scales.shape[0], scales.shape[1] // LANES
+    both = scales.view(np.uint16).reshape(blocks, runs, 2, LANES)
+    d = _unpack_scales(np.ascontiguousarray(both[:, :, 0]).reshape(blocks, runs * LANES), out_features)
+    m = _unpack_scales(np.ascontiguousarray(both[:, :, 1]).reshape(blocks, runs * LANES), out_features)
+    q = _unpack_nibbles(weight, tile_blocks, runs)
+    return q[:out_features, :in_features].contiguous(), d, m

@@ -1,8 +1,8 @@
 """Batch and thread-count invariance of the CPU kernels, bitwise — what makes greedy speculative decoding
 equal plain decoding by construction on the CPU.
 
-- `linear_rows`: row r of a k-row product equals the 1-row product, k = 1..16, every weight storage,
-  1 and 2 threads (and the results of 1 and 2 threads are equal).
+- `linear_rows`: row r of a k-row product equals the 1-row product, k = 1..16, every weight storage (q4_1,
+  llama.cpp's Q4_1, included), 1 and 2 threads (and the results of 1 and 2 threads are equal).
 - Near ties: inputs built so that the documented order (one FMA chain over k from zero; attention keys
   in slot order) produces an exact tie that ANY other order — split, blocked, pairwise, reversed sums,
   keys in another order — breaks. The tie must hold for every row count, row position, tile, thread
@@ -29,7 +29,7 @@ from specserve.model import LlamaModel
 from specserve.step_batch import StepBatchBuilder
 from tiny_models import build_model
 
-STORAGES = ["float32", "bfloat16", "float16", "int8", "int4"]
+STORAGES = ["float32", "bfloat16", "float16", "int8", "int4", "q4_1"]
 # int8, int4: a float16 checkpoint quantized at load (LLM(quantization=...)).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.float16,
           "int4": torch.float16}

@@ -8,6 +8,9 @@
   acc = fma(S_j, round(d_j · dx_j), acc), + bias (+ old). Checked bitwise against the same emulation fed
   by llama.cpp's reference quantizers written in numpy (tests/quant_reference.py: quantize_row_q8_0_ref for
   activations and int8 weights, quantize_row_q4_0_ref for int4 weights), integer sums in numpy int64.
+- Spec (q4_1, llama.cpp's Q4_1, w = q · d + m): S_j = Σ q · qx and Σ qx exact, then per run, in this order,
+  acc = fma(S_j, round(d_j · dx_j), acc) and acc = fma(m_j, round(dx_j · Σ qx_j), acc); checked the same way,
+  with weights from quantize_row_q4_1_ref (in numpy) and with arbitrary blocks packed by `from_blocks`.
 - Against torch `F.linear` and a float64 reference for odd shapes (out not a multiple of 16, in not a
   multiple of anything, bias or not) and every weight storage. Tolerance: the standard forward-error
   bound of an n-term dot product in float32, |err| <= gamma_{n+1} * (|x| @ |W|^T + |b|) with
@@ -15,9 +18,13 @@
   that bound between the two). A wrong packing, lane mask or bf16/fp16 widening misses it by orders of
   magnitude. Half-size storage is compared with the weights as stored (rounded to nearest even); int8 and
   int4 with the weights and the activations as Q8_0 / Q4_0 hold them (the integer sums are exact, so the
-  bound holds).
+  bound holds); q4_1 likewise, its weights q · d + m in float64 and its magnitude Σ (|q · d| + |m|) |x| (the d and
+  m terms are two terms of the chain: 2 · runs + 1 of them).
 - int8, int4: the packing round-trips (re-quantizing what Q8_0 / Q4_0 holds gives back the same weights),
-  every weight is within the format's error bound of the original, and scales follow runs of 32 inputs.
+  every weight is within the format's error bound of the original, and scales follow runs of 32 inputs; q4_1:
+  blocks unpack to what was packed, and quantizing equals the reference.
+- `PackedLinear.from_blocks`: the reference quantizers' blocks pack to the very arrays quantizing the float
+  weight gives (q8_0, q4_0, q4_1); malformed blocks are refused.
 """
 
 from __future__ import annotations
@@ -30,12 +37,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from quant_reference import q4_0_reference, q8_0_reference
+from quant_reference import q4_0_reference, q4_1_reference, q8_0_reference
 from specserve.kernels import PackedLinear, linear_rows
+from specserve.kernels.quant_packing import pack_q4_1_blocks, unpack_q4_1
 
 STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 U = 2.0 ** -24
-STORAGES = ["float32", "bfloat16", "float16", "int8", "int4"]
+STORAGES = ["float32", "bfloat16", "float16", "int8", "int4", "q4_1"]
+QUANTIZED = ("int8", "int4", "q4_1")
 
 
 def round_f32(v: Fraction) -> Fraction:
@@ -89,8 +98,17 @@ def signed_weights(w: np.ndarray, storage: str) -> tuple[np.ndarray, np.ndarray]
     return q.astype(np.int64) - 8, d
 
 
+def q4_1_weights(q: np.ndarray, d16: np.ndarray, m16: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(q · d + m, |q · d| + |m|) float64 [out, in] of Q4_1 blocks (exact in float64)."""
+    runs = lambda s: np.repeat(s.astype(np.float64), 32, axis=1)[:, :q.shape[1]]  # noqa: E731
+    qd = q.astype(np.float64) * runs(d16)
+    return qd + runs(m16), np.abs(qd) + np.abs(runs(m16))
+
+
 def stored(w: torch.Tensor, storage: str) -> torch.Tensor:
-    """The weights as the packed storage holds them, widened back to float32."""
+    """The weights as the packed storage holds them, widened back to float32 (q4_1: float64, exact)."""
+    if storage == "q4_1":
+        return torch.from_numpy(q4_1_weights(*q4_1_reference(w.numpy()))[0])
     if storage in ("int8", "int4"):
         return torch.from_numpy(dequantized(*signed_weights(w.numpy(), storage)))
     return w.to(STORAGE[storage]).float()
@@ -99,7 +117,7 @@ def stored(w: torch.Tensor, storage: str) -> torch.Tensor:
 def activations(x: torch.Tensor, storage: str) -> torch.Tensor:
     """The activations the product multiplies: x itself, or for int8 / int4 x as Q8_0 holds it (float32 scales;
     q * dx exact in float64, not in float32)."""
-    if storage in ("int8", "int4"):
+    if storage in QUANTIZED:
         q, dx = q8_0_reference(x.numpy(), np.float32)
         return torch.from_numpy(q.astype(np.float64) * np.repeat(dx.astype(np.float64), 32, axis=1)[:, :q.shape[1]])
     return x
@@ -129,6 +147,34 @@ def emulate_quantized(x: np.ndarray, w: np.ndarray, b: np.ndarray, storage: str,
     return out
 
 
+def emulate_q4_1(x: np.ndarray, q: np.ndarray, d16: np.ndarray, m16: np.ndarray, b: np.ndarray,
+                 init: np.ndarray | None = None, m_first: bool = False) -> np.ndarray:
+    """q4_1's documented arithmetic for blocks (q uint8 [out, in] in 0..15, d, m float16 [out, runs]): x quantized per
+    run of 32 (`q8_0_reference`, float32 scales), S_j = Σ q · qx and T_j = Σ qx over run j (int64: exact), then per
+    element acc = fma(S_j, round_f32(d_j * dx_j), acc), acc = fma(m_j, round_f32(dx_j * T_j), acc) over j = 0, 1, ...
+    from 0, then acc + b[o] (then init + that); exact emulation. m_first: the two terms of a run swapped (not the
+    documented order: to show the inputs tell the orders apart)."""
+    qx, dx = q8_0_reference(x, np.float32)
+    runs = d16.shape[1]
+    out = np.empty((x.shape[0], q.shape[0]), dtype=np.float32)
+    for m in range(x.shape[0]):
+        for o in range(q.shape[0]):
+            acc = Fraction(0)
+            for j in range(runs):
+                xs = qx[m, 32 * j:32 * j + 32].astype(np.int64)
+                s = int(np.dot(q[o, 32 * j:32 * j + 32].astype(np.int64), xs))
+                total = int(xs.sum())
+                d_term = s * round_f32(Fraction(float(d16[o, j])) * Fraction(float(dx[m, j])))
+                m_term = Fraction(float(m16[o, j])) * round_f32(Fraction(float(dx[m, j])) * total)
+                for term in ((m_term, d_term) if m_first else (d_term, m_term)):
+                    acc = round_f32(term + acc)
+            acc = round_f32(acc + Fraction(float(b[o])))
+            if init is not None:
+                acc = round_f32(Fraction(float(init[m, o])) + acc)
+            out[m, o] = float(acc)
+    return out
+
+
 def _data(out_features: int, in_features: int, rows: int, bias: bool, seed: int):
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(out_features, in_features, generator=gen)
@@ -147,7 +193,9 @@ def test_every_element_is_one_fma_chain_in_k_order(storage):
     for accumulate in (False, True):
         out = init.copy() if accumulate else np.full((5, 21), np.nan, dtype=np.float32)
         linear_rows(xs, packed.weight, packed.scales, packed.bias, out, accumulate)
-        if storage in ("int8", "int4"):
+        if storage == "q4_1":
+            expected = emulate_q4_1(xs, *q4_1_reference(w.numpy()), b.numpy(), init if accumulate else None)
+        elif storage in ("int8", "int4"):
             expected = emulate_quantized(xs, w.numpy(), b.numpy(), storage, init if accumulate else None)
         else:
             expected = emulate(xs, stored(w, storage).numpy(), b.numpy(), init if accumulate else None)
@@ -168,12 +216,16 @@ def test_packed_linear_matches_torch_within_the_dot_product_error_bound(storage)
         w_s, x_s = stored(w, storage), activations(x, storage)
         exact = x_s.double() @ w_s.double().T + (b.double() if bias else 0.0)
         n = in_features + 1
+        w_abs = w_s.double().abs()
+        if storage == "q4_1":  # two terms a run (d's, m's), each m's against |m|, not |q d + m|
+            n = max(in_features, 2 * -(-in_features // 32) + 1) + 1
+            w_abs = torch.from_numpy(q4_1_weights(*q4_1_reference(w.numpy()))[1])
         gamma = n * U / (1 - n * U)
-        magnitude = x_s.double().abs() @ w_s.double().abs().T + (b.double().abs() if bias else 0.0)
+        magnitude = x_s.double().abs() @ w_abs.T + (b.double().abs() if bias else 0.0)
         bound = gamma * magnitude
         excess = float(((got.double() - exact).abs() - bound).max())
         assert excess <= 0, (case, excess)
-        reference = F.linear(x_s.float(), w_s, b)
+        reference = F.linear(x_s.float(), w_s.float(), b)
         assert bool(((got.double() - reference.double()).abs() <= 2 * bound).all()), case
 
 
@@ -233,6 +285,117 @@ def test_int8_and_int4_packing_round_trip_and_stay_within_the_format_bound(shape
         assert int4.nbytes < packed.nbytes < PackedLinear(w, None, "float16").nbytes
 
 
+def _q4_1_blocks(out_features: int, in_features: int, seed: int):
+    """Arbitrary Q4_1 blocks, as a file may hold them: q uniform in 0..15, d and m float16 of either sign, some 0."""
+    rng = np.random.default_rng(seed)
+    runs = -(-in_features // 32)
+    q = rng.integers(0, 16, (out_features, in_features)).astype(np.uint8)
+    d = (rng.standard_normal((out_features, runs)) * 0.1).astype(np.float16)
+    m = (rng.standard_normal((out_features, runs)) * 0.5).astype(np.float16)
+    d[0, 0], m[-1, -1] = 0, 0
+    return q, d, m
+
+
+@pytest.mark.parametrize("out_features, in_features, rows", [(70, 77, 5), (1060, 64, 2)])
+def test_q4_1_blocks_are_one_fma_chain_of_the_d_then_the_m_term_per_run(out_features, in_features, rows):
+    # 70 outputs: tiles of 2 blocks, the last one single and partial; 5 rows: the 4-row tile and the 1-row tail;
+    # 77 inputs: a short last run. 1,060 outputs, 2 rows: 4-block tiles, one row at a time.
+    q, d, m = _q4_1_blocks(out_features, in_features, seed=out_features)
+    rng = np.random.default_rng(in_features)
+    b = rng.standard_normal(out_features).astype(np.float32)
+    x = rng.standard_normal((rows, in_features)).astype(np.float32)
+    init = rng.standard_normal((rows, out_features)).astype(np.float32)
+    packed = PackedLinear.from_blocks("q4_1", torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m),
+                                      torch.from_numpy(b))
+    assert packed.storage == "q4_1" and packed.scales.dtype == np.uint32
+    for accumulate in (False, True):
+        out = init.copy() if accumulate else np.full((rows, out_features), np.nan, dtype=np.float32)
+        linear_rows(x, packed.weight, packed.scales, packed.bias, out, accumulate)
+        expected = emulate_q4_1(x, q, d, m, b, init if accumulate else None)
+        np.testing.assert_array_equal(out.view(np.uint32), expected.view(np.uint32), err_msg=f"accumulate={accumulate}")
+    if out_features < 100:  # the inputs tell the documented order from the other one
+        assert (emulate_q4_1(x, q, d, m, b, m_first=True) != emulate_q4_1(x, q, d, m, b)).any()
+
+
+@pytest.mark.parametrize("shape", [(21, 37), (16, 32), (40, 100), (3, 5)])
+def test_q4_1_quantizes_as_the_reference_round_trips_and_stays_within_the_format_bound(shape):
+    gen = torch.Generator().manual_seed(shape[0] * 100 + shape[1])
+    w = torch.randn(*shape, generator=gen) * torch.logspace(-3, 1, shape[1])  # runs of very different scales
+    w[0, :min(32, shape[1])] = 0.0  # an all-zero run: d = m = 0, q = 0
+    packed = PackedLinear(w, None, "q4_1")
+    q_ref, d_ref, m_ref = q4_1_reference(w.numpy())
+    q, d, m = unpack_q4_1(packed.weight, packed.scales, packed.tile_blocks, *shape)
+    np.testing.assert_array_equal(q.numpy(), q_ref)
+    np.testing.assert_array_equal(d.numpy().view(np.uint16), d_ref.view(np.uint16))
+    np.testing.assert_array_equal(m.numpy().view(np.uint16), m_ref.view(np.uint16))
+    exact, _ = q4_1_weights(q_ref, d_ref, m_ref)
+    held = packed.dequantized().numpy()
+    np.testing.assert_array_equal(held, exact.astype(np.float32))
+    assert (held[0, :min(32, shape[1])] == 0).all()
+    # Within half a step of the run's grid, plus what rounding d (15 steps) and m to float16 moves.
+    runs = lambda s: np.abs(np.repeat(s.astype(np.float64), 32, axis=1)[:, :shape[1]])  # noqa: E731
+    bound = runs(d_ref) * (0.5 + 16 * 2.0 ** -10) + runs(m_ref) * 2.0 ** -10 + 2.0 ** -23
+    assert (np.abs(exact - w.numpy()) <= bound).all()
+    n_runs, blocks = -(-shape[1] // 32), -(-shape[0] // 32) * 2
+    assert packed.nbytes == blocks * 16 * n_runs * (16 + 4)  # 4-bit q, float16 d and m
+    assert PackedLinear(w, None, "int4").nbytes < packed.nbytes < PackedLinear(w, None, "int8").nbytes
+
+
+@pytest.mark.parametrize("tile_blocks", [2, 4])
+@pytest.mark.parametrize("shape", [(21, 37), (70, 96), (1, 5)])
+def test_q4_1_blocks_pack_and_unpack_to_themselves(shape, tile_blocks):
+    q, d, m = _q4_1_blocks(*shape, seed=shape[0] + tile_blocks)
+    runs = d.shape[1]
+    for width in (shape[1], runs * 32):  # q of the inputs, or of whole runs (the padding: anything in 0..15)
+        qq = np.random.default_rng(1).integers(0, 16, (shape[0], width)).astype(np.uint8)
+        qq[:, :shape[1]] = q
+        weight, scales = pack_q4_1_blocks(torch.from_numpy(qq), torch.from_numpy(d), torch.from_numpy(m), tile_blocks)
+        blocks = -(-shape[0] // (16 * tile_blocks)) * tile_blocks
+        assert weight.dtype == np.int8 and weight.shape == (blocks // tile_blocks, runs * 16 * tile_blocks * 16)
+        assert scales.dtype == np.uint32 and scales.shape == (blocks, runs * 16)
+        q2, d2, m2 = unpack_q4_1(weight, scales, tile_blocks, *shape)
+        np.testing.assert_array_equal(q2.numpy(), q)
+        np.testing.assert_array_equal(d2.numpy().view(np.uint16), d.view(np.uint16))
+        np.testing.assert_array_equal(m2.numpy().view(np.uint16), m.view(np.uint16))
+
+
+@pytest.mark.parametrize("shape", [(21, 37), (40, 100), (1060, 45)])
+def test_from_blocks_packs_the_reference_blocks_as_quantizing_does(shape):
+    gen = torch.Generator().manual_seed(shape[0] + shape[1])
+    w, b = torch.randn(*shape, generator=gen), torch.randn(shape[0], generator=gen)
+    t = torch.from_numpy
+    for fmt, storage, blocks in (("q8_0", "int8", q8_0_reference(w.numpy())), ("q4_0", "int4", q4_0_reference(w.numpy())),
+                                 ("q4_1", "q4_1", q4_1_reference(w.numpy()))):
+        q, d, *m = (t(a) for a in blocks)
+        got, want = PackedLinear.from_blocks(fmt, q, d, *m, bias=b), PackedLinear(w, b, storage)
+        assert (got.storage, got.tile_blocks, got.out_features, got.in_features) == \
+            (storage, want.tile_blocks, *shape), fmt
+        for name in ("weight", "scales", "bias"):
+            a, e = getattr(got, name), getattr(want, name)
+            assert a.dtype == e.dtype and a.shape == e.shape, (fmt, name)
+            np.testing.assert_array_equal(a.view(np.uint8), e.view(np.uint8), err_msg=f"{fmt} {name}")
+
+
+def test_from_blocks_refuses_malformed_blocks():
+    q4, d = torch.zeros(16, 64, dtype=torch.uint8), torch.zeros(16, 2, dtype=torch.float16)
+    with pytest.raises(ValueError, match="block format"):
+        PackedLinear.from_blocks("q5_0", q4, d)
+    with pytest.raises(ValueError, match="minimum m"):
+        PackedLinear.from_blocks("q4_1", q4, d)
+    with pytest.raises(ValueError, match="minimum m"):
+        PackedLinear.from_blocks("q4_0", q4, d, d)
+    with pytest.raises(ValueError, match="0..15"):
+        PackedLinear.from_blocks("q4_0", torch.full((16, 64), 16, dtype=torch.uint8), d)
+    with pytest.raises(ValueError, match="uint8"):
+        PackedLinear.from_blocks("q4_1", q4.to(torch.int8), d, d)
+    with pytest.raises(ValueError, match="int8"):
+        PackedLinear.from_blocks("q8_0", q4, d)
+    with pytest.raises(ValueError, match="float16"):
+        PackedLinear.from_blocks("q8_0", q4.to(torch.int8), d[:, :1])
+    with pytest.raises(ValueError, match="float16"):
+        PackedLinear.from_blocks("q4_1", q4, d, d.float())
+
+
 _QUANTIZED_PRODUCTS = """
 import sys, numpy as np, torch
 from specserve.kernels import PackedLinear, linear_rows
@@ -242,7 +405,7 @@ def products():
     gen = torch.Generator().manual_seed(7)
     w, x = torch.randn(40, 100, generator=gen), torch.randn(5, 100, generator=gen)
     outs = {}
-    for storage in ("int8", "int4"):
+    for storage in ("int8", "int4", "q4_1"):
         packed = PackedLinear(w, None, storage)
         outs[storage] = np.zeros((5, 40), dtype=np.float32)
         linear_rows(x.numpy(), packed.weight, packed.scales, packed.bias, outs[storage], False)
@@ -256,7 +419,7 @@ if __name__ == "__main__":  # the child: this CPU less VNNI
 """
 
 
-def test_int8_and_int4_without_vnni_compute_the_same_bits(tmp_path):
+def test_int8_int4_and_q4_1_without_vnni_compute_the_same_bits(tmp_path):
     # Without AVX-512 VNNI, `vdot4` spells the 8-bit dot product out in generic vector code; integer sums are
     # exact, so both must give the same bits. The generic path runs in a child compiled for this CPU less VNNI.
     import os
