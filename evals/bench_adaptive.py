@@ -44,6 +44,7 @@ from pathlib import Path
 
 from specserve.evals.common import forget_shared, machine, parse_batch_sizes, set_threads, sync, write_json
 from specserve.evals.metrics import SpecCounts
+from specserve.cli import MODEL_HELP
 
 DEFAULT_DRAFTERS = "eagle,draft,medusa,ngram"
 EDITING_DRAFTERS = "ngram,suffix"
@@ -65,7 +66,7 @@ FALLBACK_SWEEP = ((1, 1), (2, 2), (4, 4))  # a drafter without an entry above
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="model directory (default: the embedded model)")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--drafters", default=None,
                    help=f"comma-separated drafter specs, NAME or NAME:PATH (default {DEFAULT_DRAFTERS}; "
                         f"{EDITING_DRAFTERS} with --workload editing)")

@@ -14,10 +14,11 @@ import statistics
 import time
 
 from specserve.evals.common import parse_batch_sizes, set_threads, sync, write_json
+from specserve.cli import MODEL_HELP
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="model directory (default: the embedded model)")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--drafter", default=None, help="drafter spec (default: plain decoding)")
     p.add_argument("--batch-sizes", default="1,2,4,8,16", help="comma-separated batch sizes")
     p.add_argument("--prompt-tokens", type=int, default=64)

@@ -27,6 +27,7 @@ import time
 from specserve.defaults import QUANTIZATIONS
 from specserve.evals.common import forget_shared, set_threads, sync, write_json
 from specserve.evals.metrics import SpecCounts
+from specserve.cli import MODEL_HELP
 
 
 class KernelClock:
@@ -74,7 +75,7 @@ class _Timed:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="model directory (default: the embedded model)")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--drafter", action="append", default=None, help="drafter spec (repeatable; default: draft, ngram)")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--prompt-chars", type=int, default=400)

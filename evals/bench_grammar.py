@@ -45,6 +45,7 @@ from pathlib import Path
 
 from specserve.evals.common import machine, parse_batch_sizes, set_threads, sync, write_json
 from specserve.evals.metrics import SpecCounts
+from specserve.cli import MODEL_HELP
 
 MODES = ("verify", "aware", "forced")
 SPECULATION = ("static", "adaptive")
@@ -53,7 +54,7 @@ PLAIN = "plain"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="model directory (default: the embedded model)")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--dataset", default="builtin:structured-code",
                    help="builtin:structured-code (default) or a JSONL file whose lines carry json_schema / regex / "
                         "grammar / choice (first turns only)")

@@ -23,6 +23,7 @@ import sys
 import time
 
 from specserve.evals.common import (check_positive, clear_prefix_cache, machine, parse_batch_sizes, set_threads,
+from specserve.cli import MODEL_HELP
                                     write_json)
 
 PENALTIES = {"frequency_penalty": 0.5, "presence_penalty": 0.3}
@@ -30,7 +31,7 @@ GOALS = {"logprobs_cost": 0.05, "penalty_speedup_kept": 0.90, "n_ttft_ratio": 1.
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="model directory (default: the embedded model)")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--drafter", default="auto", help="the default drafter spec (default: auto, the bundle's default)")
     p.add_argument("--batch-sizes", default="1,8", help="batch sizes of (a) (comma-separated)")
     p.add_argument("--top-logprobs", type=int, default=5, help="SamplingParams.logprobs of (a)")

@@ -16,10 +16,11 @@ import sys
 import time
 
 from specserve.evals.common import set_threads, write_json
+from specserve.cli import MODEL_HELP
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="model directory (default: the embedded model)")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--drafter", default="none", help="drafter spec for every request (default: none)")
     p.add_argument("--decoding", type=int, default=8, help="requests decoding when the long prompt arrives")
     p.add_argument("--prompt-tokens", type=int, default=400, help="length of the long prompt")

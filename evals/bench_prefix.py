@@ -30,6 +30,7 @@ import sys
 import time
 
 from specserve.evals.common import check_positive, clear_prefix_cache, machine, set_threads, write_json
+from specserve.cli import MODEL_HELP
 
 QUESTIONS = ["Write a function that reverses a linked list.", "How do I read a CSV file line by line?",
              "Explain what a Python generator is.", "Fix: list index out of range in my loop.",
@@ -38,7 +39,7 @@ QUESTIONS = ["Write a function that reverses a linked list.", "How do I read a C
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="model directory (default: the embedded model)")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--drafter", default="auto", help="drafter spec (default: auto, the bundle's default)")
     p.add_argument("--system-tokens", type=int, default=330, help="length of the shared system prompt (a)")
     p.add_argument("--questions", type=int, default=6, help="requests answered on the shared system prompt (a)")

@@ -19,10 +19,11 @@ import statistics
 
 from specserve.defaults import QUANTIZATIONS
 from specserve.evals.common import check_positive, first_divergence, host, set_threads, write_json
+from specserve.cli import MODEL_HELP
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="model directory (default: the embedded model)")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--quantization", choices=QUANTIZATIONS, default="int8")
     p.add_argument("--prompts", type=int, default=16, help="held-out prompts (default 16)")
     p.add_argument("--max-tokens", type=int, default=64, help="greedy continuation length (default 64)")

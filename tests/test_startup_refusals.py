@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from tiny_models import cli_env
 
 
 def _write_config(model, **patch):
@@ -58,7 +59,7 @@ def checkpoints(tmp_path_factory):
 def run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "specserve", *args], check=False, capture_output=True, text=True,
                           timeout=120,
-                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+                          env=cli_env())
 
 
 def assert_one_line(returncode: int, stderr: str, needle: str) -> None:

@@ -97,3 +97,14 @@ def build_model(
     model.save_pretrained(str(out_dir))
     (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
     return out_dir
+
+
+def cli_env(**extra: str) -> dict:
+    """A bare environment for `specserve` subprocesses (no user settings leak in), keeping what the test session
+    set up (conftest.py): its own empty cache, no pip index, the tiny model as the default."""
+    import os
+
+    keep = ("SPECSERVE_CACHE_DIR", "SPECSERVE_MODEL", "PIP_NO_INDEX", "TRITON_INTERPRET")
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", **{k: os.environ[k] for k in keep if k in os.environ}}
+    env.update(extra)
+    return env

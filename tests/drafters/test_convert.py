@@ -20,7 +20,7 @@ GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 def bundle():
     if default_model_dir() is None or not {"eagle", "medusa"} <= set(default_drafters()):
         pytest.skip("the embedded bundle is not installed")
-    return LLM(drafter=None).generate([PROMPT], GREEDY)[0].token_ids
+    return LLM("tiny", drafter=None).generate([PROMPT], GREEDY)[0].token_ids
 
 
 @pytest.mark.parametrize("layout, tensor_file, format_word", [
@@ -29,10 +29,10 @@ def bundle():
     ("eagle3-speculators", "model.safetensors", "speculators"),
 ])
 def test_eagle3_head_round_trips_through_every_layout(bundle, tmp_path, layout, tensor_file, format_word):
-    original = LLM(drafter="eagle", speculation="static")
+    original = LLM("tiny", drafter="eagle", speculation="static")
     out = export_drafter(original.engine.drafter, layout, tmp_path / layout)
     assert (out / tensor_file).is_file()
-    converted = LLM(drafter=f"eagle:{out}", speculation="static")
+    converted = LLM("tiny", drafter=f"eagle:{out}", speculation="static")
     head, back = original.engine.drafter.head, converted.engine.drafter.head
     assert format_word in back.cfg.source["format"] and back.cfg.feature_layers == head.cfg.feature_layers
     tol = 1e-3 if layout == "eagle3-safeailab" else 0.0  # SafeAILab's trainer saves fp16
@@ -46,12 +46,12 @@ def test_eagle3_head_round_trips_through_every_layout(bundle, tmp_path, layout, 
 
 @pytest.mark.parametrize("layout", ["specserve", "medusa1", "medusa2"])
 def test_medusa_heads_round_trip_through_every_layout(bundle, tmp_path, layout):
-    original = LLM(drafter="medusa", speculation="static")
+    original = LLM("tiny", drafter="medusa", speculation="static")
     drafter = original.engine.drafter
     out = export_drafter(drafter, layout, tmp_path / layout)
     choices = json.dumps([list(c) for c in drafter.static.choices])  # public layouts keep no tree
     options = {} if layout == "specserve" else {"choices": choices}
-    converted = LLM(drafter=f"medusa:{out}", drafter_options=options, speculation="static")
+    converted = LLM("tiny", drafter=f"medusa:{out}", drafter_options=options, speculation="static")
     back = converted.engine.drafter
     torch.testing.assert_close(back.heads.weight.float(), drafter.heads.weight.float(), atol=1e-3, rtol=1e-3)
     a, b = original.generate([PROMPT], GREEDY)[0], converted.generate([PROMPT], GREEDY)[0]
@@ -60,7 +60,7 @@ def test_medusa_heads_round_trip_through_every_layout(bundle, tmp_path, layout):
 
 
 def test_bad_conversions_are_clear_errors(bundle, tmp_path):
-    eagle = LLM(drafter="eagle").engine.drafter
+    eagle = LLM("tiny", drafter="eagle").engine.drafter
     with pytest.raises(ValueError, match="eagle3 head cannot be written as eagle1-safeailab"):
         export_drafter(eagle, "eagle1-safeailab", tmp_path / "a")
     with pytest.raises(ValueError, match="converts to"):
@@ -70,4 +70,4 @@ def test_bad_conversions_are_clear_errors(bundle, tmp_path):
     with pytest.raises(ValueError, match="not empty"):
         export_drafter(eagle, "specserve", tmp_path / "full")
     with pytest.raises(ValueError, match="no weights to convert"):
-        export_drafter(LLM(drafter="ngram").engine.drafter, "specserve", tmp_path / "c")
+        export_drafter(LLM("tiny", drafter="ngram").engine.drafter, "specserve", tmp_path / "c")

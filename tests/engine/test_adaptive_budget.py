@@ -276,7 +276,7 @@ def test_no_request_starves_and_output_is_plain_greedy(llama_dir):
 def test_calibration_runs_on_the_embedded_model():
     """The cost model's own forwards run and price a verify row. How long they take is a figure, not an
     assertion (a wall-time bound flakes on a busy machine): `specserve bench startup` prints it."""
-    llm = LLM(drafter="draft")
+    llm = LLM("tiny", drafter="draft")
     assert isinstance(llm.engine.speculator.policy, AdaptiveBudget)
     assert llm.engine.calibration_s > 0
     assert llm.engine.speculator.policy.verify_cost(1) > 0

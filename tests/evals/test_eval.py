@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from tiny_models import cli_env
 
 import scripted_drafter  # noqa: F401  (registers "scripted")
 from specserve import LLM, SamplingParams
@@ -106,7 +107,7 @@ def test_interrupt_keeps_finished_results_and_exits_130(llama_dir, dataset, tmp_
 
 def cli(*args, timeout=120):
     return subprocess.run([sys.executable, "-m", "specserve", *args], capture_output=True, text=True, timeout=timeout,
-                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+                          env=cli_env())
 
 
 def test_cli_with_transformers_peers(llama_dir, dataset, tmp_path):

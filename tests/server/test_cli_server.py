@@ -27,12 +27,20 @@ def specserve(*args: str, stdin: str = "", timeout: float = 120) -> subprocess.C
 
 
 class Lines:
-    """A subprocess's stdout, line by line, with timeouts."""
+    """A subprocess's stdout (or `stream`), line by line, with timeouts."""
 
-    def __init__(self, proc: subprocess.Popen) -> None:
+    def __init__(self, proc: subprocess.Popen, stream=None) -> None:
         self.q: queue.Queue = queue.Queue()
-        threading.Thread(target=lambda: [self.q.put(line) for line in proc.stdout] and None or self.q.put(None),
+        stream = stream if stream is not None else proc.stdout
+        threading.Thread(target=lambda: [self.q.put(line) for line in stream] and None or self.q.put(None),
                          daemon=True).start()
+
+    def matching(self, pattern: str, timeout: float = 120) -> str:
+        """The first line matching `pattern` (a status line among others on stderr)."""
+        while (line := self.next(timeout)) is not None:
+            if re.search(pattern, line):
+                return line
+        raise AssertionError(f"the process ended without a line matching {pattern!r}")
 
     def next(self, timeout: float = 60) -> str | None:
         return self.q.get(timeout=timeout)
@@ -71,7 +79,7 @@ def test_serve_runs_until_sigterm(llama_dir, reference_llm):
                              "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=ENV)
     try:
-        line = Lines(proc).next(120)
+        line = Lines(proc, proc.stderr).matching(r"ws://")  # the banner: a status line, on stderr
         url = re.search(r"ws://\S+/v1/ws", line).group(0)
         assert "http://127.0.0.1:" in line and "drafter none" in line
         with Conn(url) as c:
@@ -160,10 +168,10 @@ def free_port():
 def test_ten_turn_chat_with_the_embedded_model(tmp_path):
     """`specserve serve` (the embedded model, 512-token context) and `specserve chat` for ten turns: older
     turns are left out as needed, and every turn is answered."""
-    proc = subprocess.Popen([sys.executable, "-m", "specserve", "serve", "--port", "0", "--threads", "1"],
+    proc = subprocess.Popen([sys.executable, "-m", "specserve", "serve", "--model", "tiny", "--port", "0", "--threads", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     try:
-        url = re.search(r"ws://\S+/v1/ws", Lines(proc).next(120)).group(0)
+        url = re.search(r"ws://\S+/v1/ws", Lines(proc, proc.stderr).matching(r"ws://")).group(0)
         questions = ["def fibonacci(n):", "write a stack class", "add a pop method", "read a file", "sort a list",
                      "parse json", "write a unittest", "what does yield do?", "make it async", "summarize"]
         res = specserve("chat", "--url", url, "--max-output-tokens", "96", stdin="\n".join(questions) + "\n")

@@ -34,7 +34,7 @@ class Server:
     @property
     def url(self) -> str:
         if self._url is None:
-            line = self.proc.stdout.readline()
+            line = self.wait_stderr("ws://", timeout=120)  # the banner, a status line on stderr
             self._url = re.search(r"ws://\S+/v1/ws", line).group(0)
         return self._url
 
