@@ -4,7 +4,12 @@ repeated structure.
 
 llama.cpp runs the same checkpoint converted by its own converter (evals/llamacpp_peer.py), from the
 same prompt token ids, greedy, with the same thread count; its weights are f32 against our float32
-and f16 against our half-size storage (--dtype bfloat16 or float16).
+and f16 against our half-size storage (--dtype bfloat16 or float16). A GGUF target (`--model FILE.gguf`,
+the default model's file) is the same file on both sides, no conversion.
+
+`--chat-prompts N`: the timed prompts are N chat questions (`CHAT_QUESTIONS`) rendered by the model's chat
+template, one user turn each (their token ids shared by both sides), and the greedy outputs of specserve
+and llama.cpp are compared prompt by prompt (how many agree token for token over --new-tokens).
 
 Everything is measured side by side in one run (alternating, after a warm-up) because absolute
 times on shared machines drift; compare the ratios.
@@ -24,8 +29,49 @@ from specserve.evals import llamacpp_peer
 from specserve.evals.common import first_divergence, host, median_spread, set_threads, use_model_dir, write_json
 
 
+#: Questions of the kinds people ask a small chat model (code, explanations, short writing).
+CHAT_QUESTIONS = (
+    "Write a Python function that checks if a number is prime.",
+    "What is the difference between a list and a tuple in Python?",
+    "Explain recursion to a beginner in three sentences.",
+    "Write a haiku about autumn.",
+    "How do I reverse a string in Python?",
+    "Give me three tips for writing clean code.",
+    "What does the HTTP status code 404 mean?",
+    "Write a SQL query that counts the rows of a table named users.",
+    "Summarize the plot of Romeo and Juliet in two sentences.",
+    "What is a closure in JavaScript?",
+    "Write a bash command that lists the ten largest files in a directory.",
+    "Why is the sky blue?",
+    "Convert 100 degrees Fahrenheit to Celsius and show the formula.",
+    "Write a Python class for a stack with push and pop.",
+    "What are the main causes of climate change?",
+    "Explain what a hash table is.",
+)
+
+
+def chat_prompts(llm, count: int) -> list[list[int]]:
+    """The first `count` questions as one user turn each in the model's chat template, as token ids."""
+    from specserve.chat_template import has_chat_template
+
+    if not has_chat_template(llm.tokenizer):
+        raise ValueError("--chat-prompts needs a model with a chat template")
+    if not 1 <= count <= len(CHAT_QUESTIONS):
+        raise ValueError(f"--chat-prompts must be in [1, {len(CHAT_QUESTIONS)}], got {count}")
+    out = []
+    for question in CHAT_QUESTIONS[:count]:
+        ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                                tokenize=True)
+        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return out
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="model directory (default: a ~110M random-weight Llama built on the fly)")
+    p.add_argument("--model", default=None,
+                   help="a GGUF file, a model directory, or 'tiny' (default: a ~110M random-weight Llama built on the fly)")
+    p.add_argument("--chat-prompts", type=int, default=0, metavar="N",
+                   help=f"time N chat-templated questions (at most {len(CHAT_QUESTIONS)}) instead of one random prompt, and "
+                        "compare greedy outputs with llama.cpp per prompt")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5, help="alternating timed runs per contender")
@@ -103,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
 
     set_threads(args.threads)
     torch.manual_seed(0)
-    converter = llamacpp_peer.locate(args.llama_cpp_source) if args.peer == "llama.cpp" else None
+    converter = llamacpp_peer.locate(args.llama_cpp_source, args.model) if args.peer == "llama.cpp" else None
     if isinstance(converter, llamacpp_peer.PeerUnavailable):  # said once; the rest of the benchmark runs
         print(llamacpp_peer.skip_line(converter), file=sys.stderr)
     with use_model_dir(args.model, build_random_llama, "a random ~110M Llama") as path:
@@ -132,17 +178,19 @@ def _measure(args: argparse.Namespace, model_dir: Path, converter=None) -> dict:
     from specserve import LLM
     from specserve.kernels import get_threads
 
+    # No prefix caching: a repeated prompt is prefilled every run, as llama.cpp (reset each run) does.
     plain = LLM(model_dir, drafter=None, device=args.device, max_num_seqs=1, dtype=args.dtype,
-                quantization=args.quantization)
+                quantization=args.quantization, enable_prefix_caching=False)
     vocab = plain.model.config.vocab_size
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, vocab, (args.prompt_tokens,), generator=gen).tolist()
+    prompts = chat_prompts(plain, args.chat_prompts) if args.chat_prompts else [prompt]
 
     results: dict = {
         "machine": host() | {"threads": get_threads(), "torch": torch.__version__},
         "model": {"dir": str(args.model or "random ~110M Llama"), "params": plain.model.config.num_params,
                   "bytes_read_per_token": plain.model.bytes_read_per_token()},
-        "settings": {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "repeats": args.repeats,
+        "settings": {"prompt_tokens": [len(p) for p in prompts], "new_tokens": args.new_tokens, "repeats": args.repeats,
                      "device": str(plain.device), "dtype": str(plain.dtype)},
     }
 
@@ -150,14 +198,19 @@ def _measure(args: argparse.Namespace, model_dir: Path, converter=None) -> dict:
     if not args.skip_transformers:
         from transformers import AutoModelForCausalLM
 
-        hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=plain.dtype).to(plain.device).eval()
+        from specserve.loading.gguf_file import is_gguf
+
+        where = {"pretrained_model_name_or_path": str(model_dir)}
+        if is_gguf(model_dir):  # transformers dequantizes a GGUF file's weights (it needs the accelerate package)
+            where = {"pretrained_model_name_or_path": str(Path(model_dir).parent), "gguf_file": Path(model_dir).name}
+        hf = AutoModelForCausalLM.from_pretrained(**where, dtype=plain.dtype).to(plain.device).eval()
 
     peer = None
     if isinstance(converter, llamacpp_peer.PeerUnavailable):
         results["llama_cpp"] = {"skipped": str(converter)}
     elif converter is not None:
         peer = llamacpp_peer.load(model_dir, converter, dtype=args.quantization or plain.dtype, threads=get_threads(),
-                                  n_ctx=args.prompt_tokens + args.new_tokens, gpu=plain.device.type == "cuda",
+                                  n_ctx=max(map(len, prompts)) + args.new_tokens, gpu=plain.device.type == "cuda",
                                   cache_dir=args.llama_cpp_cache, log=lambda m: print(m, file=sys.stderr))
 
     # Warm up every contender, check they agree, then alternate timed runs.
@@ -167,17 +220,18 @@ def _measure(args: argparse.Namespace, model_dir: Path, converter=None) -> dict:
         results["greedy_tokens_match_transformers"] = ours_tokens == hf_tokens
     if peer is not None:
         _time_llama_cpp(peer, prompt, 8)
-    ours, theirs, llama, first_outputs = [], [], [], {}
+    ours, theirs, llama, outputs = [], [], [], {"specserve": {}, "llama.cpp": {}}
     for _ in range(args.repeats):
-        tps, toks, _ = _time_specserve(plain, prompt, args.new_tokens)
-        ours.append(tps)
-        first_outputs.setdefault("specserve", toks)
-        if hf is not None:
-            theirs.append(_time_transformers(hf, prompt, args.new_tokens)[0])
-        if peer is not None:
-            tps, toks = _time_llama_cpp(peer, prompt, args.new_tokens)
-            llama.append(tps)
-            first_outputs.setdefault("llama.cpp", toks)
+        for i, prompt in enumerate(prompts):
+            tps, toks, _ = _time_specserve(plain, prompt, args.new_tokens)
+            ours.append(tps)
+            outputs["specserve"].setdefault(i, toks)
+            if hf is not None:
+                theirs.append(_time_transformers(hf, prompt, args.new_tokens)[0])
+            if peer is not None:
+                tps, toks = _time_llama_cpp(peer, prompt, args.new_tokens)
+                llama.append(tps)
+                outputs["llama.cpp"].setdefault(i, toks)
     bw = memory_read_bandwidth()
     floor_tps = bw / plain.model.bytes_read_per_token()
     results["plain_decode"] = {
@@ -195,7 +249,10 @@ def _measure(args: argparse.Namespace, model_dir: Path, converter=None) -> dict:
             "tokens_per_s": median_spread(llama),
             "specserve_tokens_per_s": median_spread(ours),
             "specserve_over_llama_cpp": statistics.median(ours) / statistics.median(llama),
-        } | _agreement(first_outputs["specserve"], first_outputs["llama.cpp"])
+        } | _agreement(outputs["specserve"][0], outputs["llama.cpp"][0])
+        results["llama_cpp"]["prompts_greedy_equal"] = sum(outputs["specserve"][i] == outputs["llama.cpp"][i]
+                                                           for i in range(len(prompts)))
+        results["llama_cpp"]["prompts"] = len(prompts)
     del hf, peer
 
     # N-gram speculation vs plain on a prompt made of one segment repeated.

@@ -248,7 +248,8 @@ class LlamaCpp:
 
     @property
     def gguf_type(self) -> str:
-        return self.gguf.stem.removeprefix("model-")
+        """The converted file's type ("q8_0", ...), or a user's GGUF file's name."""
+        return self.gguf.stem.removeprefix("model-") if self.gguf.stem.startswith("model-") else self.gguf.name
 
     kv_type: str = "f32"
 
@@ -293,16 +294,20 @@ class LlamaCpp:
         return time.perf_counter() - t0, out
 
 
-def locate(source: str | None) -> Path | PeerUnavailable:
+def locate(source: str | None, model: str | Path | None = None) -> Path | PeerUnavailable:
     """llama.cpp's source tree, or the reason the peer is skipped (llama-cpp-python or the converter
     missing); a source given that is not a converter tree raises ValueError. Cheap: callers run it
-    before loading anything, so bad input fails at once."""
+    before loading anything, so bad input fails at once. A GGUF target (`model`) needs no converter: llama.cpp
+    runs the same file (the tree returned is then Path() and unused)."""
+    from specserve.loading.gguf_file import is_gguf
+
     problems = []
-    tree = None
-    try:
-        tree = find_converter(source)  # a source given that is not a converter tree: ValueError, even here
-    except PeerUnavailable as reason:
-        problems.append(str(reason))
+    tree = Path()
+    if model is None or not is_gguf(model):
+        try:
+            tree = find_converter(source)  # a source given that is not a converter tree: ValueError, even here
+        except PeerUnavailable as reason:
+            problems.append(str(reason))
     try:
         require_llama_cpp()
     except PeerUnavailable as reason:
@@ -313,7 +318,11 @@ def locate(source: str | None) -> Path | PeerUnavailable:
 def load(model_dir: str | Path, tree: Path, *, dtype, threads: int, n_ctx: int, gpu: bool = False,
          cache_dir: str | Path | None = None, log=None) -> LlamaCpp:
     """`model_dir` converted (cached) to the GGUF type that pairs with our `dtype` (or "int8" / "int4": our
-    quantized storages), loaded."""
+    quantized storages), loaded; a GGUF file is loaded as it is — the same file both sides, whatever `dtype`."""
+    from specserve.loading.gguf_file import is_gguf
+
+    if is_gguf(model_dir):
+        return LlamaCpp(Path(model_dir), threads, n_ctx, gpu)
     name = str(dtype).removeprefix("torch.")
     if name not in GGUF_TYPE:
         raise ValueError(f"no GGUF type pairs with dtype {name!r}; known: {', '.join(GGUF_TYPE)}")

@@ -192,7 +192,7 @@ def run_eval(cfg: EvalConfig) -> dict:
     if "transformers-assisted" in cfg.peers:  # fail before any long loading
         cfg.peer_draft = resolve_peer_draft(_model_dir(cfg.model), cfg.peer_draft)
     skipped_peers: dict[str, str] = {}
-    llama_tree = llamacpp_peer.locate(cfg.llama_cpp_source) if "llama.cpp" in cfg.peers else None
+    llama_tree = llamacpp_peer.locate(cfg.llama_cpp_source, _model_dir(cfg.model)) if "llama.cpp" in cfg.peers else None
     if isinstance(llama_tree, llamacpp_peer.PeerUnavailable):
         _log(llamacpp_peer.skip_line(llama_tree))
         skipped_peers["llama.cpp"] = str(llama_tree)

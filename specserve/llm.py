@@ -372,7 +372,7 @@ def _engine_phase_name(model) -> str:
     if getattr(model, "kernels", None) is not None:
         from specserve.kernels.cache import missing_from_cache
 
-        if missing_from_cache():
+        if missing_from_cache(quantized=model.kernels.quantized):
             return "compiling kernels (first run only: numba caches them on disk)"
     return "starting engine"
 

@@ -34,12 +34,16 @@ def cached_dispatchers(prefix: str = "specserve.kernels.") -> list:
     return found
 
 
-def missing_from_cache(prefix: str = "specserve.kernels.") -> list[str]:
+def missing_from_cache(prefix: str = "specserve.kernels.", quantized: bool = True) -> list[str]:
     """Names of the cached kernels (of the imported modules under `prefix`: the model's kernels by default,
     which are most of the compile time) that have no usable on-disk entry yet: a cache index that is
-    absent, or stale (numba drops an index whose source file or numba version changed)."""
+    absent, or stale (numba drops an index whose source file or numba version changed). quantized=False leaves
+    out the 8- and 4-bit products' kernels, which a model with float weights never compiles (counting them
+    said "compiling kernels (first run only…)" on every run of a float model)."""
     missing = []
     for dispatcher in cached_dispatchers(prefix):
+        if not quantized and dispatcher.__module__.endswith(".linear_quant"):
+            continue
         try:
             index = dispatcher._cache._cache_file._load_index()
         except Exception:  # numba internals moved: say nothing rather than guess

@@ -142,6 +142,11 @@ class ModelKernels:
         self.eps = np.float32(cfg.rms_norm_eps)
         self._arena = move_to_arena([self.lm_head, *(p for layer in self.layers for p in layer.products())])
 
+    @property
+    def quantized(self) -> bool:
+        """Whether any product holds 8- or 4-bit weights (the quantized products' kernels run)."""
+        return any(p.scales.size for p in (self.lm_head, *(q for layer in self.layers for q in layer.products())))
+
     def bytes_read_per_token(self) -> int:
         """Weight bytes one decode step streams (the floor's numerator; the embedding is only indexed)."""
         return self.lm_head.nbytes + self.norm.nbytes + sum(layer.nbytes for layer in self.layers)
