@@ -116,10 +116,11 @@ def weight_offset(w, scales):
 
 @overload(run_sum, inline="always")
 def _run_sum(acc, isum, total, offset, scales, j, dx):
-    if scales.dtype == types.uint32:  # Q4_1: d and m (float16 bits) of each run, 16 outputs each, in turn
+    if scales.dtype == types.uint32:  # Q4_1 (offset 0): d and m (float16 bits) of each run, 16 outputs each, in turn
         def q4_1(acc, isum, total, offset, scales, j, dx):
             dm = scales.view(np.uint16)
-            acc = vfma(vtofloat(isum), vmul(vload(dm, 2 * j * LANES), vbroadcast(dx)), acc)
+            d_term = vtofloat(visub_scalar(isum, offset * total))
+            acc = vfma(d_term, vmul(vload(dm, 2 * j * LANES), vbroadcast(dx)), acc)
             return vfma(vload(dm, (2 * j + 1) * LANES), vbroadcast(dx * np.float32(total)), acc)
         return q4_1
     # Q8_0, Q4_0: acc + (S_j - offset · Σ qx) · (d_j · dx), S exact in int32, the scale product rounded once
