@@ -113,6 +113,14 @@ class Chromium:
         self.eval(f"(() => {{ const e = document.querySelector({json.dumps(selector)}); e.value = {json.dumps(value)};"
                   " e.dispatchEvent(new Event('input')); e.dispatchEvent(new Event('change')); })()")
 
+    def screenshot(self, path) -> Path:
+        """The page as it is drawn now, as a PNG at ``path``."""
+        import base64
+
+        path = Path(path)
+        path.write_bytes(base64.b64decode(self.call("Page.captureScreenshot", format="png")["data"]))
+        return path
+
     def close(self) -> None:
         try:
             if getattr(self, "ws", None) is not None:
