@@ -46,7 +46,7 @@ from specserve.kernels.quant_packing import (  # noqa: F401 (the packing API, re
     pack_q8_blocks, quantize_q4, quantize_q4_1, quantize_q8, unpack_q4, unpack_q4_1, unpack_q8,
 )
 from specserve.kernels.simd import (
-    LANES, store_block_rows, store_lanes, store_row_blocks, vbroadcast, vbroadcast_bytes, vdot4, vfma, vhigh_nibbles, visum, vizero, visub_scalar,
+    LANES, store_block_rows, store_lanes, store_row_blocks, vbroadcast, vbroadcast_bytes, vdot4, vdot4_7bit, vfma, vhigh_nibbles, visum, vizero, visub_scalar,
     vload, vload_bytes, vlow_nibbles, vmax_abs, vmul, vround_to_int, vstore_int8, vtofloat, vzero,
 )
 
@@ -148,6 +148,19 @@ def _weight_offset(w, scales):
     return lambda w, scales: Q8_OFFSET
 
 
+def wdot(w, acc, a, b):
+    """acc + the 4-byte dot products of weight bytes a (from `group_pair`) and activation bytes b: 4-bit nibbles
+    (Q4_0, Q4_1: int8-typed w) are below 128, which lets AVX2 take the cheaper `vdot4_7bit`."""
+    raise NotImplementedError("runs inside numba kernels only")
+
+
+@overload(wdot, inline="always")
+def _wdot(w, acc, a, b):
+    if w.dtype == types.int8:
+        return lambda w, acc, a, b: vdot4_7bit(acc, a, b)
+    return lambda w, acc, a, b: vdot4(acc, a, b)
+
+
 @numba.njit(parallel=True, boundscheck=False, cache=True)
 def linear_rows_quant(x, w, scales, bias, out, accumulate):
     """out[:, :out_features] (+)= x @ W^T + bias in the arithmetic above.
@@ -190,15 +203,15 @@ def linear_rows_quant(x, w, scales, bias, out, accumulate):
                         u, u2 = group_pair(wt, p, stride, i * block_bytes)
                         v, v2 = group_pair(wt, p, stride, o1)
                         g = 2 * p * GROUP
-                        s = vbroadcast_bytes(x0, g); i0 = vdot4(i0, u, s); k0 = vdot4(k0, v, s)
-                        s = vbroadcast_bytes(x1, g); i1 = vdot4(i1, u, s); k1 = vdot4(k1, v, s)
-                        s = vbroadcast_bytes(x2, g); i2 = vdot4(i2, u, s); k2 = vdot4(k2, v, s)
-                        s = vbroadcast_bytes(x3, g); i3 = vdot4(i3, u, s); k3 = vdot4(k3, v, s)
+                        s = vbroadcast_bytes(x0, g); i0 = wdot(wt, i0, u, s); k0 = wdot(wt, k0, v, s)
+                        s = vbroadcast_bytes(x1, g); i1 = wdot(wt, i1, u, s); k1 = wdot(wt, k1, v, s)
+                        s = vbroadcast_bytes(x2, g); i2 = wdot(wt, i2, u, s); k2 = wdot(wt, k2, v, s)
+                        s = vbroadcast_bytes(x3, g); i3 = wdot(wt, i3, u, s); k3 = wdot(wt, k3, v, s)
                         g += GROUP
-                        s = vbroadcast_bytes(x0, g); i0 = vdot4(i0, u2, s); k0 = vdot4(k0, v2, s)
-                        s = vbroadcast_bytes(x1, g); i1 = vdot4(i1, u2, s); k1 = vdot4(k1, v2, s)
-                        s = vbroadcast_bytes(x2, g); i2 = vdot4(i2, u2, s); k2 = vdot4(k2, v2, s)
-                        s = vbroadcast_bytes(x3, g); i3 = vdot4(i3, u2, s); k3 = vdot4(k3, v2, s)
+                        s = vbroadcast_bytes(x0, g); i0 = wdot(wt, i0, u2, s); k0 = wdot(wt, k0, v2, s)
+                        s = vbroadcast_bytes(x1, g); i1 = wdot(wt, i1, u2, s); k1 = wdot(wt, k1, v2, s)
+                        s = vbroadcast_bytes(x2, g); i2 = wdot(wt, i2, u2, s); k2 = wdot(wt, k2, v2, s)
+                        s = vbroadcast_bytes(x3, g); i3 = wdot(wt, i3, u2, s); k3 = wdot(wt, k3, v2, s)
                     t0, t1, t2, t3 = sums[m, j], sums[m + 1, j], sums[m + 2, j], sums[m + 3, j]
                     a0 = run_sum(a0, i0, t0, offset, s0, j, dx[m, j]); c0 = run_sum(c0, k0, t0, offset, s1, j, dx[m, j])
                     a1 = run_sum(a1, i1, t1, offset, s0, j, dx[m + 1, j]); c1 = run_sum(c1, k1, t1, offset, s1, j, dx[m + 1, j])
@@ -223,13 +236,13 @@ def linear_rows_quant(x, w, scales, bias, out, accumulate):
                         s = vbroadcast_bytes(xr, 2 * p * GROUP)
                         t = vbroadcast_bytes(xr, (2 * p + 1) * GROUP)
                         u, u2 = group_pair(wt, p, stride, 0)
-                        i0 = vdot4(vdot4(i0, u, s), u2, t)
+                        i0 = wdot(wt, wdot(wt, i0, u, s), u2, t)
                         u, u2 = group_pair(wt, p, stride, block_bytes)
-                        i1 = vdot4(vdot4(i1, u, s), u2, t)
+                        i1 = wdot(wt, wdot(wt, i1, u, s), u2, t)
                         u, u2 = group_pair(wt, p, stride, 2 * block_bytes)
-                        i2 = vdot4(vdot4(i2, u, s), u2, t)
+                        i2 = wdot(wt, wdot(wt, i2, u, s), u2, t)
                         u, u2 = group_pair(wt, p, stride, 3 * block_bytes)
-                        i3 = vdot4(vdot4(i3, u, s), u2, t)
+                        i3 = wdot(wt, wdot(wt, i3, u, s), u2, t)
                     t = sums[m, j]
                     a0 = run_sum(a0, i0, t, offset, s0, j, dx[m, j])
                     a1 = run_sum(a1, i1, t, offset, s1, j, dx[m, j])
@@ -247,9 +260,9 @@ def linear_rows_quant(x, w, scales, bias, out, accumulate):
                         s = vbroadcast_bytes(xr, 2 * p * GROUP)
                         t = vbroadcast_bytes(xr, (2 * p + 1) * GROUP)
                         u, u2 = group_pair(wt, p, stride, i * block_bytes)
-                        i0 = vdot4(vdot4(i0, u, s), u2, t)
+                        i0 = wdot(wt, wdot(wt, i0, u, s), u2, t)
                         u, u2 = group_pair(wt, p, stride, (i + 1) * block_bytes)
-                        i1 = vdot4(vdot4(i1, u, s), u2, t)
+                        i1 = wdot(wt, wdot(wt, i1, u, s), u2, t)
                     t = sums[m, j]
                     a0 = run_sum(a0, i0, t, offset, s0, j, dx[m, j])
                     a1 = run_sum(a1, i1, t, offset, s1, j, dx[m, j])
@@ -263,7 +276,7 @@ def linear_rows_quant(x, w, scales, bias, out, accumulate):
                     i0 = vizero()
                     for p in range(j * pairs_per_run, (j + 1) * pairs_per_run):
                         u, u2 = group_pair(wt, p, stride, i * block_bytes)
-                        i0 = vdot4(vdot4(i0, u, vbroadcast_bytes(xr, 2 * p * GROUP)), u2,
+                        i0 = wdot(wt, wdot(wt, i0, u, vbroadcast_bytes(xr, 2 * p * GROUP)), u2,
                                    vbroadcast_bytes(xr, (2 * p + 1) * GROUP))
                     a0 = run_sum(a0, i0, sums[m, j], offset, s0, j, dx[m, j])
                 store_lanes(out, m, (first + i) * LANES, a0, bias, accumulate)

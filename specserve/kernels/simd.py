@@ -304,10 +304,63 @@ def vbroadcast_bytes(typingctx, array, index):
     return I32x16(array, index), codegen
 
 
+def _host_has(feature: str) -> bool:
+    """Whether numba's target CPU has `feature` (an LLVM feature name such as "avx2")."""
+    import llvmlite.binding as llvm
+    from numba.core import config
+
+    if config.CPU_FEATURES is not None:
+        return f"+{feature}" in config.CPU_FEATURES.split(",")
+    if config.CPU_NAME not in (None, "host"):
+        return False
+    return bool(llvm.get_host_cpu_features().get(feature, False))
+
+
+HAS_AVX2 = _host_has("avx2")
+_HALF_BYTES = ir.VectorType(ir.IntType(8), 2 * LANES)  # one 256-bit register of bytes
+_HALF_WORDS = ir.VectorType(ir.IntType(16), LANES)
+_HALF_INTS = ir.VectorType(_I32, LANES // 2)
+
+
+def _dot4_avx2(builder, acc_v, a_bytes, b_bytes, scale: int):
+    """acc + scale · (per int32 lane) Σ of 4 products a·b, a's bytes unsigned and < 128, b's signed in [-127, 127],
+    with AVX2's vpmaddubsw (pairs summed in int16: |2 · 127 · 127| < 2^15, so it never saturates) and vpmaddwd
+    (pairs of int16 times `scale`, summed in int32); exact. Each 512-bit vector is two 256-bit halves."""
+    mod = builder.module
+    maddubs = cgutils.get_or_insert_function(mod, ir.FunctionType(_HALF_WORDS, [_HALF_BYTES, _HALF_BYTES]),
+                                             "llvm.x86.avx2.pmadd.ub.sw")
+    maddwd = cgutils.get_or_insert_function(mod, ir.FunctionType(_HALF_INTS, [_HALF_WORDS, _HALF_WORDS]),
+                                            "llvm.x86.avx2.pmadd.wd")
+    factor = ir.Constant(_HALF_WORDS, [scale] * LANES)
+    halves = []
+    for h in range(2):
+        pick = ir.Constant(ir.VectorType(_I32, 2 * LANES), [2 * LANES * h + i for i in range(2 * LANES)])
+        a_h = builder.shuffle_vector(a_bytes, a_bytes, pick)
+        b_h = builder.shuffle_vector(b_bytes, b_bytes, pick)
+        halves.append(builder.call(maddwd, [builder.call(maddubs, [a_h, b_h]), factor]))
+    both = builder.shuffle_vector(halves[0], halves[1], ir.Constant(ir.VectorType(_I32, LANES), list(range(LANES))))
+    return builder.add(acc_v, both)
+
+
+def _dot4_generic(builder, acc_v, a_v, b_v):
+    """acc + Σ of 4 products per lane, widened to int32 (any target; slow)."""
+    wide = ir.VectorType(_I32, 4 * LANES)
+    products = builder.mul(builder.zext(builder.bitcast(a_v, _BYTES), wide),
+                           builder.sext(builder.bitcast(b_v, _BYTES), wide))
+    total = acc_v
+    for j in range(4):  # byte j of every lane
+        part = builder.shuffle_vector(products, products,
+                                      ir.Constant(ir.VectorType(_I32, LANES), [4 * l + j for l in range(LANES)]))
+        total = builder.add(total, part)
+    return total
+
+
 @intrinsic
 def vdot4(typingctx, acc, a, b):
-    """acc + (per lane) sum of 4 products of a's unsigned bytes by b's signed bytes, in int32 (exact:
-    |255 · 127 · 4| fits many times over)."""
+    """acc + (per lane) sum of 4 products of a's unsigned bytes by b's signed bytes (b in [-127, 127], as
+    quantized activations are), in int32 (exact: |255 · 127 · 4| fits many times over). AVX-512 VNNI: one
+    vpdpbusd; AVX2: each byte of a split as 128 · (a >> 7) + (a & 127), two vpmaddubsw / vpmaddwd pairs (see
+    `_dot4_avx2`); else widened to int32. Every path gives the same exact integers."""
 
     def codegen(context, builder, signature, args):
         acc_v, a_v, b_v = args
@@ -315,15 +368,30 @@ def vdot4(typingctx, acc, a, b):
             fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_IVEC, [_IVEC] * 3),
                                                 "llvm.x86.avx512.vpdpbusd.512")
             return builder.call(fn, [acc_v, a_v, b_v])
-        wide = ir.VectorType(_I32, 4 * LANES)
-        products = builder.mul(builder.zext(builder.bitcast(a_v, _BYTES), wide),
-                               builder.sext(builder.bitcast(b_v, _BYTES), wide))
-        total = acc_v
-        for j in range(4):  # byte j of every lane
-            part = builder.shuffle_vector(products, products,
-                                          ir.Constant(ir.VectorType(_I32, LANES), [4 * l + j for l in range(LANES)]))
-            total = builder.add(total, part)
-        return total
+        if HAS_AVX2:
+            a_bytes, b_bytes = builder.bitcast(a_v, _BYTES), builder.bitcast(b_v, _BYTES)
+            low = builder.and_(a_bytes, ir.Constant(_BYTES, [0x7F] * 4 * LANES))
+            high = builder.lshr(a_bytes, ir.Constant(_BYTES, [7] * 4 * LANES))
+            return _dot4_avx2(builder, _dot4_avx2(builder, acc_v, low, b_bytes, 1), high, b_bytes, 128)
+        return _dot4_generic(builder, acc_v, a_v, b_v)
+
+    return I32x16(acc, a, b), codegen
+
+
+@intrinsic
+def vdot4_7bit(typingctx, acc, a, b):
+    """`vdot4` for a's bytes known to be below 128 (4-bit weights' nibbles): on AVX2 one vpmaddubsw / vpmaddwd
+    pair per half instead of two. The same exact integers."""
+
+    def codegen(context, builder, signature, args):
+        acc_v, a_v, b_v = args
+        if HAS_VNNI:
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_IVEC, [_IVEC] * 3),
+                                                "llvm.x86.avx512.vpdpbusd.512")
+            return builder.call(fn, [acc_v, a_v, b_v])
+        if HAS_AVX2:
+            return _dot4_avx2(builder, acc_v, builder.bitcast(a_v, _BYTES), builder.bitcast(b_v, _BYTES), 1)
+        return _dot4_generic(builder, acc_v, a_v, b_v)
 
     return I32x16(acc, a, b), codegen
 

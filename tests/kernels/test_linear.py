@@ -419,9 +419,11 @@ if __name__ == "__main__":  # the child: this CPU less VNNI
 """
 
 
-def test_int8_int4_and_q4_1_without_vnni_compute_the_same_bits(tmp_path):
-    # Without AVX-512 VNNI, `vdot4` spells the 8-bit dot product out in generic vector code; integer sums are
-    # exact, so both must give the same bits. The generic path runs in a child compiled for this CPU less VNNI.
+@pytest.mark.parametrize("without", ["avx512vnni", "avx2"])
+def test_int8_int4_and_q4_1_on_every_dot_product_path_compute_the_same_bits(tmp_path, without):
+    # `vdot4` is one VNNI instruction, or on AVX2 vpmaddubsw / vpmaddwd pairs (the weight bytes split at 128), or
+    # generic vector code; integer sums are exact, so every path must give the same bits. The slower path runs
+    # in a child compiled for this CPU less the feature (less VNNI: AVX2's; less AVX2 and VNNI: the generic).
     import os
     import subprocess
     import sys
@@ -430,14 +432,17 @@ def test_int8_int4_and_q4_1_without_vnni_compute_the_same_bits(tmp_path):
 
     from specserve.kernels import simd
 
-    if not simd.HAS_VNNI:
-        pytest.skip("this CPU has no AVX-512 VNNI: the generic path is the one every other int8 test runs")
-    features = llvm.get_host_cpu_features().flatten().replace("+avx512vnni", "-avx512vnni")
+    has = {"avx512vnni": simd.HAS_VNNI, "avx2": simd.HAS_AVX2}
+    if not has[without]:
+        pytest.skip(f"this CPU has no {without}: only the slower path runs here")
+    features = llvm.get_host_cpu_features().flatten()
+    for feature in (["avx512vnni"] if without == "avx512vnni" else ["avx512vnni", "avx2"]):
+        features = features.replace(f"+{feature}", f"-{feature}")
     env = dict(os.environ, NUMBA_CPU_NAME="host", NUMBA_CPU_FEATURES=features, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
-    subprocess.run([sys.executable, "-c", _QUANTIZED_PRODUCTS, str(tmp_path / "generic.npz")], env=env, check=True,
+    subprocess.run([sys.executable, "-c", _QUANTIZED_PRODUCTS, str(tmp_path / "slower.npz")], env=env, check=True,
                    timeout=600)
     here: dict = {"__name__": "here"}
-    exec(_QUANTIZED_PRODUCTS, here)  # the same products with VNNI, in this process
-    generic = np.load(tmp_path / "generic.npz")
+    exec(_QUANTIZED_PRODUCTS, here)  # the same products on this CPU's fastest path, in this process
+    slower = np.load(tmp_path / "slower.npz")
     for storage, out in here["products"]().items():
-        np.testing.assert_array_equal(generic[storage].view(np.uint32), out.view(np.uint32), err_msg=storage)
+        np.testing.assert_array_equal(slower[storage].view(np.uint32), out.view(np.uint32), err_msg=storage)
