@@ -33,6 +33,7 @@ class TargetInfo:
     dtype: torch.dtype
     model_dir: str | None = None
     model: Any = None
+    tokenizer_dir: str | None = None  # where the target's tokenizer.json is (a GGUF target's converted one, cached)
 
 
 @dataclass(frozen=True)

@@ -97,7 +97,7 @@ class DraftModelDrafter(LevelDrafter):
                 f"draft model {str(self.path)!r} has vocab_size {cfg.vocab_size} but the target has {target.vocab_size}: "
                 "a draft model must share the target's tokenizer"
             )
-        _check_same_tokenizer(self.path, target.model_dir)
+        _check_same_tokenizer(self.path, getattr(target, "tokenizer_dir", None) or target.model_dir)
         draft_vocab = load_draft_vocab(self.path, cfg.vocab_size)  # int64[Vd] target ids, or None: all of them
         if draft_vocab is not None:
             self.model.restrict_lm_head(draft_vocab)

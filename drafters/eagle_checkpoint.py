@@ -258,6 +258,9 @@ def _check_target(cfg: EagleHeadConfig, target, path: Path) -> None:
     if model is not None:
         have["model_type"] = model.config.model_type
     have.update(target_fingerprint(target.model_dir))
+    tokenizer_dir = getattr(target, "tokenizer_dir", None)
+    if have.get("tokenizer") is None and tokenizer_dir:  # a GGUF target: its converted tokenizer
+        have["tokenizer"] = target_fingerprint(tokenizer_dir)["tokenizer"]
     have_hidden = cfg.model_config.hidden_size
     problems = []
     if have_hidden != target.hidden_size:

@@ -155,6 +155,7 @@ class LLM:
                 dtype=self.dtype,
                 model_dir=self.model_dir,
                 model=self.model,
+                tokenizer_dir=str(checkpoint.tokenizer_dir()) if checkpoint.tokenizer_dir() else None,
             )
             progress.begin(f"loading drafter {drafter}")
             drafter_obj = create_drafter(drafter, target, drafter_options)
