@@ -83,7 +83,7 @@ def load_state_dict(model_dir: str | Path, cfg: ModelConfig, device: torch.devic
     shard: a `specserve.tensor_parallel.Shard`: read only this rank's slice of each split tensor (safetensors
     slices read just those bytes). stats: gets "bytes_read", the checkpoint bytes read.
     """
-    from specserve.tensor_parallel import slice_of
+    from specserve.sharding import slice_of
 
     model_dir = Path(model_dir)
     bytes_read = 0

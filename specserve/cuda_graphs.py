@@ -232,7 +232,7 @@ def _sliced(out, num_logits: int, num_hidden: int):
     """The real rows of a padded forward's outputs (they come first). Logits stay a view of the graph's
     output — read before this model's next forward, as the engine does; hidden states are copied, since
     drafters may keep them across steps."""
-    from specserve.model import ForwardOutput
+    from specserve.forward_output import ForwardOutput
 
     return ForwardOutput(logits=out.logits[:num_logits],
                          hidden_states={layer: h[:num_hidden].clone() for layer, h in out.hidden_states.items()})

@@ -16,7 +16,6 @@ normed state (what the LM head reads) — so drafter heads trained against trans
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,17 +24,10 @@ from torch import nn
 
 from specserve.attention import default_attention, make_backend
 from specserve.config import ModelConfig
+from specserve.forward_output import ForwardOutput
 from specserve.kv_cache import BlockAllocator, PagedKVCache
 from specserve.rope import RotaryTable
 from specserve.step_batch import StepBatch
-
-
-@dataclass
-class ForwardOutput:
-    """logits: float[M, vocab] for `logit_rows`; hidden_states: {layer: [M_h, hidden]} for `hidden_rows`."""
-
-    logits: torch.Tensor
-    hidden_states: dict[int, torch.Tensor]
 
 
 class DecoderLayer(nn.Module):
@@ -123,7 +115,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.tp = tp
         if tp is not None:
-            from specserve.tensor_parallel import check_shardable, shard_config
+            from specserve.sharding import check_shardable, shard_config
 
             check_shardable(cfg, tp.shard.world)
             cfg = shard_config(cfg, tp.shard.world)
@@ -285,10 +277,8 @@ class LlamaModel(nn.Module):
         """A KV cache for this model on `allocator`'s blocks (fp32 on the CPU kernels' path)."""
         cfg = self.config
         dtype = torch.float32 if self.kernels is not None else self.dtype
-        if self.tp is not None and self.tp.is_leader:
-            from specserve.tensor_parallel import ShardedKVCache
-
-            return ShardedKVCache(self.tp, allocator, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.device, dtype)
+        if self.tp is not None and self.tp.is_leader:  # every rank keeps its share of the heads
+            return self.tp.new_cache(allocator, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.device, dtype)
         return PagedKVCache(allocator, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.device, dtype)
 
     @torch.inference_mode()

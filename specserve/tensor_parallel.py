@@ -32,7 +32,6 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from specserve.config import ModelConfig
+from specserve.sharding import Shard, check_shardable, shard_config, slice_of  # noqa: F401 (re-exported)
 from specserve.kv_cache import PagedKVCache
 from specserve.step_batch import ARRAY_NAMES, StepBatch
 
@@ -49,61 +49,6 @@ log = logging.getLogger("specserve")
 HEADER = 32
 STOP, FORWARD, MOVE, MAKE_CACHE, DESCRIBE = range(5)
 MAX_HIDDEN_LAYERS = HEADER - 12
-
-
-@dataclass(frozen=True)
-class Shard:
-    """This rank's place in a tensor-parallel group of `world` ranks."""
-
-    rank: int
-    world: int
-
-    def part(self, n: int) -> tuple[int, int]:
-        """[lo, hi) of an evenly divisible dimension of size n (heads, kv heads, MLP columns)."""
-        size = n // self.world
-        return self.rank * size, (self.rank + 1) * size
-
-    def vocab_part(self, vocab: int) -> tuple[int, int]:
-        """[lo, hi) of the LM head's rows: ceil(V/N) per rank, the last rank fewer."""
-        size = -(-vocab // self.world)
-        return min(vocab, self.rank * size), min(vocab, (self.rank + 1) * size)
-
-
-def check_shardable(cfg: ModelConfig, world: int) -> None:
-    if world < 1:
-        raise ValueError(f"tensor_parallel_size must be >= 1, got {world}")
-    for name, n in (("num_attention_heads", cfg.num_heads), ("num_key_value_heads", cfg.num_kv_heads),
-                    ("intermediate_size", cfg.intermediate_size)):
-        if n % world:
-            raise ValueError(f"tensor_parallel_size={world} does not divide the model's {name}={n}: "
-                             f"each rank must own whole heads and an equal share of the MLP")
-
-
-def shard_config(cfg: ModelConfig, world: int) -> ModelConfig:
-    """The layer shapes one rank holds (the vocabulary stays whole: logits are gathered)."""
-    return replace(cfg, num_heads=cfg.num_heads // world, num_kv_heads=cfg.num_kv_heads // world,
-                   intermediate_size=cfg.intermediate_size // world)
-
-
-def slice_of(name: str, cfg: ModelConfig, shard: Shard) -> tuple[int, int, int] | None:
-    """(dim, lo, hi) of tensor `name` that `shard` reads, or None when every rank reads all of it."""
-    hd = cfg.head_dim
-    q = tuple(x * hd for x in shard.part(cfg.num_heads))
-    kv = tuple(x * hd for x in shard.part(cfg.num_kv_heads))
-    mlp = shard.part(cfg.intermediate_size)
-    if name.endswith(("q_proj.weight", "q_proj.bias")):
-        return (0, *q)
-    if name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
-        return (0, *kv)
-    if name.endswith("o_proj.weight"):
-        return (1, *q)
-    if name.endswith(("gate_proj.weight", "gate_proj.bias", "up_proj.weight", "up_proj.bias")):
-        return (0, *mlp)
-    if name.endswith("down_proj.weight"):
-        return (1, *mlp)
-    if name == "lm_head.weight" and shard.rank != 0:  # rank 0 keeps it whole (see the module docstring)
-        return (0, *shard.vocab_part(cfg.vocab_size))
-    return None
 
 
 class TensorParallel:
@@ -120,6 +65,11 @@ class TensorParallel:
         return self.shard.rank == 0
 
     # ---- collectives inside a forward ---------------------------------------------------------
+
+    def new_cache(self, allocator, num_layers: int, num_kv_heads: int, head_dim: int, device: torch.device,
+                  dtype: torch.dtype) -> "ShardedKVCache":
+        """The leader's KV cache: its own share, and every other rank makes its share alongside."""
+        return ShardedKVCache(self, allocator, num_layers, num_kv_heads, head_dim, device, dtype)
 
     def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum of every rank's `partial` [T, hidden], in place."""

@@ -90,3 +90,49 @@ def test_runtime_imports_neither_training_nor_evals_and_training_not_evals():
     bad = violations()
     print("\n".join(bad))
     assert not bad, "forbidden imports:\n" + "\n".join(bad)
+
+
+# Loading produces weights, the model consumes them, backends plug into the model: none of these modules may
+# reach back into another through imports (the lazy ones count).
+LOADING_AND_MODEL = ("specserve.model", "specserve.checkpoint", "specserve.config", "specserve.loading",
+                     "specserve.cuda_graphs", "specserve.kernels", "specserve.tensor_parallel", "specserve.sharding",
+                     "specserve.forward_output", "specserve.attention")
+
+
+def _group(module: str) -> str | None:
+    """The entry of LOADING_AND_MODEL a module belongs to (a package's modules are one node), or None."""
+    return next((g for g in LOADING_AND_MODEL if module == g or module.startswith(g + ".")), None)
+
+
+def import_cycle() -> list[str] | None:
+    """A cycle in the import graph of LOADING_AND_MODEL (as a list of nodes), or None."""
+    edges: dict[str, set[str]] = {g: set() for g in LOADING_AND_MODEL}
+    for path in sorted((ROOT / "specserve").rglob("*.py")):
+        source = _group(_module_of(path, ROOT))
+        if source is None:
+            continue
+        for _, name in imports(path, ROOT):
+            target = _group(name)
+            if target is not None and target != source:
+                edges[source].add(target)
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [node, nxt] if nxt in path else [node, nxt]
+            if nxt not in state and (found := visit(nxt, path + [node])):
+                return found
+        state[node] = 2
+        return None
+
+    for node in LOADING_AND_MODEL:
+        if node not in state and (found := visit(node, [])):
+            return found
+    return None
+
+
+def test_loading_the_model_and_its_backends_import_no_cycle():
+    cycle = import_cycle()
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)

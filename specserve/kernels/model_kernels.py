@@ -152,7 +152,7 @@ class ModelKernels:
         return self.lm_head.nbytes + self.norm.nbytes + sum(layer.nbytes for layer in self.layers)
 
     def forward(self, batch: StepBatch, cache: PagedKVCache, hidden_layers: tuple[int, ...] = ()):
-        from specserve.model import ForwardOutput
+        from specserve.forward_output import ForwardOutput
 
         apply_threads()
         x = self.embed[batch.input_ids]  # float32[T, H], a fresh copy: the residual stream
