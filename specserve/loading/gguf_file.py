@@ -164,7 +164,7 @@ class GGUFFile:
         widened = [f"{n} {t}" for t, n in sorted(counts.items()) if t not in NATIVE_FORMATS and t not in FLOAT_TYPES]
         text = "GGUF " + ", ".join(kept) + (" as stored" if kept else "")
         if widened:
-            text += f"; {', '.join(widened)} dequantized at load"
+            text += f"{'; ' if kept else ''}{', '.join(widened)} dequantized at load"
         return text
 
     def _meta(self, key: str, default=None):
