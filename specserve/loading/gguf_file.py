@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import shutil
 import json
 import logging
 from dataclasses import dataclass
@@ -222,7 +223,10 @@ class GGUFFile:
             raise ValueError(f"{self.path.name}: cannot convert its tokenizer: {exc}") from exc
         tmp = self.cache / "tokenizer.tmp"
         tok.save_pretrained(str(tmp))
-        tmp.replace(saved) if not saved.exists() else None
+        if saved.exists():  # another process converted it first
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.replace(saved)
         return AutoTokenizer.from_pretrained(str(saved))
 
     def tokenizer_dir(self) -> Path | None:
@@ -299,7 +303,9 @@ class GGUFFile:
                 weight = float_weights(entry.type_name, raw, entry.shape)
                 if rows is not None:
                     weight = weight[rows]
-            state[hf_name] = weight.to(device=device, dtype=dtype).contiguous()
+            # The kernels read norms as float32: an F32 norm keeps its value beside half-size products, as in llama.cpp.
+            keep = torch.float32 if blocks_only and len(entry.shape) == 1 else dtype
+            state[hf_name] = weight.to(device=device, dtype=keep).contiguous()
         if stats is not None:
             stats["bytes_read"] = sum(t.nbytes for t in self.tensors.values())
         return state, blocks

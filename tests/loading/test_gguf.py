@@ -261,9 +261,6 @@ def test_float_files_match_transformers_gguf_loading(gguf_path, name):
     _assert_f32_close(_logits(llm.model), ref, f"{name} kernels")
 
 
-@pytest.mark.xfail(strict=True, reason="library bug: LLM's default dtype for an F16 / BF16 GGUF file is float16 / "
-                   "bfloat16 storage, which rounds the file's F32 norm weights too (llama.cpp keeps them F32), so the "
-                   "kernels' logits are off the file's model by ~1e-3 (F16) and ~1e-2 (BF16) relative")
 @pytest.mark.parametrize("name", ["F16", "BF16"])
 def test_half_size_files_keep_their_float32_norms(gguf_path, name):
     path = gguf_path(name)
