@@ -355,45 +355,38 @@ def _dot4_generic(builder, acc_v, a_v, b_v):
     return total
 
 
-@intrinsic
-def vdot4(typingctx, acc, a, b):
-    """acc + (per lane) sum of 4 products of a's unsigned bytes by b's signed bytes (b in [-127, 127], as
-    quantized activations are), in int32 (exact: |255 · 127 · 4| fits many times over). AVX-512 VNNI: one
-    vpdpbusd; AVX2: each byte of a split as 128 · (a >> 7) + (a & 127), two vpmaddubsw / vpmaddwd pairs (see
-    `_dot4_avx2`); else widened to int32. Every path gives the same exact integers."""
+def _dot4_intrinsic(seven_bit: bool):
+    """`vdot4`'s codegen: one vpdpbusd with AVX-512 VNNI; on AVX2 vpmaddubsw / vpmaddwd pairs — each weight byte
+    split as 128 · (a >> 7) + (a & 127), or taken whole when `seven_bit` (bytes known to be below 128); else
+    generic vector code. Every path gives the same exact integers."""
 
-    def codegen(context, builder, signature, args):
-        acc_v, a_v, b_v = args
-        if HAS_VNNI:
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_IVEC, [_IVEC] * 3),
-                                                "llvm.x86.avx512.vpdpbusd.512")
-            return builder.call(fn, [acc_v, a_v, b_v])
-        if HAS_AVX2:
+    def dot4(typingctx, acc, a, b):
+        def codegen(context, builder, signature, args):
+            acc_v, a_v, b_v = args
+            if HAS_VNNI:
+                fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_IVEC, [_IVEC] * 3),
+                                                    "llvm.x86.avx512.vpdpbusd.512")
+                return builder.call(fn, [acc_v, a_v, b_v])
+            if not HAS_AVX2:
+                return _dot4_generic(builder, acc_v, a_v, b_v)
             a_bytes, b_bytes = builder.bitcast(a_v, _BYTES), builder.bitcast(b_v, _BYTES)
+            if seven_bit:
+                return _dot4_avx2(builder, acc_v, a_bytes, b_bytes, 1)
             low = builder.and_(a_bytes, ir.Constant(_BYTES, [0x7F] * 4 * LANES))
             high = builder.lshr(a_bytes, ir.Constant(_BYTES, [7] * 4 * LANES))
             return _dot4_avx2(builder, _dot4_avx2(builder, acc_v, low, b_bytes, 1), high, b_bytes, 128)
-        return _dot4_generic(builder, acc_v, a_v, b_v)
 
-    return I32x16(acc, a, b), codegen
+        return I32x16(acc, a, b), codegen
+
+    return dot4
 
 
-@intrinsic
-def vdot4_7bit(typingctx, acc, a, b):
-    """`vdot4` for a's bytes known to be below 128 (4-bit weights' nibbles): on AVX2 one vpmaddubsw / vpmaddwd
-    pair per half instead of two. The same exact integers."""
-
-    def codegen(context, builder, signature, args):
-        acc_v, a_v, b_v = args
-        if HAS_VNNI:
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_IVEC, [_IVEC] * 3),
-                                                "llvm.x86.avx512.vpdpbusd.512")
-            return builder.call(fn, [acc_v, a_v, b_v])
-        if HAS_AVX2:
-            return _dot4_avx2(builder, acc_v, builder.bitcast(a_v, _BYTES), builder.bitcast(b_v, _BYTES), 1)
-        return _dot4_generic(builder, acc_v, a_v, b_v)
-
-    return I32x16(acc, a, b), codegen
+#: acc + (per lane) sum of 4 products of a's unsigned bytes by b's signed bytes (b in [-127, 127], as quantized
+#: activations are), in int32 (exact: |255 · 127 · 4| fits many times over). See `_dot4_intrinsic`.
+vdot4 = intrinsic(_dot4_intrinsic(seven_bit=False))
+#: `vdot4` for a's bytes known to be below 128 (4-bit weights' nibbles): on AVX2 one vpmaddubsw / vpmaddwd pair
+#: per half instead of two.
+vdot4_7bit = intrinsic(_dot4_intrinsic(seven_bit=True))
 
 
 @intrinsic
