@@ -39,7 +39,7 @@ def hf_dir(tmp_path_factory):
 def test_greedy_tokens_equal_llama_cpps_on_the_same_file(hf_dir, tmp_path, weight_type):
     import llama_cpp
 
-    path = write_gguf(hf_dir, tmp_path / weight_type / "model.gguf", weight_type)
+    path = write_gguf(hf_dir, tmp_path / f"model-{weight_type}.gguf", weight_type)
     ours = LLM(path, drafter=None, device="cpu", dtype="float32")
     reference = LlamaModel.from_pretrained(path, torch.device("cpu"), torch.float32, cpu_kernels=False)
     theirs = llama_cpp.Llama(model_path=str(path), n_ctx=128, n_threads=1, verbose=False)
