@@ -22,8 +22,8 @@ import statistics
 import sys
 import time
 
-from specserve.evals.common import (check_positive, clear_prefix_cache, machine, parse_batch_sizes, set_threads,
 from specserve.cli import MODEL_HELP
+from specserve.evals.common import (check_positive, clear_prefix_cache, machine, parse_batch_sizes, set_threads,
                                     write_json)
 
 PENALTIES = {"frequency_penalty": 0.5, "presence_penalty": 0.3}

