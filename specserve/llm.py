@@ -373,7 +373,7 @@ def _engine_phase_name(model) -> str:
     if getattr(model, "kernels", None) is not None:
         from specserve.kernels.cache import missing_from_cache
 
-        if missing_from_cache(quantized=model.kernels.quantized):
+        if missing_from_cache(quantized=model.kernels.quantized, floats=model.kernels.has_float_products):
             return "compiling kernels (first run only: numba caches them on disk)"
     return "starting engine"
 

@@ -34,15 +34,18 @@ def cached_dispatchers(prefix: str = "specserve.kernels.") -> list:
     return found
 
 
-def missing_from_cache(prefix: str = "specserve.kernels.", quantized: bool = True) -> list[str]:
+def missing_from_cache(prefix: str = "specserve.kernels.", quantized: bool = True, floats: bool = True) -> list[str]:
     """Names of the cached kernels (of the imported modules under `prefix`: the model's kernels by default,
     which are most of the compile time) that have no usable on-disk entry yet: a cache index that is
     absent, or stale (numba drops an index whose source file or numba version changed). quantized=False leaves
     out the 8- and 4-bit products' kernels, which a model with float weights never compiles (counting them
-    said "compiling kernels (first run only…)" on every run of a float model)."""
+    said "compiling kernels (first run only…)" on every run of a float model); floats=False the float products'
+    kernel, which a model whose products are all quantized never compiles."""
     missing = []
     for dispatcher in cached_dispatchers(prefix):
         if not quantized and dispatcher.__module__.endswith(".linear_quant"):
+            continue
+        if not floats and dispatcher.py_func.__name__ == "linear_rows_float":
             continue
         try:
             index = dispatcher._cache._cache_file._load_index()
