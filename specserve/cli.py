@@ -342,7 +342,6 @@ def check_common_arguments(args: argparse.Namespace) -> None:
     """Checks of `generate` and `serve` arguments that need no torch (ValueError naming the flag), so bad
     input answers in a fraction of a second; everything else is still checked where it is used."""
     import math
-    from pathlib import Path
 
     check_model_argument(getattr(args, "model", None))
     for flag, value in (("--threads", getattr(args, "threads", None)), ("--tensor-parallel", getattr(args, "tensor_parallel", 1)),

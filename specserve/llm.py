@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path

@@ -38,7 +38,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from specserve.config import ModelConfig
 from specserve.sharding import Shard, check_shardable, shard_config, slice_of  # noqa: F401 (re-exported)
 from specserve.kv_cache import PagedKVCache
 from specserve.step_batch import ARRAY_NAMES, StepBatch
