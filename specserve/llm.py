@@ -35,12 +35,14 @@ def _graph_query_len(drafter) -> int:
 
 
 class LLM:
-    """A target model (Hugging Face Llama-family directory) with an optional drafter.
+    """A target model (a Llama-family GGUF file or Hugging Face directory) with an optional drafter.
 
-    model: None uses the embedded default model (`specserve info` shows where it is).
+    model: a .gguf file, a model directory, "tiny" (the 9M code model), or None: ``$SPECSERVE_MODEL`` when set,
+    else the default model, SmolLM2-135M-Instruct's Q4_1 file (fetched into the user's cache the first time;
+    `specserve info` shows where).
     drafter: a spec such as ``"ngram"`` or ``"draft:PATH"``; None (or ``"none"``) decodes plainly through
-    the same loop; ``"auto"`` (the default) is the bundle's default drafter when the model is the
-    embedded default model, else plain decoding.
+    the same loop; ``"auto"`` (the default) is the drafter measured for the model (the tiny model's bundle
+    records one; the default model gets n-gram under adaptive speculation), else plain decoding.
     kv_cache_tokens: total tokens the paged cache holds (default: max_num_seqs full contexts, capped
     at 2 GiB of cache on CPU).
     dtype: on the CPU, how weights are stored — float32, or bfloat16/float16 to halve the bytes read per
@@ -154,7 +156,7 @@ class LLM:
                 dtype=self.dtype,
                 model_dir=self.model_dir,
                 model=self.model,
-                tokenizer_dir=str(checkpoint.tokenizer_dir()) if checkpoint.tokenizer_dir() else None,
+                tokenizer_dir=str(tokenizer_dir) if (tokenizer_dir := checkpoint.tokenizer_dir()) else None,
             )
             progress.begin(f"loading drafter {drafter}")
             drafter_obj = create_drafter(drafter, target, drafter_options)
@@ -350,13 +352,13 @@ def _check_quantization(quantization: str | None, device: torch.device, cpu_kern
 def _describe_model(model, checkpoint, max_model_len: int | None, quantization: str | None) -> str:
     """What the loading line says about the model: which one, its size, weights and context window."""
     from specserve.bundle_paths import is_default_model
-    from specserve.loading.default_model import DESCRIPTION, default_model_file
+    from specserve.loading.default_model import DESCRIPTION, is_default_model_file
 
     path = checkpoint.path
     context = max_model_len if max_model_len is not None else default_context(model.config)
     if is_default_model(path):
         name = "the tiny code model, "
-    elif path == default_model_file():
+    elif is_default_model_file(path):
         name = f"the default model, {DESCRIPTION}, "
     else:
         name = ""

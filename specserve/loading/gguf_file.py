@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import shutil
+import struct
 import types
 import json
 import logging
@@ -139,7 +140,7 @@ class GGUFFile:
             for t in reader.tensors:
                 shape = tuple(int(n) for n in reversed([int(x) for x in t.shape]))
                 tensors[t.name] = TensorEntry(t.tensor_type.name, shape, int(t.data_offset), int(t.n_bytes))
-        except (ValueError, IndexError, KeyError, OSError, OverflowError, UnicodeDecodeError, struct_error()) as exc:
+        except (ValueError, IndexError, KeyError, OSError, OverflowError, UnicodeDecodeError, struct.error) as exc:
             raise ValueError(f"{self.path.name} is not a readable GGUF file (truncated or corrupt?): {exc}") from None
         end = max((t.offset + t.nbytes for t in tensors.values()), default=0)
         if end > file_size:
@@ -348,8 +349,3 @@ def _dequantizable() -> set[str]:
 
     return {t.name for t in gguf.GGMLQuantizationType if t in gguf.quants._type_traits}
 
-
-def struct_error():
-    import struct
-
-    return struct.error
