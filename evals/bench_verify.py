@@ -1,9 +1,15 @@
-"""`specserve bench verify`: what one target forward costs as the draft tree it verifies grows.
+"""`specserve bench verify`: what one target forward costs as the draft tree it verifies grows, against its floor.
 
 For each tree size N, one request with a committed prefix of --prefix-tokens runs the verify forward
 the engine runs (root + N tree nodes under the tree's ancestor mask, logits for all N + 1 rows);
 the figure is its median time relative to N = 0 (plain decoding's forward). Speculation pays while
 τ exceeds that ratio. Sizes are measured interleaved, --repeats times each, after a warm-up.
+
+On the CPU kernels each size also gets its floor (`roofline`): max(weight bytes / measured bandwidth, the rows'
+multiply-adds / the measured peak rate of each product's arithmetic), and efficiency = floor / measured. Attention
+and the per-row glue (norms, rotary) are left out of the floor: at a 128-token prefix they are a few percent of a
+row's work. With --peer llama.cpp the same chains run through llama.cpp on the same file (one `llama_decode` of
+the N + 1 rows, every row's logits), beside ours.
 """
 
 from __future__ import annotations
@@ -12,8 +18,12 @@ import argparse
 import statistics
 import time
 
+import sys
+
+from specserve.cli import MODEL_HELP, QUANTIZATION_HELP
+from specserve.defaults import QUANTIZATIONS
+from specserve.evals import llamacpp_peer
 from specserve.evals.common import set_threads, sync, write_json
-from specserve.cli import MODEL_HELP
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,7 +35,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-tokens", type=int, default=128, help="committed tokens before the tree")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default=None, help="weight storage float32, bfloat16 or float16 (a float checkpoint)")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help=QUANTIZATION_HELP)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--no-roofline", dest="roofline", action="store_false",
+                   help="skip measuring this machine's bandwidth and peak rates (the floor columns)")
+    p.add_argument("--peer", choices=["llama.cpp"], default=None,
+                   help="also time llama.cpp on the same file (chains only; skipped with one line when unavailable)")
+    llamacpp_peer.add_arguments(p)
     p.add_argument("--json", default=None, metavar="FILE")
 
 
@@ -46,6 +63,38 @@ def parse_sizes(text: str) -> list[int]:
     return sorted({0, *sizes})
 
 
+def forward_floor(kernels, rows: int, bandwidth: float, rates) -> float:
+    """Seconds a forward of `rows` rows (every row's logits) cannot beat on the CPU kernels `kernels`: the weights
+    streamed once, or every product's multiply-adds at its arithmetic's peak rate, whichever takes longer."""
+    streaming = kernels.bytes_read_per_token() / bandwidth
+    arithmetic = sum(rows * p.out_features * p.in_features / rates.for_storage(p.storage) for p in kernels.products())
+    return max(streaming, arithmetic)
+
+
+def measure_peer(args, sizes: list[int], prefix_ids: list[int], threads: int) -> dict | None:
+    """llama.cpp's cost of a chain of N + 1 rows after the same prefix, per size (None when it cannot run)."""
+    if args.peer != "llama.cpp":
+        return None
+    tree = llamacpp_peer.locate(args.llama_cpp_source, args.model)
+    if isinstance(tree, llamacpp_peer.PeerUnavailable):
+        print(llamacpp_peer.skip_line(tree), file=sys.stderr)
+        return None
+    from specserve.loading import resolve_model
+
+    peer = llamacpp_peer.load(resolve_model(args.model), tree, dtype=args.quantization or args.dtype or "float32",
+                              threads=threads, n_ctx=len(prefix_ids) + sizes[-1] + 8, cache_dir=args.llama_cpp_cache,
+                              log=lambda m: print(m, file=sys.stderr), logits_all=True)
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for rep in range(args.repeats + 2):
+        for n in sizes:
+            seconds = peer.verify_seconds(prefix_ids, [(7 * i + rep) % 1000 + 100 for i in range(n + 1)])
+            if rep >= 2:
+                times[n].append(seconds)
+    base = statistics.median(times[0])
+    return {"file": str(peer.gguf), "sizes": [{"nodes": n, "ms": 1e3 * statistics.median(times[n]),
+                                                "relative": statistics.median(times[n]) / base} for n in sizes]}
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -57,8 +106,11 @@ def run(args: argparse.Namespace) -> int:
     for name in ("repeats", "branching", "prefix_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.peer and args.shape != "chain":
+        raise ValueError("--peer llama.cpp times chains only (llama.cpp's batch has no tree mask): use --shape chain")
     set_threads(args.threads)
-    llm = LLM(args.model, drafter=None, device=args.device, max_num_seqs=1)
+    llm = LLM(args.model, drafter=None, device=args.device, dtype=args.dtype, quantization=args.quantization,
+              max_num_seqs=1)
     model, cfg = llm.model, llm.model.config
     prefix = args.prefix_tokens
     need = prefix + sizes[-1] + 1
@@ -94,18 +146,52 @@ def run(args: argparse.Namespace) -> int:
             if rep >= 2:
                 times[n].append(time.perf_counter() - t0)
     cache.allocator.free("bench")
+    threads = torch.get_num_threads()
+    kernels = getattr(model, "kernels", None)
+    limits = None
+    if args.roofline and kernels is not None:
+        from specserve.evals.roofline import memory_bandwidth, peak_rates
+        from specserve.kernels import get_threads
+
+        threads = get_threads()
+        bandwidth, rates = memory_bandwidth(threads), peak_rates(threads)
+        limits = {"bandwidth_gb_s": bandwidth / 1e9, "peak_gmac_s": {"float32": rates.float32 / 1e9,
+                  "int8": rates.int8 / 1e9, "int4": rates.int4 / 1e9}, "weight_bytes": kernels.bytes_read_per_token()}
     base = statistics.median(times[0])
     rows = []
     for n in sizes:
         med = statistics.median(times[n])
-        rows.append({"nodes": n, "depth": cases[n][1], "ms": 1e3 * med, "ms_min": 1e3 * min(times[n]),
-                     "ms_max": 1e3 * max(times[n]), "relative": med / base})
-    result = {"model": args.model or "embedded default model", "shape": args.shape, "branching": args.branching,
+        row = {"nodes": n, "depth": cases[n][1], "ms": 1e3 * med, "ms_min": 1e3 * min(times[n]),
+               "ms_max": 1e3 * max(times[n]), "relative": med / base}
+        if limits:
+            floor = forward_floor(kernels, n + 1, bandwidth, rates)
+            row.update(floor_ms=1e3 * floor, floor_relative=floor / forward_floor(kernels, 1, bandwidth, rates),
+                       efficiency=floor / med)
+        rows.append(row)
+    peer = measure_peer(args, sizes, prompt.tolist(), threads)
+    result = {"model": args.model or "the default model", "shape": args.shape, "branching": args.branching,
               "prefix_tokens": prefix, "repeats": args.repeats, "device": str(device), "dtype": str(llm.dtype),
-              "threads": torch.get_num_threads(), "sizes": rows}
-    print(f"verify forward cost vs tree size ({args.shape}, prefix {prefix}, {device}, {torch.get_num_threads()} threads)")
-    print(f"{'nodes':>6} {'depth':>6} {'ms':>9} {'min-max ms':>17} {'x N=0':>7}")
-    for r in rows:
-        print(f"{r['nodes']:>6} {r['depth']:>6} {r['ms']:>9.3f} {r['ms_min']:>8.3f}-{r['ms_max']:<8.3f} {r['relative']:>7.2f}")
+              "storages": sorted({p.storage for p in kernels.products()}) if kernels is not None else None, "threads": threads, "roofline": limits,
+              "sizes": rows, "llama_cpp": peer}
+    storages = sorted({p.storage for p in kernels.products()}) if kernels is not None else []
+    storage = f", {' + '.join(storages)} products" if storages else ""
+    print(f"verify forward cost vs tree size ({args.shape}, prefix {prefix}, {device}{storage}, {threads} threads)")
+    if limits:
+        print(f"roofline: {limits['bandwidth_gb_s']:.1f} GB/s streaming, peak multiply-adds {rates.float32 / 1e9:.0f} "
+              f"(float32 FMA) / {rates.int8 / 1e9:.0f} (8-bit) / {rates.int4 / 1e9:.0f} (4-bit) G/s, "
+              f"{limits['weight_bytes'] / 1e6:.1f} MB of weights")
+    header = f"{'nodes':>6} {'depth':>6} {'ms':>9} {'min-max ms':>17} {'x N=0':>7}"
+    if limits:
+        header += f" {'floor ms':>9} {'floor x':>8} {'effic.':>7}"
+    if peer:
+        header += f" {'llama.cpp ms':>13} {'x N=0':>7}"
+    print(header)
+    for i, r in enumerate(rows):
+        line = f"{r['nodes']:>6} {r['depth']:>6} {r['ms']:>9.3f} {r['ms_min']:>8.3f}-{r['ms_max']:<8.3f} {r['relative']:>7.2f}"
+        if limits:
+            line += f" {r['floor_ms']:>9.3f} {r['floor_relative']:>8.2f} {r['efficiency']:>7.2f}"
+        if peer:
+            line += f" {peer['sizes'][i]['ms']:>13.3f} {peer['sizes'][i]['relative']:>7.2f}"
+        print(line)
     write_json(result, args.json)
     return 0

@@ -252,6 +252,7 @@ class LlamaCpp:
         return self.gguf.stem.removeprefix("model-") if self.gguf.stem.startswith("model-") else self.gguf.name
 
     kv_type: str = "f32"
+    logits_all: bool = False  # every row's logits, as a verify forward needs (`bench verify`)
 
     def __post_init__(self) -> None:
         import llama_cpp
@@ -260,7 +261,8 @@ class LlamaCpp:
         try:
             self.llm = llama_cpp.Llama(model_path=str(self.gguf), n_ctx=self.n_ctx, n_batch=min(self.n_ctx, 512),
                                        n_threads=self.threads, n_threads_batch=self.threads, type_k=kv, type_v=kv,
-                                       n_gpu_layers=-1 if self.gpu else 0, verbose=False)
+                                       n_gpu_layers=-1 if self.gpu else 0, logits_all=self.logits_all,
+                                       verbose=False)
         except Exception as exc:  # a GGUF this llama.cpp cannot read: usually a converter newer than the library
             raise ValueError(f"llama-cpp-python cannot load {self.gguf} ({exc}); use the converter from the "
                              "same llama.cpp version as the installed llama-cpp-python") from exc
@@ -286,6 +288,17 @@ class LlamaCpp:
             if len(out) == max_tokens:
                 break
         return out
+
+    def verify_seconds(self, prefix: list[int], rows: list[int]) -> float:
+        """Seconds of one `llama_decode` of `rows` (a chain: causal, every row's logits when `logits_all`) after
+        `prefix`, whose KV is computed once and kept: rewinding to the prefix drops only the rows' KV."""
+        if self.llm.n_tokens < len(prefix) or list(self.llm.input_ids[:len(prefix)]) != list(prefix):
+            self.llm.reset()
+            self.llm.eval(prefix)
+        self.llm.n_tokens = len(prefix)  # eval() removes the KV past n_tokens before it decodes
+        t0 = time.perf_counter()
+        self.llm.eval(rows)
+        return time.perf_counter() - t0
 
     def timed(self, prompt: list[int], max_tokens: int, temperature: float = 0.0, seed: int = 0) -> tuple[float, list[int]]:
         """(seconds, tokens) of one `generate`, prompt processing included."""
@@ -316,18 +329,18 @@ def locate(source: str | None, model: str | Path | None = None) -> Path | PeerUn
 
 
 def load(model_dir: str | Path, tree: Path, *, dtype, threads: int, n_ctx: int, gpu: bool = False,
-         cache_dir: str | Path | None = None, log=None) -> LlamaCpp:
+         cache_dir: str | Path | None = None, log=None, logits_all: bool = False) -> LlamaCpp:
     """`model_dir` converted (cached) to the GGUF type that pairs with our `dtype` (or "int8" / "int4": our
     quantized storages), loaded; a GGUF file is loaded as it is — the same file both sides, whatever `dtype`."""
     from specserve.loading.gguf_file import is_gguf
 
     if is_gguf(model_dir):
-        return LlamaCpp(Path(model_dir), threads, n_ctx, gpu)
+        return LlamaCpp(Path(model_dir), threads, n_ctx, gpu, logits_all=logits_all)
     name = str(dtype).removeprefix("torch.")
     if name not in GGUF_TYPE:
         raise ValueError(f"no GGUF type pairs with dtype {name!r}; known: {', '.join(GGUF_TYPE)}")
     gguf = convert(Path(model_dir), tree, GGUF_TYPE[name], Path(cache_dir) if cache_dir else None, log=log)
-    return LlamaCpp(gguf, threads, n_ctx, gpu)
+    return LlamaCpp(gguf, threads, n_ctx, gpu, logits_all=logits_all)
 
 
 # -- the converter subprocess ----------------------------------------------------------------------

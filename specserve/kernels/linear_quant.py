@@ -46,8 +46,9 @@ from specserve.kernels.quant_packing import (  # noqa: F401 (the packing API, re
     pack_q8_blocks, quantize_q4, quantize_q4_1, quantize_q8, unpack_q4, unpack_q4_1, unpack_q8,
 )
 from specserve.kernels.simd import (
-    LANES, store_block_rows, store_lanes, store_row_blocks, vbroadcast, vbroadcast_bytes, vdot4, vdot4_7bit, vfma, vhigh_nibbles, visum, vizero, visub_scalar,
-    vload, vload_bytes, vlow_nibbles, vmax_abs, vmul, vround_to_int, vstore_int8, vtofloat, vzero,
+    LANES, PAIR_SUMS, I16x32Type, prefetch, store_block_rows, store_lanes, store_row_blocks, vbroadcast, vbroadcast_bytes, vdot2_pairs,
+    vdot4, vdot4_7bit, vdot4_signed, vfma, vhigh_nibbles, visub_scalar, visum, vizero, vload, vload_bytes, vlow_nibbles,
+    vmax_abs, vmul, vpairs_widen, vpairs_zero, vround_to_int, vstore_int8, vtofloat, vzero,
 )
 
 
@@ -116,6 +117,9 @@ def weight_offset(w, scales):
 
 @overload(run_sum, inline="always")
 def _run_sum(acc, isum, total, offset, scales, j, dx):
+    if isinstance(isum, I16x32Type):  # AVX2 4-bit pair sums (`wzero`): widened to int32 once per run
+        return lambda acc, isum, total, offset, scales, j, dx: run_sum(acc, vpairs_widen(isum), total, offset, scales,
+                                                                       j, dx)
     if scales.dtype == types.uint32:  # Q4_1 (offset 0): d and m (float16 bits) of each run, 16 outputs each, in turn
         def q4_1(acc, isum, total, offset, scales, j, dx):
             dm = scales.view(np.uint16)
@@ -139,25 +143,61 @@ def _group_pair(w, p, stride, offset):
                                          vload_bytes(w, (2 * p + 1) * stride + offset))
 
 
+def fetch_pair(w_flat, start, p, stride, offset):
+    """`prefetch` the lines `group_pair(w[tile], p, stride, offset)` reads, in the tile starting at w_flat[start]."""
+    raise NotImplementedError("runs inside numba kernels only")
+
+
+@overload(fetch_pair, inline="always")
+def _fetch_pair(w_flat, start, p, stride, offset):
+    if w_flat.dtype == types.int8:  # Q4_0, Q4_1: one 64-byte slot
+        return lambda w_flat, start, p, stride, offset: prefetch(w_flat, start + p * stride + offset)
+
+    def q8(w_flat, start, p, stride, offset):
+        prefetch(w_flat, start + 2 * p * stride + offset)
+        prefetch(w_flat, start + (2 * p + 1) * stride + offset)
+    return q8
+
+
 @overload(weight_offset, inline="always")
 def _weight_offset(w, scales):
     if scales.dtype == types.uint32:
         return lambda w, scales: 0
     if w.dtype == types.int8:
         return lambda w, scales: Q4_OFFSET
+    if PAIR_SUMS:  # AVX2's `vdot4_signed` takes Q8_0's offset out as it multiplies
+        return lambda w, scales: 0
     return lambda w, scales: Q8_OFFSET
 
 
-def wdot(w, acc, a, b):
-    """acc + the 4-byte dot products of weight bytes a (from `group_pair`) and activation bytes b: 4-bit nibbles
-    (Q4_0, Q4_1: int8-typed w) are below 128, which lets AVX2 take the cheaper `vdot4_7bit`."""
+def wzero(w):
+    """A zero accumulator of one run's integer sums (16 outputs): int32 lanes, or on AVX2 without VNNI for 4-bit
+    weights int16 pair sums (`simd.vdot2_pairs`: a run is exactly the eight calls they hold; `run_sum` widens)."""
     raise NotImplementedError("runs inside numba kernels only")
+
+
+def wdot(w, acc, a, b):
+    """acc + the 4-byte dot products of weight bytes a (from `group_pair`) and activation bytes b, in the spelling
+    the host does best (`simd`): VNNI's vpdpbusd; on AVX2, 4-bit nibbles (Q4_0, Q4_1: int8-typed w) as int16 pair
+    sums and 8-bit weights signed (`weight_offset` is then 0). Every spelling gives the same exact integers."""
+    raise NotImplementedError("runs inside numba kernels only")
+
+
+@overload(wzero, inline="always")
+def _wzero(w):
+    if PAIR_SUMS and w.dtype == types.int8:
+        return lambda w: vpairs_zero()
+    return lambda w: vizero()
 
 
 @overload(wdot, inline="always")
 def _wdot(w, acc, a, b):
     if w.dtype == types.int8:
+        if PAIR_SUMS:
+            return lambda w, acc, a, b: vdot2_pairs(acc, a, b)
         return lambda w, acc, a, b: vdot4_7bit(acc, a, b)
+    if PAIR_SUMS:
+        return lambda w, acc, a, b: vdot4_signed(acc, a, b)
     return lambda w, acc, a, b: vdot4(acc, a, b)
 
 
@@ -181,11 +221,39 @@ def linear_rows_quant(x, w, scales, bias, out, accumulate):
     block_bytes = GROUP * LANES  # one slot of one block: 4 inputs x 16 outputs (Q4_0, Q4_1: 8 inputs)
     stride = tb * block_bytes  # from one slot of a tile to the next
     num_blocks = (out.shape[1] + LANES - 1) // LANES  # real blocks: the last tile's padding is skipped
+    tile_len = w.shape[1]
+    w_flat = w.reshape(-1)
     for tile in prange(num_tiles):
         wt = w[tile]
         first = tile * tb
         count = min(num_blocks, first + tb) - first
         m = 0
+        # Where the next tile starts in w_flat while this tile's first pass fetches it (`prefetch`); -1 once done.
+        ahead = (tile + 1) * tile_len if tile + 1 < num_tiles else -1
+        while PAIR_SUMS and m + 4 <= num_rows:  # AVX2: 4 rows x 1 block, the accumulators fit 16 registers
+            x0, x1, x2, x3 = qx[m], qx[m + 1], qx[m + 2], qx[m + 3]
+            for i in range(count):
+                s0 = scales[first + i]
+                a0 = vzero(); a1 = vzero(); a2 = vzero(); a3 = vzero()
+                for j in range(runs):
+                    i0 = wzero(wt); i1 = wzero(wt); i2 = wzero(wt); i3 = wzero(wt)
+                    for p in range(j * pairs_per_run, (j + 1) * pairs_per_run):
+                        if ahead >= 0:
+                            fetch_pair(w_flat, ahead, p, stride, i * block_bytes)
+                        u, u2 = group_pair(wt, p, stride, i * block_bytes)
+                        g = 2 * p * GROUP
+                        i0 = wdot(wt, i0, u, vbroadcast_bytes(x0, g)); i1 = wdot(wt, i1, u, vbroadcast_bytes(x1, g))
+                        i2 = wdot(wt, i2, u, vbroadcast_bytes(x2, g)); i3 = wdot(wt, i3, u, vbroadcast_bytes(x3, g))
+                        g += GROUP
+                        i0 = wdot(wt, i0, u2, vbroadcast_bytes(x0, g)); i1 = wdot(wt, i1, u2, vbroadcast_bytes(x1, g))
+                        i2 = wdot(wt, i2, u2, vbroadcast_bytes(x2, g)); i3 = wdot(wt, i3, u2, vbroadcast_bytes(x3, g))
+                    a0 = run_sum(a0, i0, sums[m, j], offset, s0, j, dx[m, j])
+                    a1 = run_sum(a1, i1, sums[m + 1, j], offset, s0, j, dx[m + 1, j])
+                    a2 = run_sum(a2, i2, sums[m + 2, j], offset, s0, j, dx[m + 2, j])
+                    a3 = run_sum(a3, i3, sums[m + 3, j], offset, s0, j, dx[m + 3, j])
+                store_block_rows(out, m, (first + i) * LANES, a0, a1, a2, a3, bias, accumulate)
+            ahead = -1
+            m += 4
         while m + 4 <= num_rows:  # 4 rows x 2 blocks: each weight load feeds 4 dot products
             x0, x1, x2, x3 = qx[m], qx[m + 1], qx[m + 2], qx[m + 3]
             i = 0
@@ -197,8 +265,8 @@ def linear_rows_quant(x, w, scales, bias, out, accumulate):
                 a0 = vzero(); a1 = vzero(); a2 = vzero(); a3 = vzero()
                 c0 = vzero(); c1 = vzero(); c2 = vzero(); c3 = vzero()
                 for j in range(runs):
-                    i0 = vizero(); i1 = vizero(); i2 = vizero(); i3 = vizero()
-                    k0 = vizero(); k1 = vizero(); k2 = vizero(); k3 = vizero()
+                    i0 = wzero(wt); i1 = wzero(wt); i2 = wzero(wt); i3 = wzero(wt)
+                    k0 = wzero(wt); k1 = wzero(wt); k2 = wzero(wt); k3 = wzero(wt)
                     for p in range(j * pairs_per_run, (j + 1) * pairs_per_run):
                         u, u2 = group_pair(wt, p, stride, i * block_bytes)
                         v, v2 = group_pair(wt, p, stride, o1)
@@ -231,10 +299,13 @@ def linear_rows_quant(x, w, scales, bias, out, accumulate):
                 s0, s1, s2, s3 = scales[first], scales[first + 1], scales[first + 2], scales[first + 3]
                 a0 = vzero(); a1 = vzero(); a2 = vzero(); a3 = vzero()
                 for j in range(runs):
-                    i0 = vizero(); i1 = vizero(); i2 = vizero(); i3 = vizero()
+                    i0 = wzero(wt); i1 = wzero(wt); i2 = wzero(wt); i3 = wzero(wt)
                     for p in range(j * pairs_per_run, (j + 1) * pairs_per_run):
                         s = vbroadcast_bytes(xr, 2 * p * GROUP)
                         t = vbroadcast_bytes(xr, (2 * p + 1) * GROUP)
+                        if ahead >= 0:
+                            for b in range(4):
+                                fetch_pair(w_flat, ahead, p, stride, b * block_bytes)
                         u, u2 = group_pair(wt, p, stride, 0)
                         i0 = wdot(wt, wdot(wt, i0, u, s), u2, t)
                         u, u2 = group_pair(wt, p, stride, block_bytes)
@@ -255,10 +326,13 @@ def linear_rows_quant(x, w, scales, bias, out, accumulate):
                 s0, s1 = scales[first + i], scales[first + i + 1]
                 a0 = vzero(); a1 = vzero()
                 for j in range(runs):
-                    i0 = vizero(); i1 = vizero()
+                    i0 = wzero(wt); i1 = wzero(wt)
                     for p in range(j * pairs_per_run, (j + 1) * pairs_per_run):
                         s = vbroadcast_bytes(xr, 2 * p * GROUP)
                         t = vbroadcast_bytes(xr, (2 * p + 1) * GROUP)
+                        if ahead >= 0:
+                            fetch_pair(w_flat, ahead, p, stride, i * block_bytes)
+                            fetch_pair(w_flat, ahead, p, stride, (i + 1) * block_bytes)
                         u, u2 = group_pair(wt, p, stride, i * block_bytes)
                         i0 = wdot(wt, wdot(wt, i0, u, s), u2, t)
                         u, u2 = group_pair(wt, p, stride, (i + 1) * block_bytes)
@@ -273,7 +347,7 @@ def linear_rows_quant(x, w, scales, bias, out, accumulate):
                 s0 = scales[first + i]
                 a0 = vzero()
                 for j in range(runs):
-                    i0 = vizero()
+                    i0 = wzero(wt)
                     for p in range(j * pairs_per_run, (j + 1) * pairs_per_run):
                         u, u2 = group_pair(wt, p, stride, i * block_bytes)
                         i0 = wdot(wt, wdot(wt, i0, u, vbroadcast_bytes(xr, 2 * p * GROUP)), u2,
@@ -281,4 +355,5 @@ def linear_rows_quant(x, w, scales, bias, out, accumulate):
                     a0 = run_sum(a0, i0, sums[m, j], offset, s0, j, dx[m, j])
                 store_lanes(out, m, (first + i) * LANES, a0, bias, accumulate)
                 i += 1
+            ahead = -1
             m += 1

@@ -145,14 +145,15 @@ class ModelKernels:
     @property
     def quantized(self) -> bool:
         """Whether any product holds 8- or 4-bit weights (the quantized products' kernels run)."""
-        return any(p.scales.size for p in self._products())
+        return any(p.scales.size for p in self.products())
 
     @property
     def has_float_products(self) -> bool:
         """Whether any product holds float weights (the float products' kernel runs)."""
-        return any(not p.scales.size for p in self._products())
+        return any(not p.scales.size for p in self.products())
 
-    def _products(self):
+    def products(self) -> tuple[PackedLinear, ...]:
+        """Every product a forward runs: the LM head, then each layer's."""
         return (self.lm_head, *(q for layer in self.layers for q in layer.products()))
 
     def bytes_read_per_token(self) -> int:

@@ -389,6 +389,136 @@ vdot4 = intrinsic(_dot4_intrinsic(seven_bit=False))
 vdot4_7bit = intrinsic(_dot4_intrinsic(seven_bit=True))
 
 
+# ---- AVX2 without VNNI: cheaper spellings of the same exact integer sums -----------------------------------
+#
+# AVX2 has no 4-byte dot product: vpmaddubsw multiplies byte pairs and sums each pair in int16, vpmaddwd sums
+# int16 pairs in int32. `vdot4` pays both per call. Two exact shortcuts, used by the quantized kernels when the host
+# has AVX2 but not VNNI (`PAIR_SUMS`):
+# - 4-bit weights (nibbles, <= 15) times activations in [-127, 127]: a pair sums to at most 2 * 15 * 127 = 3810, so
+#   eight vpmaddubsw results add in int16 without overflow (8 * 3810 = 30480 < 2^15) — a run of 32 inputs is
+#   exactly eight calls — and one vpmaddwd per run widens them (`vpairs_zero`, `vdot2_pairs`, `vpairs_widen`).
+# - 8-bit weights: signed q times x as |q| (unsigned, <= 128) times x · sign(q) (vpsignb), a pair at most
+#   2 * 128 * 127 = 32512 < 2^15: one vpmaddubsw / vpmaddwd pair per half instead of two (`vdot4_signed`), and no
+#   offset to subtract.
+
+PAIR_SUMS = HAS_AVX2 and not HAS_VNNI
+_PAIRS = ir.VectorType(ir.IntType(16), 2 * LANES)  # 32 int16 lanes: two 256-bit registers
+
+
+class I16x32Type(types.Type):
+    def __init__(self) -> None:
+        super().__init__(name="I16x32")
+
+
+I16x32 = I16x32Type()
+
+
+@register_model(I16x32Type)
+class _I16x32Model(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _PAIRS)
+
+
+def _halves(builder, v, width: int):
+    """The two 256-bit halves of a 512-bit vector of `width` lanes."""
+    return [builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, width // 2),
+                                                     [width // 2 * h + i for i in range(width // 2)]))
+            for h in range(2)]
+
+
+def _join(builder, lo, hi, width: int):
+    return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, width), list(range(width))))
+
+
+def _x86(builder, name: str, ret, *args):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, list(args))
+
+
+@intrinsic
+def prefetch(typingctx, array, index):
+    """Ask for array[index]'s cache line ahead of use (1-D contiguous array; never faults). A few-row product computes
+    long enough per tile that the hardware prefetchers stop running ahead of it: the kernel fetches the next tile's
+    lines itself, one per step, so the stream overlaps the arithmetic."""
+    if not isinstance(array, types.Array) or array.ndim != 1:
+        return None
+
+    def codegen(context, builder, signature, args):
+        ptr = _item_pointer(context, builder, signature.args[0], args[0], args[1])
+        i8p = ir.IntType(8).as_pointer()
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
+                                            "llvm.prefetch.p0")
+        builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        return context.get_dummy_value()
+
+    return types.none(array, index), codegen
+
+
+@intrinsic
+def vpairs_zero(typingctx):
+    """32 int16 zeros: a run's pair sums before its first `vdot2_pairs`."""
+
+    def codegen(context, builder, signature, args):
+        return ir.Constant(_PAIRS, [0] * 2 * LANES)
+
+    return I16x32(), codegen
+
+
+@intrinsic
+def vdot2_pairs(typingctx, acc, a, b):
+    """acc + vpmaddubsw(a, b): int16 lane 2 l + i of the result adds bytes 4 l + 2 i and 4 l + 2 i + 1 of a (unsigned,
+    < 16) times those of b (signed, in [-127, 127]); `vpairs_widen` sums lanes 2 l and 2 l + 1 into int32 lane l.
+    At most eight calls per accumulator (see above)."""
+    if not PAIR_SUMS:
+        return None
+
+    def codegen(context, builder, signature, args):
+        acc_v, a_v, b_v = args
+        parts = [_x86(builder, "llvm.x86.avx2.pmadd.ub.sw", _HALF_WORDS, x, y)
+                 for x, y in zip(_halves(builder, builder.bitcast(a_v, _BYTES), 4 * LANES),
+                                 _halves(builder, builder.bitcast(b_v, _BYTES), 4 * LANES))]
+        return builder.add(acc_v, _join(builder, parts[0], parts[1], 2 * LANES))
+
+    return I16x32(acc, a, b), codegen
+
+
+@intrinsic
+def vpairs_widen(typingctx, acc):
+    """The pair sums as 16 int32 lanes, lane l = int16 lanes 2 l + 2 l + 1 (vpmaddwd by ones; exact)."""
+
+    def codegen(context, builder, signature, args):
+        ones = ir.Constant(_HALF_WORDS, [1] * LANES)
+        parts = [_x86(builder, "llvm.x86.avx2.pmadd.wd", _HALF_INTS, h, ones)
+                 for h in _halves(builder, args[0], 2 * LANES)]
+        return _join(builder, parts[0], parts[1], LANES)
+
+    return I32x16(acc), codegen
+
+
+@intrinsic
+def vdot4_signed(typingctx, acc, a, b):
+    """acc + (per int32 lane) Σ of 4 products (a_byte - 128) · b_byte: a's bytes stored offset by 128 (as Q8_0 weights
+    are, for vpdpbusd), b's signed in [-127, 127] — the offset already taken out, with AVX2's vpsignb trick (above)."""
+    if not PAIR_SUMS:
+        return None
+
+    def codegen(context, builder, signature, args):
+        acc_v, a_v, b_v = args
+        q = builder.xor(builder.bitcast(a_v, _BYTES), ir.Constant(_BYTES, [0x80] * 4 * LANES))  # signed weights
+        ones = ir.Constant(_HALF_WORDS, [1] * LANES)
+        parts = []
+        for q_h, b_h in zip(_halves(builder, q, 4 * LANES), _halves(builder, builder.bitcast(b_v, _BYTES), 4 * LANES)):
+            # |q| (vpabsb); |-128| wraps to the byte 0x80, which vpmaddubsw reads unsigned: 128
+            size = builder.select(builder.icmp_signed("<", q_h, ir.Constant(_HALF_BYTES, [0] * 2 * LANES)),
+                                  builder.neg(q_h), q_h)
+            signed_b = _x86(builder, "llvm.x86.avx2.psign.b", _HALF_BYTES, b_h, q_h)
+            pairs = _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", _HALF_WORDS, size, signed_b)
+            parts.append(_x86(builder, "llvm.x86.avx2.pmadd.wd", _HALF_INTS, pairs, ones))
+        return builder.add(acc_v, _join(builder, parts[0], parts[1], LANES))
+
+    return I32x16(acc, a, b), codegen
+
+
 @intrinsic
 def visub_scalar(typingctx, a, value):
     """a - value (an int32 scalar) in every lane."""

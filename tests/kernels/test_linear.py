@@ -402,13 +402,19 @@ from specserve.kernels import PackedLinear, linear_rows
 
 
 def products():
+    # 40 outputs (tiles of 2 blocks: the 2- and 1-block paths) and 1,060 (tiles of 4: the 4-block one, a short last
+    # tile); 100 inputs (a short last run); 1-16 rows: every row tile and leftover count, on every path.
     gen = torch.Generator().manual_seed(7)
-    w, x = torch.randn(40, 100, generator=gen), torch.randn(5, 100, generator=gen)
+    x = torch.randn(16, 100, generator=gen).numpy()
     outs = {}
-    for storage in ("int8", "int4", "q4_1"):
-        packed = PackedLinear(w, None, storage)
-        outs[storage] = np.zeros((5, 40), dtype=np.float32)
-        linear_rows(x.numpy(), packed.weight, packed.scales, packed.bias, outs[storage], False)
+    for out_features in (40, 1060):
+        w = torch.randn(out_features, 100, generator=gen)
+        for storage in ("int8", "int4", "q4_1"):
+            packed = PackedLinear(w, None, storage)
+            for rows in (1, 2, 3, 4, 5, 7, 8, 13, 16):
+                out = np.zeros((rows, out_features), dtype=np.float32)
+                linear_rows(x[:rows], packed.weight, packed.scales, packed.bias, out, False)
+                outs[f"{storage}-{out_features}x{rows}"] = out
     return outs
 
 
@@ -421,9 +427,10 @@ if __name__ == "__main__":  # the child: this CPU less VNNI
 
 @pytest.mark.parametrize("without", ["avx512vnni", "avx2"])
 def test_int8_int4_and_q4_1_on_every_dot_product_path_compute_the_same_bits(tmp_path, without):
-    # `vdot4` is one VNNI instruction, or on AVX2 vpmaddubsw / vpmaddwd pairs (the weight bytes split at 128), or
-    # generic vector code; integer sums are exact, so every path must give the same bits. The slower path runs
-    # in a child compiled for this CPU less the feature (less VNNI: AVX2's; less AVX2 and VNNI: the generic).
+    # `vdot4` is one VNNI instruction, or on AVX2 vpmaddubsw pair sums (4-bit weights) and signed vpmaddubsw /
+    # vpmaddwd pairs (8-bit), with their own row tiles, or generic vector code; integer sums are exact, so every
+    # path must give the same bits. The slower path runs in a child compiled for this CPU less the feature (less
+    # VNNI: AVX2's; less AVX2 and VNNI: the generic).
     import os
     import subprocess
     import sys
