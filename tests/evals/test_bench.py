@@ -27,6 +27,32 @@ def test_bench_verify(llama_dir, tmp_path, capsys, shape):
     assert rows[-1]["depth"] == (8 if shape == "chain" else 3) and all(r["ms"] > 0 for r in rows)
 
 
+def test_bench_verify_floor_columns_follow_their_definition(llama_dir, tmp_path, capsys):
+    from specserve import LLM
+    from specserve.evals.bench_verify import forward_floor
+    from specserve.evals.roofline import PeakRates
+
+    out = tmp_path / "v.json"
+    rc = main(["bench", "verify", "--model", str(llama_dir), "--sizes", "3,15", "--prefix-tokens", "16", "--repeats",
+               "2", "--device", "cpu", "--quantization", "int4", "--json", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "roofline:" in printed and "effic." in printed and "int4 products" in printed
+    result = json.loads(out.read_text())
+    limits = result["roofline"]
+    assert limits["bandwidth_gb_s"] > 0 and min(limits["peak_gmac_s"].values()) > 0
+    for row in result["sizes"]:
+        assert row["efficiency"] == pytest.approx(row["floor_ms"] / row["ms"])
+    # The floor: weights streamed once, or each product's multiply-adds at its arithmetic's rate, the longer.
+    kernels = LLM(str(llama_dir), drafter=None, device="cpu", quantization="int4").model.kernels
+    rates = PeakRates(float32=1e9, int8=2e9, int4=4e9)
+    macs = sum(p.out_features * p.in_features for p in kernels.products())
+    assert {p.storage for p in kernels.products()} == {"int4"}
+    for rows in (1, 4, 16):
+        assert forward_floor(kernels, rows, 1e9, rates) == pytest.approx(max(kernels.bytes_read_per_token() / 1e9,
+                                                                             rows * macs / 4e9))
+
+
 def test_bench_batch(llama_dir, tmp_path, capsys):
     out = tmp_path / "b.json"
     rc = main(["bench", "batch", "--model", str(llama_dir), "--batch-sizes", "1,2", "--prompt-tokens", "8", "--max-tokens", "6",
@@ -41,6 +67,7 @@ def test_bench_batch(llama_dir, tmp_path, capsys):
 @pytest.mark.parametrize("args, message", [
     (["verify", "--sizes", "1,x"], "--sizes expects comma-separated integers"),
     (["verify", "--prefix-tokens", "600"], "exceed the context window"),
+    (["verify", "--shape", "tree", "--peer", "llama.cpp"], "times chains only"),
     (["batch", "--batch-sizes", "0,2"], "--batch-sizes must be integers >= 1"),
     (["batch", "--max-tokens", "1"], "--max-tokens must be >= 2"),
 ])

@@ -79,3 +79,21 @@ def _last_logits(model: LlamaModel, tokens: list[int]) -> np.ndarray:
     builder = StepBatchBuilder(allocator)
     builder.add("s", 0, np.asarray(tokens), logits="last")
     return model.forward(builder.build(), model.new_cache(allocator)).logits[-1].double().numpy()
+
+
+def test_bench_verify_peer_rewinds_to_the_prefix_each_time(hf_dir, tmp_path):
+    # `bench verify --peer llama.cpp` times one decode of the rows after a prefix decoded once, rewinding between
+    # tries: each try must see exactly the prefix (its KV kept, the last try's rows dropped), so every row's logits
+    # equal one fresh decode of prefix + rows.
+    from specserve.evals.llamacpp_peer import LlamaCpp
+
+    path = write_gguf(hf_dir, tmp_path / "model-Q8_0.gguf", "Q8_0")
+    peer = LlamaCpp(path, threads=1, n_ctx=64, logits_all=True)
+    prefix, rows = list(range(5, 25)), [40, 41, 42, 43]
+    for other in ([50, 51, 52, 53, 54, 55], [60]):  # earlier tries with other rows, longer and shorter
+        assert peer.verify_seconds(prefix, other) > 0
+    peer.verify_seconds(prefix, rows)
+    timed = np.array(peer.llm.scores[len(prefix):len(prefix) + len(rows)])
+    fresh = LlamaCpp(path, threads=1, n_ctx=64, logits_all=True)
+    fresh.llm.eval(prefix + rows)
+    np.testing.assert_allclose(timed, np.array(fresh.llm.scores[len(prefix):len(prefix) + len(rows)]), atol=1e-4)
