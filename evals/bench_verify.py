@@ -146,15 +146,16 @@ def run(args: argparse.Namespace) -> int:
             if rep >= 2:
                 times[n].append(time.perf_counter() - t0)
     cache.allocator.free("bench")
-    threads = torch.get_num_threads()
     kernels = getattr(model, "kernels", None)
+    from specserve.kernels import get_threads
+
+    threads = get_threads() if kernels is not None else torch.get_num_threads()
     limits = None
     if args.roofline and kernels is not None:
         from specserve.evals.roofline import memory_bandwidth, peak_rates
-        from specserve.kernels import get_threads
 
-        threads = get_threads()
         bandwidth, rates = memory_bandwidth(threads), peak_rates(threads)
+        one_row = forward_floor(kernels, 1, bandwidth, rates)
         limits = {"bandwidth_gb_s": bandwidth / 1e9, "peak_gmac_s": {"float32": rates.float32 / 1e9,
                   "int8": rates.int8 / 1e9, "int4": rates.int4 / 1e9}, "weight_bytes": kernels.bytes_read_per_token()}
     base = statistics.median(times[0])
@@ -165,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
                "ms_max": 1e3 * max(times[n]), "relative": med / base}
         if limits:
             floor = forward_floor(kernels, n + 1, bandwidth, rates)
-            row.update(floor_ms=1e3 * floor, floor_relative=floor / forward_floor(kernels, 1, bandwidth, rates),
+            row.update(floor_ms=1e3 * floor, floor_relative=floor / one_row,
                        efficiency=floor / med)
         rows.append(row)
     peer = measure_peer(args, sizes, prompt.tolist(), threads)

@@ -54,7 +54,7 @@ from specserve.kernels.quant_packing import (  # noqa: F401 (the packing API, re
 )
 from specserve.kernels.simd import (
     LANES, PAIR_SUMS, I16x32Type, prefetch, store_block_rows, store_lanes, store_row_blocks, vbroadcast, vbroadcast_bytes, vdot2_pairs,
-    vdot4, vdot4_7bit, vdot4_signed, vfma, vhigh_nibbles, visub_scalar, visum, vizero, vload, vload_bytes, vlow_nibbles,
+    vdot4, vdot4_signed, vfma, vhigh_nibbles, visub_scalar, visum, vizero, vload, vload_bytes, vlow_nibbles,
     vmax_abs, vmul, vpairs_widen, vpairs_zero, vround_to_int, vstore_int8, vtofloat, vzero,
 )
 
@@ -199,11 +199,9 @@ def _wzero(w):
 
 @overload(wdot, inline="always")
 def _wdot(w, acc, a, b):
-    if w.dtype == types.int8:
-        if PAIR_SUMS:
-            return lambda w, acc, a, b: vdot2_pairs(acc, a, b)
-        return lambda w, acc, a, b: vdot4_7bit(acc, a, b)
     if PAIR_SUMS:
+        if w.dtype == types.int8:
+            return lambda w, acc, a, b: vdot2_pairs(acc, a, b)
         return lambda w, acc, a, b: vdot4_signed(acc, a, b)
     return lambda w, acc, a, b: vdot4(acc, a, b)
 

@@ -322,26 +322,6 @@ _HALF_WORDS = ir.VectorType(ir.IntType(16), LANES)
 _HALF_INTS = ir.VectorType(_I32, LANES // 2)
 
 
-def _dot4_avx2(builder, acc_v, a_bytes, b_bytes, scale: int):
-    """acc + scale · (per int32 lane) Σ of 4 products a·b, a's bytes unsigned and < 128, b's signed in [-127, 127],
-    with AVX2's vpmaddubsw (pairs summed in int16: |2 · 127 · 127| < 2^15, so it never saturates) and vpmaddwd
-    (pairs of int16 times `scale`, summed in int32); exact. Each 512-bit vector is two 256-bit halves."""
-    mod = builder.module
-    maddubs = cgutils.get_or_insert_function(mod, ir.FunctionType(_HALF_WORDS, [_HALF_BYTES, _HALF_BYTES]),
-                                             "llvm.x86.avx2.pmadd.ub.sw")
-    maddwd = cgutils.get_or_insert_function(mod, ir.FunctionType(_HALF_INTS, [_HALF_WORDS, _HALF_WORDS]),
-                                            "llvm.x86.avx2.pmadd.wd")
-    factor = ir.Constant(_HALF_WORDS, [scale] * LANES)
-    halves = []
-    for h in range(2):
-        pick = ir.Constant(ir.VectorType(_I32, 2 * LANES), [2 * LANES * h + i for i in range(2 * LANES)])
-        a_h = builder.shuffle_vector(a_bytes, a_bytes, pick)
-        b_h = builder.shuffle_vector(b_bytes, b_bytes, pick)
-        halves.append(builder.call(maddwd, [builder.call(maddubs, [a_h, b_h]), factor]))
-    both = builder.shuffle_vector(halves[0], halves[1], ir.Constant(ir.VectorType(_I32, LANES), list(range(LANES))))
-    return builder.add(acc_v, both)
-
-
 def _dot4_generic(builder, acc_v, a_v, b_v):
     """acc + Σ of 4 products per lane, widened to int32 (any target; slow)."""
     wide = ir.VectorType(_I32, 4 * LANES)
@@ -355,44 +335,27 @@ def _dot4_generic(builder, acc_v, a_v, b_v):
     return total
 
 
-def _dot4_intrinsic(seven_bit: bool):
-    """`vdot4`'s codegen: one vpdpbusd with AVX-512 VNNI; on AVX2 vpmaddubsw / vpmaddwd pairs — each weight byte
-    split as 128 · (a >> 7) + (a & 127), or taken whole when `seven_bit` (bytes known to be below 128); else
-    generic vector code. Every path gives the same exact integers."""
+@intrinsic
+def vdot4(typingctx, acc, a, b):
+    """acc + (per lane) sum of 4 products of a's unsigned bytes by b's signed bytes (b in [-127, 127], as quantized
+    activations are), in int32 (exact: |255 · 127 · 4| fits many times over): one vpdpbusd with AVX-512 VNNI, else
+    generic vector code. AVX2 hosts spell the kernels' sums their own way (`PAIR_SUMS`, below)."""
 
-    def dot4(typingctx, acc, a, b):
-        def codegen(context, builder, signature, args):
-            acc_v, a_v, b_v = args
-            if HAS_VNNI:
-                fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_IVEC, [_IVEC] * 3),
-                                                    "llvm.x86.avx512.vpdpbusd.512")
-                return builder.call(fn, [acc_v, a_v, b_v])
-            if not HAS_AVX2:
-                return _dot4_generic(builder, acc_v, a_v, b_v)
-            a_bytes, b_bytes = builder.bitcast(a_v, _BYTES), builder.bitcast(b_v, _BYTES)
-            if seven_bit:
-                return _dot4_avx2(builder, acc_v, a_bytes, b_bytes, 1)
-            low = builder.and_(a_bytes, ir.Constant(_BYTES, [0x7F] * 4 * LANES))
-            high = builder.lshr(a_bytes, ir.Constant(_BYTES, [7] * 4 * LANES))
-            return _dot4_avx2(builder, _dot4_avx2(builder, acc_v, low, b_bytes, 1), high, b_bytes, 128)
+    def codegen(context, builder, signature, args):
+        acc_v, a_v, b_v = args
+        if HAS_VNNI:
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_IVEC, [_IVEC] * 3),
+                                                "llvm.x86.avx512.vpdpbusd.512")
+            return builder.call(fn, [acc_v, a_v, b_v])
+        return _dot4_generic(builder, acc_v, a_v, b_v)
 
-        return I32x16(acc, a, b), codegen
-
-    return dot4
-
-
-#: acc + (per lane) sum of 4 products of a's unsigned bytes by b's signed bytes (b in [-127, 127], as quantized
-#: activations are), in int32 (exact: |255 · 127 · 4| fits many times over). See `_dot4_intrinsic`.
-vdot4 = intrinsic(_dot4_intrinsic(seven_bit=False))
-#: `vdot4` for a's bytes known to be below 128 (4-bit weights' nibbles): on AVX2 one vpmaddubsw / vpmaddwd pair
-#: per half instead of two.
-vdot4_7bit = intrinsic(_dot4_intrinsic(seven_bit=True))
+    return I32x16(acc, a, b), codegen
 
 
 # ---- AVX2 without VNNI: cheaper spellings of the same exact integer sums -----------------------------------
 #
 # AVX2 has no 4-byte dot product: vpmaddubsw multiplies byte pairs and sums each pair in int16, vpmaddwd sums
-# int16 pairs in int32. `vdot4` pays both per call. Two exact shortcuts, used by the quantized kernels when the host
+# int16 pairs in int32. Two exact shortcuts, used by the quantized kernels when the host
 # has AVX2 but not VNNI (`PAIR_SUMS`):
 # - 4-bit weights (nibbles, <= 15) times activations in [-127, 127]: a pair sums to at most 2 * 15 * 127 = 3810, so
 #   eight vpmaddubsw results add in int16 without overflow (8 * 3810 = 30480 < 2^15) — a run of 32 inputs is
@@ -435,6 +398,20 @@ def _x86(builder, name: str, ret, *args):
     return builder.call(fn, list(args))
 
 
+def _maddubs(builder, a_bytes, b_bytes):
+    """vpmaddubsw of each 256-bit half of two 64-byte vectors (a's bytes unsigned, b's signed): per half 16 int16 pair
+    sums, saturating (callers keep them in range)."""
+    return [_x86(builder, "llvm.x86.avx2.pmadd.ub.sw", _HALF_WORDS, x, y)
+            for x, y in zip(_halves(builder, a_bytes, 4 * LANES), _halves(builder, b_bytes, 4 * LANES))]
+
+
+def _widen(builder, halves):
+    """Two halves of int16 pair sums as 16 int32 lanes: vpmaddwd by ones sums lanes 2 l and 2 l + 1 (exact)."""
+    ones = ir.Constant(_HALF_WORDS, [1] * LANES)
+    parts = [_x86(builder, "llvm.x86.avx2.pmadd.wd", _HALF_INTS, h, ones) for h in halves]
+    return _join(builder, parts[0], parts[1], LANES)
+
+
 @intrinsic
 def prefetch(typingctx, array, index):
     """Ask for array[index]'s cache line ahead of use (1-D contiguous array; never faults). A few-row product computes
@@ -474,9 +451,7 @@ def vdot2_pairs(typingctx, acc, a, b):
 
     def codegen(context, builder, signature, args):
         acc_v, a_v, b_v = args
-        parts = [_x86(builder, "llvm.x86.avx2.pmadd.ub.sw", _HALF_WORDS, x, y)
-                 for x, y in zip(_halves(builder, builder.bitcast(a_v, _BYTES), 4 * LANES),
-                                 _halves(builder, builder.bitcast(b_v, _BYTES), 4 * LANES))]
+        parts = _maddubs(builder, builder.bitcast(a_v, _BYTES), builder.bitcast(b_v, _BYTES))
         return builder.add(acc_v, _join(builder, parts[0], parts[1], 2 * LANES))
 
     return I16x32(acc, a, b), codegen
@@ -487,10 +462,7 @@ def vpairs_widen(typingctx, acc):
     """The pair sums as 16 int32 lanes, lane l = int16 lanes 2 l + 2 l + 1 (vpmaddwd by ones; exact)."""
 
     def codegen(context, builder, signature, args):
-        ones = ir.Constant(_HALF_WORDS, [1] * LANES)
-        parts = [_x86(builder, "llvm.x86.avx2.pmadd.wd", _HALF_INTS, h, ones)
-                 for h in _halves(builder, args[0], 2 * LANES)]
-        return _join(builder, parts[0], parts[1], LANES)
+        return _widen(builder, _halves(builder, args[0], 2 * LANES))
 
     return I32x16(acc), codegen
 
@@ -505,16 +477,11 @@ def vdot4_signed(typingctx, acc, a, b):
     def codegen(context, builder, signature, args):
         acc_v, a_v, b_v = args
         q = builder.xor(builder.bitcast(a_v, _BYTES), ir.Constant(_BYTES, [0x80] * 4 * LANES))  # signed weights
-        ones = ir.Constant(_HALF_WORDS, [1] * LANES)
-        parts = []
-        for q_h, b_h in zip(_halves(builder, q, 4 * LANES), _halves(builder, builder.bitcast(b_v, _BYTES), 4 * LANES)):
-            # |q| (vpabsb); |-128| wraps to the byte 0x80, which vpmaddubsw reads unsigned: 128
-            size = builder.select(builder.icmp_signed("<", q_h, ir.Constant(_HALF_BYTES, [0] * 2 * LANES)),
-                                  builder.neg(q_h), q_h)
-            signed_b = _x86(builder, "llvm.x86.avx2.psign.b", _HALF_BYTES, b_h, q_h)
-            pairs = _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", _HALF_WORDS, size, signed_b)
-            parts.append(_x86(builder, "llvm.x86.avx2.pmadd.wd", _HALF_INTS, pairs, ones))
-        return builder.add(acc_v, _join(builder, parts[0], parts[1], LANES))
+        # |q| (vpabsb); |-128| wraps to the byte 0x80, which vpmaddubsw reads unsigned: 128
+        size = builder.select(builder.icmp_signed("<", q, ir.Constant(_BYTES, [0] * 4 * LANES)), builder.neg(q), q)
+        signs = [_x86(builder, "llvm.x86.avx2.psign.b", _HALF_BYTES, x, y)  # x · sign(q), half by half
+                 for x, y in zip(_halves(builder, builder.bitcast(b_v, _BYTES), 4 * LANES), _halves(builder, q, 4 * LANES))]
+        return builder.add(acc_v, _widen(builder, _maddubs(builder, size, _join(builder, *signs, 4 * LANES))))
 
     return I32x16(acc, a, b), codegen
 
