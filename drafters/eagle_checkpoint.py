@@ -9,6 +9,7 @@ SpecForge, speculators) are read by `eagle_public`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import replace
@@ -28,39 +29,59 @@ from specserve.drafters.eagle_public import read_public
 _VOLATILE_CONFIG_KEYS = ("transformers_version", "torch_dtype", "dtype", "_name_or_path")
 
 
-def new_head_config(target_dir: str | Path, mode: str, draft_vocab_size: int | None = None,
+def new_head_config(target: str | Path, mode: str, draft_vocab_size: int | None = None,
                     feature_layers: tuple[int, ...] | None = None) -> EagleHeadConfig:
-    """The config of a fresh head for the target in ``target_dir``: the target's layer shape and RoPE,
-    its identity (sizes, model type, fingerprints), EAGLE's feature layers unless given."""
-    target_dir = Path(target_dir)
-    raw = _read_json(target_dir / "config.json")
+    """The config of a fresh head for ``target`` (a model directory or a GGUF file): the target's layer
+    shape and RoPE, its identity (sizes, model type, fingerprints), EAGLE's feature layers unless given."""
+    raw = target_config(target)
     try:
         num_layers, vocab, hidden = int(raw["num_hidden_layers"]), int(raw["vocab_size"]), int(raw["hidden_size"])
     except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"{str(target_dir / 'config.json')!r} is not a Llama-family config: {exc}") from exc
+        raise ValueError(f"{str(target)!r} has no Llama-family config: {exc}") from exc
     layer = {k: raw[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                                  "head_dim", "rms_norm_eps", "max_position_embeddings", "rope_theta", "rope_scaling",
                                  "rope_parameters") if raw.get(k) is not None}
-    target = {"hidden_size": hidden, "vocab_size": vocab, "num_layers": num_layers, "model_type": raw.get("model_type"),
-              **target_fingerprint(target_dir)}
+    target_record = {"hidden_size": hidden, "vocab_size": vocab, "num_layers": num_layers,
+                     "model_type": raw.get("model_type"), **target_fingerprint(target)}
     if mode not in MODES:
         raise ValueError(f"EAGLE head mode must be one of {MODES}, got {mode!r}")
     if mode == "eagle1":
         draft_vocab_size = vocab
     return EagleHeadConfig(mode=mode, layer=layer, vocab_size=vocab, draft_vocab_size=draft_vocab_size or vocab,
                            feature_layers=tuple(feature_layers or default_feature_layers(mode, num_layers)),
-                           fc_bias=mode == "eagle1", input_norm=False, target=target)
+                           fc_bias=mode == "eagle1", input_norm=False, target=target_record)
+
+
+def target_config(target: str | Path) -> dict:
+    """A target's Hugging Face config as a dict: a directory's config.json, or a GGUF file's metadata."""
+    path = Path(target)
+    if path.is_file():
+        from specserve.loading.gguf_file import GGUFFile
+
+        hf = GGUFFile(path).hf_config
+        return hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf))
+    return _read_json(path / "config.json")
 
 # ---- fingerprints ---------------------------------------------------------------------------------
 
 
 def target_fingerprint(model_dir: str | Path | None) -> dict:
-    """``config_sha256`` (of config.json's content, without export-only fields such as dtype) and
-    ``tokenizer`` (training/tokenizer.py's fingerprint) of a target directory; None where absent."""
+    """What identifies a target, None where absent: for a directory ``config_sha256`` (of config.json's content,
+    without export-only fields such as dtype) and ``tokenizer`` (training/tokenizer.py's fingerprint); for a GGUF
+    file ``file_sha256``, the file's own (its weights are what a head was trained on), and its tokenizer's."""
     out: dict[str, Any] = {"config_sha256": None, "tokenizer": None}
     if model_dir is None:
         return out
     model_dir = Path(model_dir)
+    if model_dir.is_file():
+        from specserve.loading.gguf_file import GGUFFile
+
+        out["file_sha256"] = file_sha256(model_dir)
+        gguf = GGUFFile(model_dir)
+        tokenizer_dir = gguf.tokenizer_dir() or (gguf.tokenizer() is not None and gguf.tokenizer_dir())
+        if tokenizer_dir:
+            out["tokenizer"] = target_fingerprint(tokenizer_dir)["tokenizer"]
+        return out
     config = model_dir / "config.json"
     if config.is_file():
         try:
@@ -78,6 +99,20 @@ def target_fingerprint(model_dir: str | Path | None) -> dict:
         except (OSError, ValueError):
             pass
     return out
+
+
+def file_sha256(path: str | Path) -> str:
+    """sha256 of a file, hashed once per process for a given (path, size, mtime): every head load checks it."""
+    path = Path(path).resolve()
+    stat = path.stat()
+    return _file_sha256(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
+    from specserve.loading.default_model import sha256_of
+
+    return sha256_of(Path(path))
 
 
 # ---- our format -------------------------------------------------------------------------------------
@@ -267,7 +302,7 @@ def _check_target(cfg: EagleHeadConfig, target, path: Path) -> None:
         problems.append(f"hidden size {have_hidden} vs the target's {target.hidden_size}")
     if cfg.vocab_size != target.vocab_size:
         problems.append(f"vocabulary {cfg.vocab_size} vs the target's {target.vocab_size}")
-    for key in ("num_layers", "model_type", "config_sha256", "tokenizer"):
+    for key in ("num_layers", "model_type", "config_sha256", "file_sha256", "tokenizer"):
         if want.get(key) is not None and have.get(key) is not None and want[key] != have[key]:
             problems.append(f"{key} {want[key]!r} vs the target's {have[key]!r}")
     bad_layers = [layer for layer in cfg.feature_layers if not 0 <= layer <= target.num_layers]

@@ -87,13 +87,16 @@ FILELESS_DRAFTERS = ("ngram", "suffix", "lookahead")
 
 
 def default_drafter(model_dir: str | Path | None) -> str | None:
-    """The drafter `LLM(drafter="auto")` uses: the bundle's ``default_drafter`` (chosen by measurement:
-    `specserve train default-drafter`) when the target is the bundled default model and it can run —
-    a bundled drafter, a file-less one, or a hybrid of those; otherwise None (plain decoding)."""
-    from specserve.loading.default_model import DEFAULT_DRAFTER, is_default_model_file
+    """The drafter `LLM(drafter="auto")` uses: for the default model (SmolLM2's GGUF file) the ``default_drafter``
+    its shipped drafters' manifest names (`default_model_drafters`); for the bundled tiny model the bundle's
+    ``default_drafter`` (chosen by measurement: `specserve train default-drafter`) when it can run — a bundled
+    drafter, a file-less one, or a hybrid of those; otherwise None (plain decoding)."""
+    from specserve.loading.default_model import is_default_model_file
 
     if is_default_model_file(model_dir):
-        return DEFAULT_DRAFTER
+        from specserve.default_model_drafters import default_drafter_spec
+
+        return default_drafter_spec()
     manifest = bundle_manifest()
     if manifest is None or not is_default_model(model_dir):
         return None
@@ -111,7 +114,14 @@ def runs_on_bundle(spec: str) -> bool:
 
 
 def resolve_drafter_path(name: str, model_dir: str | Path | None) -> str | None:
-    """The bundled path for a drafter named without one (``"draft"``) when the target is the default model."""
+    """The shipped path for a drafter named without one (``"eagle"``, ``"draft"``) when the target is the default
+    model (its drafters ship in `specserve/default_model_drafters/`) or the bundled tiny model."""
+    from specserve.loading.default_model import is_default_model_file
+
+    if is_default_model_file(model_dir):
+        from specserve.default_model_drafters import shipped_drafters
+
+        return shipped_drafters().get(name)
     if not is_default_model(model_dir):
         return None
     return default_drafters().get(name)

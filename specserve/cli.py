@@ -105,7 +105,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         train = add_train_parser(sub, _Parser)  # train corpus | lm | distill-data | draft | medusa | eagle | bundle
         add_default_drafter_parser(train)  # it runs evaluations: training code does not import the evals
     else:
-        sub.add_parser("train", help="train the models specserve serves: corpus, lm, distill-data, draft, medusa, eagle, bundle")
+        sub.add_parser("train", help="train the models specserve serves: corpus, lm, distill-data, feature-data, draft, medusa, eagle, bundle")
     return parser
 
 

@@ -17,8 +17,9 @@ def add_train_parser(sub, parser_class):
     subparsers, where `specserve.cli` adds ``default-drafter`` (it runs evaluations:
     `specserve.evals.default_drafter`, which training code does not import)."""
     from specserve.training.eagle import add_eagle_args  # light: heavy imports live in its functions
+    from specserve.training.feature_data import add_feature_data_args, cmd_feature_data
 
-    train = sub.add_parser("train", help="train the models specserve serves: corpus, lm, distill-data, draft, medusa, eagle, bundle")
+    train = sub.add_parser("train", help="train the models specserve serves: corpus, lm, distill-data, feature-data, draft, medusa, eagle, bundle")
     tsub = train.add_subparsers(dest="train_command", required=True, parser_class=parser_class)
 
     corpus = tsub.add_parser("corpus", help="collect a corpus, split it by module and write its manifest")
@@ -41,6 +42,16 @@ def add_train_parser(sub, parser_class):
     _distill_args(distill)
     _budget_args(distill)
     distill.set_defaults(handler=cmd_distill)
+
+    features = tsub.add_parser("feature-data", help="chat answers of any target (a GGUF file included) with the features "
+                                                    "and soft labels an EAGLE-3 head trains on, captured once")
+    add_feature_data_args(features)
+    _corpus_args(features)
+    features.add_argument("--threads", type=int, default=None, help="CPU threads for the kernels (default: all cores)")
+    features.add_argument("--max-minutes", type=float, default=None, help="wall-clock budget; stops after a whole shard")
+    features.add_argument("--resume", action="store_true", help="continue the data in --out (written shards are kept)")
+    features.add_argument("--force", action="store_true", help="overwrite the data in a non-empty --out")
+    features.set_defaults(handler=cmd_feature_data)
 
     draft = tsub.add_parser("draft", help="distil a small draft model from a target (serve it as draft:OUT)")
     draft.add_argument("--target", required=True, help="target model directory (with its tokenizer)")

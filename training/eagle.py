@@ -62,17 +62,29 @@ def train_eagle(
     from specserve.drafters.eagle_head import EagleHead
     from specserve.training import setup
     from specserve.training.data import IndexSampler
-    from specserve.training.outputs import read_json, write_json
+    from specserve.training.outputs import write_json
     from specserve.training.presets import TrainSettings, check_int
     from specserve.training.trainer import Trainer
+
+    from specserve.drafters.eagle_checkpoint import target_config
+    from specserve.loading import resolve_model
+    from specserve.training.feature_data import is_feature_data
 
     run = setup.RunOptions.of("train_eagle", options)
     if save_dtype not in ("float16", "float32"):
         raise ValueError(f"save_dtype must be float16 or float32, got {save_dtype!r}")
     out_dir = Path(out).expanduser()
-    target_dir = Path(target).expanduser().resolve()
-    if not (target_dir / "config.json").is_file():
-        raise ValueError(f"target directory {str(target_dir)!r} has no config.json")
+    if run.resume and data is None:
+        data = _recorded(out_dir).get("data")
+    # Captured feature data (`train feature-data`) trains without running the target: any model the engine
+    # loads (a GGUF file included; None is the default model). Distillation data runs transformers' target.
+    captured = is_feature_data(data)
+    target_dir = resolve_model(target).resolve() if captured else Path(target).expanduser().resolve()
+    if not captured and not (target_dir / "config.json").is_file():
+        raise ValueError(f"target directory {str(target_dir)!r} has no config.json (a GGUF target trains on "
+                         "`specserve train feature-data` output: pass it as --data)")
+    if captured and not target_dir.exists():
+        raise ValueError(f"target {str(target_dir)!r} does not exist")
     if run.resume:
         recorded = _recorded(out_dir)
         for name, given in (("mode", mode), ("ttt_steps", ttt_steps), ("draft_vocab", draft_vocab),
@@ -82,8 +94,6 @@ def train_eagle(
         mode, ttt_steps, draft_vocab = recorded["mode"], recorded["ttt_steps"], recorded["draft_vocab"]
         feature_layers = tuple(recorded["feature_layers"]) if recorded["feature_layers"] else None
         base = recorded["train"]
-        if data is None:
-            data = recorded.get("data")
     else:
         base = dict(EAGLE_SETTINGS)
     mode = mode or "eagle3"
@@ -92,39 +102,44 @@ def train_eagle(
     ttt_steps = DEFAULT_TTT[mode] if ttt_steps is None else ttt_steps
     check_int("ttt_steps", ttt_steps, 1, 16)
     settings = TrainSettings(**{**base, **run.overrides()}).validate()
-    config = read_json(target_dir / "config.json")
+    config = target_config(target_dir)
     vocab = int(config["vocab_size"])
     if draft_vocab is not None and (isinstance(draft_vocab, bool) or not 1 <= draft_vocab <= vocab):
         raise ValueError(f"draft_vocab must be in [1, {vocab}], got {draft_vocab!r}")
     if mode == "eagle1" and draft_vocab not in (None, vocab):
         raise ValueError("--draft-vocab is for eagle3 heads: an eagle1 head uses the target's LM head (full vocabulary)")
-    distill_settings = setup.distill_settings_for(data, distill_settings, int(config["max_position_embeddings"]), vocab)
+    if not captured:
+        distill_settings = setup.distill_settings_for(data, distill_settings, int(config["max_position_embeddings"]), vocab)
 
     with setup.distributed_run(run.device, single_process="train eagle") as dist:
         # run_config.json is written below, once the head's vocabulary is known
-        data_dir, train_set, heldout_set, _ = setup.start_drafter_run(
-            dist, run, target_dir, out_dir, data, distill_settings,
-            own_files=("eagle_config.json", "eagle_head.safetensors", "agreement.png"))
+        own_files = ("eagle_config.json", "eagle_head.safetensors", "agreement.png")
+        if captured:
+            if mode == "eagle1":
+                raise ValueError("captured feature data trains eagle3 heads (eagle1 regresses the final feature)")
+            data_dir, train_set, heldout_set, manifest = setup.start_feature_run(dist, run, target_dir, out_dir, data,
+                                                                                 own_files)
+            feature_layers = _captured_layers(manifest, feature_layers)
+        else:
+            data_dir, train_set, heldout_set, _ = setup.start_drafter_run(
+                dist, run, target_dir, out_dir, data, distill_settings, own_files=own_files)
         if int(train_set.tokens.max()) >= vocab:
-            raise ValueError(f"the distillation data in {str(data_dir)!r} has token ids outside the target's vocabulary")
-
-        from transformers import AutoModelForCausalLM
+            raise ValueError(f"the data in {str(data_dir)!r} has token ids outside the target's vocabulary")
 
         torch.manual_seed(settings.seed)
-        teacher = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).to(dist.device).eval()
-        teacher.requires_grad_(False)
+        weights = _TargetWeights.of(target_dir, captured, dist.device)
         if mode == "eagle3" and draft_vocab is None:
             draft_vocab = default_draft_vocab(vocab)
         draft_ids = _draft_vocabulary(train_set, vocab, draft_vocab if mode == "eagle3" else vocab)
         cfg = new_head_config(target_dir, mode, len(draft_ids), feature_layers)
         if any(not 0 <= layer <= cfg.target["num_layers"] for layer in cfg.feature_layers):
             raise ValueError(f"feature layers {cfg.feature_layers} must lie in 0..{cfg.target['num_layers']}")
-        head = EagleHead(cfg, teacher.get_input_embeddings().weight, teacher.get_output_embeddings().weight, dist.device)
+        head = EagleHead(cfg, weights.embed, weights.lm_head, dist.device)
         with torch.no_grad():
             head.draft_to_target.copy_(draft_ids.to(dist.device))
             if mode == "eagle3":  # start from the target's own output layer, restricted to the draft vocabulary
-                head.norm.copy_(teacher.model.norm.weight)
-                head.lm_head.copy_(teacher.get_output_embeddings().weight[draft_ids.to(dist.device)])
+                head.norm.copy_(weights.norm)
+                head.lm_head.copy_(weights.lm_head[draft_ids.to(dist.device)])
         if not run.resume:
             write_json(out_dir / "run_config.json", setup.run_record(
                 "train eagle", run, dist, target_dir, data,
@@ -136,7 +151,8 @@ def train_eagle(
 
         sampler = IndexSampler(len(train_set), settings.batch_size, settings.seed)
         evalset = heldout_set if heldout_set is not None else train_set
-        features = _Features(teacher, cfg.feature_layers, mode, head.draft_to_target)
+        features = (_StoredFeatures(head.draft_to_target) if captured else
+                    _Features(weights.teacher, cfg.feature_layers, mode, head.draft_to_target))
 
         def batch_fn(step: int, rank: int, world: int):
             return features(train_set, sampler.ids(step, rank, world), dist.device)
@@ -206,16 +222,52 @@ def _draft_vocabulary(train_set, vocab: int, size: int | None):
     from specserve.training.draft_vocab import most_frequent
 
     size = vocab if size is None else size
+    if train_set.tokens.dim() == 1:  # packed feature data: every token is real
+        return most_frequent(torch.bincount(train_set.tokens, minlength=vocab), size)
     mask = torch.arange(train_set.tokens.shape[1])[None, :] < train_set.lengths[:, None]
     return most_frequent(torch.bincount(train_set.tokens[mask], minlength=vocab), size)
+
+
+def _captured_layers(manifest: dict, asked: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The feature layers of captured data (a run cannot ask for others: they were not captured)."""
+    layers = tuple(manifest["feature_layers"])
+    if asked is not None and tuple(asked) != layers:
+        raise ValueError(f"the feature data holds layers {list(layers)}, not {list(asked)}")
+    return layers
+
+
+class _TargetWeights:
+    """What a head takes from its target: embeddings [V, H], final norm [H], LM head [V, H] (float32, frozen);
+    ``teacher`` is transformers' model when the features are computed each step (distillation data)."""
+
+    def __init__(self, embed, norm, lm_head, teacher=None) -> None:
+        self.embed, self.norm, self.lm_head, self.teacher = embed, norm, lm_head, teacher
+
+    @classmethod
+    def of(cls, target_dir: Path, captured: bool, device) -> "_TargetWeights":
+        import torch
+
+        if captured:  # the engine's own reader (a GGUF file's embedding and LM head, dequantized)
+            from specserve.loading import open_checkpoint
+
+            state, _ = open_checkpoint(target_dir).load(torch.float32, blocks_only=True)
+            embed = state["model.embed_tokens.weight"]
+            lm_head = state.get("lm_head.weight", embed)
+            return cls(embed.to(device), state["model.norm.weight"].to(device), lm_head.to(device))
+        from transformers import AutoModelForCausalLM
+
+        teacher = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).to(device).eval()
+        teacher.requires_grad_(False)
+        return cls(teacher.get_input_embeddings().weight, teacher.model.norm.weight,
+                   teacher.get_output_embeddings().weight, teacher)
 
 
 class _Features:
     """A batch of sequences with the frozen target's features and soft labels (no grad).
 
     Returns tokens int64[B, T], mask bool[B, T] (t < length), layers: [B, T, H] per feature layer,
-    top: [B, T, H] the final normed feature (eagle1's regression target), logp [B, T, V'] the target's
-    next-token log-probabilities (eagle3: renormalised over the draft vocabulary), argmax int64[B, T]
+    top: [B, T, H] the final normed feature (eagle1's regression target), p [B, T, V'] the target's
+    next-token probabilities (eagle3: renormalised over the draft vocabulary), argmax int64[B, T]
     the target's top token (full vocabulary).
     """
 
@@ -237,11 +289,53 @@ class _Features:
             batch = {"tokens": tokens, "mask": mask, "argmax": logits.argmax(-1),
                      "layers": [out.hidden_states[layer].float() for layer in self.layers]}
             if self.mode == "eagle3":
-                batch["logp"] = torch.log_softmax(logits[..., self.draft_ids.to(device)], dim=-1)
+                batch["p"] = torch.softmax(logits[..., self.draft_ids.to(device)], dim=-1)
             else:
-                batch["logp"] = torch.log_softmax(logits, dim=-1)
+                batch["p"] = torch.softmax(logits, dim=-1)
                 batch["top"] = out.hidden_states[self.num_layers].float()
         return batch
+
+
+class _StoredFeatures:
+    """The batch `_Features` makes, read from captured feature data (training/feature_data.py) instead:
+    the target never runs. Sequences are padded to the batch's longest (mask false past each length);
+    ``p`` is the target's stored top-k restricted to the draft vocabulary and renormalised (its mass
+    outside the top-k, a few per cent, is unknown and left out)."""
+
+    def __init__(self, draft_to_target) -> None:
+        import torch
+
+        ids = draft_to_target.detach().cpu()
+        self.draft_size = len(ids)
+        self.to_draft = torch.full((int(ids.max()) + 1,), -1, dtype=torch.int64)
+        self.to_draft[ids] = torch.arange(len(ids))
+
+    def __call__(self, data, ids, device) -> dict:
+        import torch
+
+        ids = torch.as_tensor(ids)
+        starts, ends = data.offsets[ids], data.offsets[ids + 1]
+        t = int((ends - starts).max())
+        b, k = len(ids), data.topk_ids.shape[1]
+        tokens = torch.zeros(b, t, dtype=torch.int64)
+        mask = torch.zeros(b, t, dtype=torch.bool)
+        feats = torch.zeros(b, t, *data.features.shape[1:], dtype=torch.float32)
+        top_ids = torch.zeros(b, t, k, dtype=torch.int64)
+        top_logp = torch.full((b, t, k), float("-inf"))
+        for row, (lo, hi) in enumerate(zip(starts.tolist(), ends.tolist())):
+            n = hi - lo
+            tokens[row, :n], mask[row, :n] = data.tokens[lo:hi], True
+            feats[row, :n] = data.features[lo:hi].float()
+            top_ids[row, :n], top_logp[row, :n] = data.topk_ids[lo:hi], data.topk_logprobs[lo:hi].float()
+        draft = self.to_draft[top_ids.clamp(max=len(self.to_draft) - 1)]
+        draft = torch.where(top_ids < len(self.to_draft), draft, torch.full_like(draft, -1))
+        weights = torch.where(draft >= 0, top_logp.exp(), torch.zeros(()))
+        p = torch.zeros(b, t, self.draft_size + 1)
+        p.scatter_add_(-1, torch.where(draft >= 0, draft, self.draft_size), weights)
+        p = p[..., :-1]
+        p = p / p.sum(-1, keepdim=True).clamp_min(1e-12)
+        return {"tokens": tokens.to(device), "mask": mask.to(device), "argmax": top_ids[..., 0].to(device),
+                "layers": [feats[:, :, i].to(device) for i in range(feats.shape[2])], "p": p.to(device)}
 
 
 def _unrolled(head, batch: dict, steps: int):
@@ -266,8 +360,8 @@ def _step_terms(head, batch: dict, out, valid):
     import torch.nn.functional as F
 
     logq = torch.log_softmax(head.logits(out), dim=-1)
-    logp = batch["logp"][:, 1:]
-    kl = (logp.exp() * (logp - logq)).sum(-1)  # [B, P]
+    p = batch["p"][:, 1:]
+    kl = (torch.xlogy(p, p) - p * logq).sum(-1)  # [B, P]; p may be 0 (a captured top-k)
     n = valid.sum().clamp_min(1)
     loss = (kl * valid).sum() / n
     if head.mode == "eagle1":
@@ -335,7 +429,9 @@ def _plot_agreement(records: list[dict], path: Path, mode: str) -> None:
 
 def add_eagle_args(p: argparse.ArgumentParser) -> None:
     """The ``train eagle`` arguments of its own (run and distill arguments come from training/cli.py)."""
-    p.add_argument("--target", required=True, help="target model directory (with its tokenizer)")
+    p.add_argument("--target", default=None,
+                   help="target model: a directory (with its tokenizer), or with --data from `train feature-data` any "
+                        "model the engine loads, a GGUF file included (default there: the default model)")
     p.add_argument("--out", required=True, help="output head directory (serve it as eagle:OUT)")
     p.add_argument("--data", default=None, help="distill-data directory (default: generate one in OUT/distill)")
     p.add_argument("--mode", default=None, choices=["eagle3", "eagle1"], help="head kind (default eagle3; resume: the run's)")
@@ -353,6 +449,10 @@ def cmd_eagle(args: argparse.Namespace) -> int:
     from specserve.training.cli import _distill_settings, _report, _set_threads, run_options
 
     _set_threads(args.threads)
+    from specserve.training.feature_data import is_feature_data
+
+    if args.target is None and not is_feature_data(args.data) and not args.resume:
+        raise ValueError("--target is required (it may be left out only with --data from `train feature-data`)")
     layers = None
     if args.feature_layers:
         try:

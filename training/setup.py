@@ -13,6 +13,7 @@ Each entry point keeps what is its own: its model, its losses and metrics, its o
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -116,6 +117,35 @@ def start_drafter_run(dist, run: RunOptions, target_dir: Path, out_dir: Path, da
     barrier(dist)
     data_dir = run_distill_dir(out_dir, data)
     train_set, heldout_set, manifest = load_training_distill(data_dir, target_dir, warn=dist.is_main)
+    return data_dir, train_set, heldout_set, manifest
+
+
+def start_feature_run(dist, run: RunOptions, target: Path, out_dir: Path, data, own_files: tuple[str, ...] = ()):
+    """`start_drafter_run` for captured feature data (training/feature_data.py): prepare ``out_dir``, load
+    the data; return (data_dir, train set, held-out set or None, manifest). ValueError when the data was
+    captured from another target than ``target``."""
+    from specserve.drafters.eagle_checkpoint import target_fingerprint
+    from specserve.training.feature_data import load_features
+    from specserve.training.trainer import barrier
+
+    if dist.is_main:
+        prepare_out_dir(out_dir, resume=run.resume, force=run.force)
+        if run.force:
+            for name in own_files:
+                (out_dir / name).unlink(missing_ok=True)
+    barrier(dist)
+    data_dir = Path(data).expanduser()
+    train_set, manifest = load_features(data_dir, "train")
+    heldout_set, _ = load_features(data_dir, "heldout")
+    if train_set is None:
+        raise ValueError(f"{str(data_dir)!r} holds no training sequences")
+    recorded, have = manifest.get("target", {}), target_fingerprint(target)
+    for key in ("file_sha256", "config_sha256"):
+        if recorded.get(key) is not None and recorded.get(key) != have.get(key):
+            raise ValueError(f"the feature data in {str(data_dir)!r} was captured from another target than "
+                             f"{str(target)!r} ({key} differs)")
+    if dist.is_main and not manifest.get("complete", False):
+        print("warning: the feature data is incomplete (its run stopped early)", file=sys.stderr)
     return data_dir, train_set, heldout_set, manifest
 
 

@@ -27,9 +27,6 @@ FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 SIZE = 98_362_432
 DESCRIPTION = "SmolLM2-135M-Instruct (Q4_1 GGUF)"
-#: What `drafter="auto"` gives the default model until drafters trained for it ship: n-gram prompt lookup under
-#: adaptive speculation, which drafts where the answer copies the prompt and otherwise decodes plainly.
-DEFAULT_DRAFTER = "ngram"
 
 
 def default_model_file() -> Path:

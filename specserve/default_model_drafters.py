@@ -1,0 +1,68 @@
+"""The drafters trained for the default model (SmolLM2-135M-Instruct, its Q4_1 GGUF file), shipped in the package.
+Cheap to import (no torch).
+
+``specserve/default_model_drafters/``::
+
+    MANIFEST.json   "target": the GGUF file they were trained for (name, sha256); "drafters": {name: subdir};
+                    "default_drafter": what ``drafter="auto"`` runs on the default model (chosen by measurement,
+                    BENCHMARKS.md); "training": how each was made (command, data, time)
+    eagle/          an EAGLE-3 head (`specserve train feature-data` + `specserve train eagle`)
+
+A bare drafter name (``--drafter eagle``) resolves here when the target is the default model's file. The heads
+record the file's sha256 themselves, so one named by path beside another target is refused on load; a
+manifest made for another file than the one `specserve pull` fetches is ignored whole.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+MANIFEST = "MANIFEST.json"
+#: What ``drafter="auto"`` gives the default model when no shipped drafter can run: n-gram prompt lookup under
+#: adaptive speculation, which drafts where the answer copies the prompt and otherwise decodes plainly.
+FALLBACK_DRAFTER = "ngram"
+
+
+def drafters_dir() -> Path:
+    return Path(__file__).resolve().parent / "default_model_drafters"
+
+
+def manifest() -> dict | None:
+    """The shipped drafters' manifest when it was made for the default model's file, else None."""
+    from specserve.loading.default_model import SHA256
+
+    try:
+        record = json.loads((drafters_dir() / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("target", {}).get("sha256") != SHA256:
+        return None
+    return record
+
+
+def shipped_drafters() -> dict[str, str]:
+    """Drafter name → directory of each shipped drafter for the default model (``{"eagle": ...}``)."""
+    record = manifest() or {}
+    out = {}
+    for name, sub in sorted(record.get("drafters", {}).items()):
+        path = drafters_dir() / sub
+        if path.is_dir() and any(path.iterdir()):
+            out[name] = str(path)
+    return out
+
+
+def default_drafter_spec() -> str:
+    """What ``drafter="auto"`` runs on the default model: the manifest's choice when every drafter it names ships
+    (or needs no files), else `FALLBACK_DRAFTER`."""
+    from specserve.bundle_paths import FILELESS_DRAFTERS
+
+    spec = (manifest() or {}).get("default_drafter")
+    if not isinstance(spec, str):
+        return FALLBACK_DRAFTER
+    name, _, rest = spec.partition(":")
+    parts = rest.split("+") if name == "hybrid" else [spec]
+    known = set(shipped_drafters()) | set(FILELESS_DRAFTERS)
+    if all(part.strip().partition(":")[0] in known and not part.strip().partition(":")[2] for part in parts):
+        return spec
+    return FALLBACK_DRAFTER

@@ -1,0 +1,150 @@
+"""`specserve train feature-data` and EAGLE-3 training on captured features, on a GGUF target.
+
+The target is a tiny random Llama written as an F32 GGUF file (as a llama.cpp user's file sits: no config.json
+beside it). The references are transformers' forward of that file, loaded by transformers' own GGUF reader
+(hidden states and logits), and plain greedy decoding for the served head (speculation is lossless).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from loading.gguf_writer import write_gguf
+from tiny_models import build_model
+
+from specserve.cli import main
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+SLICE = ["json", "email", "argparse.py", "textwrap.py", "csv.py", "shlex.py", "copy.py", "string.py", "base64.py"]
+
+
+def corpus_args() -> list[str]:
+    return [arg for name in SLICE for arg in ("--corpus", str(STDLIB / name))]
+
+LAYERS = (1, 2, 4)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> tuple[Path, Path]:
+    """(HF directory, its F32 GGUF file): 4 layers, so EAGLE-3's low/mid/high layers are distinct."""
+    hf = build_model(tmp_path_factory.mktemp("hf"), "llama", hidden_size=64, layers=4, init_std=0.1)
+    gguf = write_gguf(hf, tmp_path_factory.mktemp("gguf") / "tiny.gguf", "F32")
+    return hf, gguf
+
+
+@pytest.fixture(scope="module")
+def feature_dir(target, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("features") / "data"
+    assert main(["train", "feature-data", "--model", str(target[1]), "--out", str(out), "--num-prompts", "6",
+                 "--heldout-prompts", "2", "--new-tokens", "12", "--gen-batch-size", "3", "--topk", "8",
+                 "--feature-layers", ",".join(map(str, LAYERS)), "--heldout-fraction", "0.4", "--threads", "1",
+                 "--max-prompt-tokens", "480",
+                 *corpus_args()]) == 0
+    return out
+
+
+def test_captured_features_and_labels_are_the_targets_own(target, feature_dir):
+    """Every stored position's features and top-k log-probabilities equal transformers' forward of the same
+    sequence (transformers' own loading of the file), and the manifest names the file by its sha256."""
+    from transformers import AutoModelForCausalLM
+
+    from specserve.training.feature_data import load_features
+
+    train, manifest = load_features(feature_dir, "train")
+    heldout, _ = load_features(feature_dir, "heldout")
+    assert manifest["complete"] and manifest["feature_layers"] == list(LAYERS)
+    assert manifest["target"]["file_sha256"] == hashlib.sha256(target[1].read_bytes()).hexdigest()
+    # A prompt longer than --max-prompt-tokens is skipped and counted (this tokenizer spends a token per byte).
+    assert len(train) + len(heldout) + manifest["stats"]["prompts_too_long"] == 8 and len(train) >= 3 and len(heldout)
+    path = target[1]
+    reference = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    for data in (train, heldout):
+        for i in range(len(data)):
+            lo, hi = int(data.offsets[i]), int(data.offsets[i + 1])
+            tokens = data.tokens[lo:hi]
+            assert int(data.prompt_lengths[i]) < hi - lo  # an answer follows the chat prompt
+            with torch.no_grad():
+                out = reference(input_ids=tokens[None], output_hidden_states=True)
+            for j, layer in enumerate(LAYERS):
+                torch.testing.assert_close(data.features[lo:hi, j].float(), out.hidden_states[layer][0],
+                                           atol=2e-3, rtol=2e-3)
+            want = torch.log_softmax(out.logits[0].double(), -1)
+            got = want.gather(-1, data.topk_ids[lo:hi])  # the stored ids are the reference's top-k, best first
+            torch.testing.assert_close(data.topk_logprobs[lo:hi].double(), got, atol=5e-3, rtol=0)
+            torch.testing.assert_close(got, want.topk(8, -1).values, atol=1e-4, rtol=0)
+
+
+def test_chat_prompts_follow_the_corpus_split(feature_dir):
+    """Held-out prompts come from held-out modules only; the kinds are those documented."""
+    from specserve.training.chat_prompts import KINDS, chat_prompts
+    from specserve.training.corpus import build_corpus
+
+    corpus = build_corpus(corpus_args()[1::2], heldout_fraction=0.4)
+    train, heldout = chat_prompts(corpus, "train", 10_000), chat_prompts(corpus, "heldout", 10_000)
+    assert train and heldout
+    assert {p.module for p in heldout} <= corpus.modules("heldout")
+    assert not {p.module for p in train} & corpus.modules("heldout")
+    assert {p.kind for p in train} <= set(KINDS)
+    assert chat_prompts(corpus, "train", 5, seed=3) == chat_prompts(corpus, "train", 5, seed=3)
+
+
+def test_an_eagle3_head_trains_on_captured_features_and_serves_losslessly(target, feature_dir, tmp_path):
+    """`train eagle --data FEATURES` trains without transformers' target; the head records the file's sha256,
+    serves beside that file with greedy output equal to plain decoding, and is refused beside another file."""
+    from specserve import LLM, SamplingParams
+
+    head = tmp_path / "head"
+    assert main(["train", "eagle", "--target", str(target[1]), "--data", str(feature_dir), "--out", str(head),
+                 "--max-steps", "3", "--batch-size", "2", "--draft-vocab", "64", "--threads", "1"]) == 0
+    config = json.loads((head / "eagle_config.json").read_text())
+    assert config["feature_layers"] == list(LAYERS) and config["draft_vocab_size"] == 64
+
+    assert config["target"]["file_sha256"] == hashlib.sha256(target[1].read_bytes()).hexdigest()
+
+    prompts = [[5, 17, 33, 2, 9], [40, 41, 42, 43]]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(str(target[1]), drafter=None, threads=1).generate(prompts, params)]
+    spec = LLM(str(target[1]), drafter=f"eagle:{head}", speculation="static", threads=1)
+    assert [o.token_ids for o in spec.generate(prompts, params)] == plain
+
+    other_hf = build_model(tmp_path / "other", "llama", hidden_size=64, layers=4, init_std=0.1, seed=1)
+    other = write_gguf(other_hf, tmp_path / "other.gguf", "F32")
+    with pytest.raises(ValueError, match="made for another target.*file_sha256"):
+        LLM(str(other), drafter=f"eagle:{head}", threads=1)
+    # Training on data captured from another file is refused too.
+    assert main(["train", "eagle", "--target", str(other), "--data", str(feature_dir), "--out",
+                 str(tmp_path / "bad")]) == 2
+
+
+def test_stored_features_make_the_batch_the_loss_expects(feature_dir):
+    """The soft labels are the stored top-k restricted to the draft vocabulary and renormalised (a float64
+    reconstruction here), padded rows are masked out, and features come back in layer order."""
+    from specserve.training.eagle import _StoredFeatures
+    from specserve.training.feature_data import load_features
+
+    data, _ = load_features(feature_dir, "train")
+    draft_ids = torch.tensor(sorted(set(data.tokens.tolist()))[:40])
+    batch = _StoredFeatures(draft_ids)(data, torch.tensor([0, 2]), torch.device("cpu"))
+    lengths = data.lengths[[0, 2]]
+    assert batch["mask"].sum(1).tolist() == lengths.tolist()
+    assert len(batch["layers"]) == len(LAYERS)
+    lo = int(data.offsets[2])
+    for t in range(int(lengths[1])):
+        probs = np.zeros(len(draft_ids))
+        for tok, logp in zip(data.topk_ids[lo + t].tolist(), data.topk_logprobs[lo + t].double().tolist()):
+            hits = (draft_ids == tok).nonzero()
+            if len(hits):
+                probs[int(hits[0])] += np.exp(logp)
+        if probs.sum() > 0:
+            np.testing.assert_allclose(batch["p"][1, t].numpy(), probs / probs.sum(), atol=1e-6)
+        else:
+            assert float(batch["p"][1, t].sum()) == 0.0
+        assert int(batch["argmax"][1, t]) == int(data.topk_ids[lo + t, 0])
+        torch.testing.assert_close(batch["layers"][2][1, t], data.features[lo + t, 2].float())
+    assert not batch["mask"][0, int(lengths[0]):].any()

@@ -1,0 +1,366 @@
+"""``specserve train feature-data``: chat answers of the served target, with the features EAGLE-3 trains on.
+
+Self-distillation for a GGUF (or any) target, captured once so that training never runs the target:
+
+1. **prompts** — chat questions built offline from the corpus (training/chat_prompts.py), the corpus'
+   train split for training data and its held-out split for evaluation data;
+2. **answers** — the target answers them through the specserve engine on the weights it serves (a GGUF
+   file's own Q4_1 kernels), batched, with its chat template; a seeded half greedy, the rest sampled at
+   ``temperature`` (drafters serve both);
+3. **features** — one prefill-shaped forward of prompt + answer through the same kernels returns, at
+   every position, the target's hidden states at ``feature_layers`` and its logits (kept as the top-k
+   log-probabilities). Batch invariance makes these the very rows a serving verify computes; a prefill
+   costs a fraction of the decode that produced the answer (``score_s`` vs ``generate_s`` in the manifest).
+
+Output directory::
+
+    feature_manifest.json          target file and sha256, feature layers, settings, counts, throughput
+    train_00000.safetensors ...    shards of ``shard_size`` sequences, packed (no padding):
+    heldout_00000.safetensors ...
+
+Each shard, for n sequences of N tokens in all: ``tokens`` int32[N], ``offsets`` int64[n+1] (sequence i
+is rows offsets[i]..offsets[i+1]-1), ``prompt_lengths`` int32[n], ``features`` float16[N, F, H] (layer
+order as ``feature_layers``), ``topk_ids`` int32[N, k] and ``topk_logprobs`` float16[N, k] — row t is the
+target's distribution of the token *after* position t. ``--resume`` skips the shards written (prompts,
+seeds and greedy/sampled choices are pure functions of the seed).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # heavy imports stay out of the CLI's start-up: functions import them
+    import numpy as np
+    import torch
+
+MANIFEST = "feature_manifest.json"
+_SCRATCH = "__feature_capture__"
+
+
+@dataclass(frozen=True)
+class FeatureSettings:
+    num_prompts: int = 2048
+    heldout_prompts: int = 48
+    new_tokens: int = 128
+    max_prompt_tokens: int = 384
+    greedy_fraction: float = 0.5
+    temperature: float = 0.8
+    topk: int = 16
+    batch_size: int = 16
+    shard_size: int = 64
+    seed: int = 0
+
+    def validate(self) -> "FeatureSettings":
+        from specserve.training.presets import check_float, check_int
+
+        check_int("num_prompts", self.num_prompts, 1, 1 << 24)
+        check_int("heldout_prompts", self.heldout_prompts, 0, 1 << 24)
+        check_int("new_tokens", self.new_tokens, 1, 1 << 16)
+        check_int("max_prompt_tokens", self.max_prompt_tokens, 8, 1 << 16)
+        check_float("greedy_fraction", self.greedy_fraction, 0, 1)
+        check_float("temperature", self.temperature, 0, 10, low_open=True)
+        check_int("topk", self.topk, 1, 256)
+        check_int("batch_size", self.batch_size, 1, 4096)
+        check_int("shard_size", self.shard_size, 1, 1 << 20)
+        check_int("seed", self.seed, 0, 2**31 - 1)
+        return self
+
+
+def make_feature_data(
+    model: str | Path | None,
+    out: str | Path,
+    settings: FeatureSettings = FeatureSettings(),
+    *,
+    feature_layers: tuple[int, ...] | None = None,
+    corpus: list[str] | None = None,
+    heldout_fraction: float = 0.05,
+    threads: int | None = None,
+    max_minutes: float | None = None,
+    resume: bool = False,
+    force: bool = False,
+) -> dict:
+    """Generate (or complete, with ``resume``) the feature data of ``model`` (None: the default model)."""
+    import torch  # noqa: F401  (heavy imports stay out of the CLI's start-up)
+    from tqdm import tqdm
+
+    from specserve import LLM
+    from specserve.drafters.eagle_head import default_feature_layers
+    from specserve.training.chat_prompts import chat_prompts
+    from specserve.training.corpus import build_corpus
+    from specserve.training.outputs import prepare_out_dir, read_json, write_json
+
+    settings.validate()
+    if max_minutes is not None and not (isinstance(max_minutes, (int, float)) and max_minutes > 0):
+        raise ValueError(f"max_minutes must be > 0, got {max_minutes!r}")
+    out_dir = prepare_out_dir(Path(out), resume=resume, force=force)
+    llm = LLM(model, drafter=None, max_num_seqs=settings.batch_size, threads=threads,
+              max_model_len=settings.max_prompt_tokens + settings.new_tokens, speculation="static")
+    if llm.tokenizer is None or not getattr(llm.tokenizer, "chat_template", None):
+        raise ValueError(f"{llm.model_dir!r} has no chat template: feature data is built from chat prompts")
+    cfg = llm.model.config
+    layers = tuple(feature_layers or default_feature_layers("eagle3", cfg.num_layers))
+    if any(not 0 <= layer <= cfg.num_layers for layer in layers):
+        raise ValueError(f"feature layers {list(layers)} must lie in 0..{cfg.num_layers}")
+    target = target_identity(llm.model_dir)
+    manifest = {"kind": "eagle_features", "target": target, "feature_layers": list(layers), "settings": settings.__dict__,
+                "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size, "shards": {"train": [], "heldout": []},
+                "prompt_source": "training/chat_prompts.py over the corpus' splits", "complete": False}
+    if resume and (out_dir / MANIFEST).is_file():
+        old = read_json(out_dir / MANIFEST)
+        if old.get("settings") != manifest["settings"] or old.get("target") != target or old.get("feature_layers") != list(layers):
+            raise ValueError(f"--resume: {str(out_dir)!r} was made with other settings, layers or another target")
+        manifest = old
+        if manifest.get("complete"):
+            return manifest
+
+    source = build_corpus(corpus, heldout_fraction=heldout_fraction)
+    prompts = {"train": chat_prompts(source, "train", settings.num_prompts, settings.seed),
+               "heldout": chat_prompts(source, "heldout", settings.heldout_prompts, settings.seed)}
+    stats = manifest.setdefault("stats", {"prompts_too_long": 0, "new_tokens": 0, "tokens": 0, "generate_s": 0.0,
+                                          "score_s": 0.0})
+    started = time.perf_counter()
+    stopped = False
+    for split in ("train", "heldout"):
+        chunk_size = settings.shard_size
+        split_prompts = prompts[split]
+        done = set(manifest["shards"][split])
+        bar = tqdm(total=len(split_prompts), desc=f"features {split}", unit="seq", file=sys.stderr, dynamic_ncols=True)
+        for shard, lo in enumerate(range(0, len(split_prompts), chunk_size)):
+            name = f"{split}_{shard:05d}.safetensors"
+            if name in done and (out_dir / name).is_file():
+                bar.update(len(split_prompts[lo : lo + chunk_size]))
+                continue
+            if max_minutes is not None and time.perf_counter() - started >= max_minutes * 60:
+                stopped = True
+                break
+            rows = []
+            chunk = split_prompts[lo : lo + chunk_size]
+            for b in range(0, len(chunk), settings.batch_size):
+                batch = chunk[b : b + settings.batch_size]
+                index = [(0 if split == "train" else 1 << 24) + lo + b + i for i in range(len(batch))]
+                rows.extend(_answer_and_capture(llm, batch, index, layers, settings, stats))
+                bar.update(len(batch))
+            if rows:
+                _write_shard(out_dir / name, rows)
+            manifest["shards"][split] = sorted(set(manifest["shards"][split]) | {name})
+            write_json(out_dir / MANIFEST, manifest)
+        bar.close()
+        if stopped:
+            break
+    manifest["complete"] = not stopped
+    manifest["counts"] = {s: _count(out_dir, manifest["shards"][s]) for s in ("train", "heldout")}
+    stats["generated_tokens_per_s"] = round(stats["new_tokens"] / max(stats["generate_s"], 1e-9), 1)
+    stats["scored_tokens_per_s"] = round(stats["tokens"] / max(stats["score_s"], 1e-9), 1)
+    stats["threads"] = threads
+    write_json(out_dir / MANIFEST, manifest)
+    llm.close()
+    print(f"feature data: {manifest['counts']['train']['sequences']} train / {manifest['counts']['heldout']['sequences']} "
+          f"held-out sequences ({manifest['counts']['train']['tokens']} train tokens); generated "
+          f"{stats['generated_tokens_per_s']:.0f} tokens/s, captured {stats['scored_tokens_per_s']:.0f} tokens/s"
+          + ("" if manifest["complete"] else " — stopped by the time budget, --resume to finish"), file=sys.stderr)
+    return manifest
+
+
+def target_identity(model_path: str | Path) -> dict:
+    """What names a target: its path and fingerprint (a GGUF file: its sha256; a directory: its config's)."""
+    from specserve.drafters.eagle_checkpoint import target_fingerprint
+
+    path = Path(model_path).expanduser().resolve()
+    return {"path": str(path), **target_fingerprint(path)}
+
+
+def _answer_and_capture(llm, prompts, index: list[int], layers: tuple[int, ...], s: FeatureSettings,
+                        stats: dict) -> list[dict]:
+    """The target's answers to ``prompts`` (chat messages), then one capturing forward per sequence."""
+    import numpy as np
+    import torch
+
+    from specserve import SamplingParams
+
+    encoded, params = [], []
+    for prompt, i in zip(prompts, index):
+        ids = llm.tokenizer.apply_chat_template(prompt.messages(), add_generation_prompt=True, tokenize=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        if len(ids) > s.max_prompt_tokens:
+            stats["prompts_too_long"] += 1
+            continue
+        greedy = np.random.default_rng([s.seed, i]).random() < s.greedy_fraction
+        encoded.append(ids)
+        params.append(SamplingParams(temperature=0.0 if greedy else s.temperature, max_tokens=s.new_tokens,
+                                     seed=s.seed * 1_000_003 + i))
+    if not encoded:
+        return []
+    t0 = time.perf_counter()
+    outs = llm.generate(encoded, params)
+    t1 = time.perf_counter()
+    stats["generate_s"] += t1 - t0
+    rows = []
+    for ids, o in zip(encoded, outs):
+        seq = np.asarray(ids + list(o.token_ids), dtype=np.int64)
+        stats["new_tokens"] += len(o.token_ids)
+        hidden, logits = capture(llm, seq, layers)
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        values, indices = logprobs.topk(s.topk, dim=-1)  # [T, k], best first
+        rows.append({"tokens": torch.from_numpy(seq).to(torch.int32), "prompt_length": len(ids),
+                     "features": torch.stack([hidden[layer] for layer in layers], dim=1).to(torch.float16),
+                     "topk_ids": indices.to(torch.int32), "topk_logprobs": values.to(torch.float16)})
+        stats["tokens"] += len(seq)
+    stats["score_s"] += time.perf_counter() - t1
+    return rows
+
+
+def capture(llm, tokens: np.ndarray, layers: tuple[int, ...]) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    """One causal forward of ``tokens`` int64[T] through the engine's model on a scratch sequence:
+    ({layer: float[T, H]} hidden states in transformers' numbering, logits float[T, V])."""
+    import torch
+
+    from specserve.step_batch import StepBatchBuilder
+
+    engine = llm.engine
+    allocator = engine.cache.allocator
+    allocator.allocate(_SCRATCH, len(tokens))
+    try:
+        builder = StepBatchBuilder(allocator)
+        builder.add(_SCRATCH, 0, tokens, logits="all", hidden=True)
+        with torch.inference_mode():
+            out = engine.runner.model.forward(builder.build(), engine.cache, layers)
+    finally:
+        allocator.free(_SCRATCH)
+    return {layer: h.float().cpu() for layer, h in out.hidden_states.items()}, out.logits
+
+
+def _write_shard(path: Path, rows: list[dict]) -> None:
+    import numpy as np
+    import torch
+    from safetensors.torch import save_file
+
+    lengths = [len(r["tokens"]) for r in rows]
+    tensors = {
+        "tokens": torch.cat([r["tokens"] for r in rows]),
+        "offsets": torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64),
+        "prompt_lengths": torch.tensor([r["prompt_length"] for r in rows], dtype=torch.int32),
+        "features": torch.cat([r["features"] for r in rows]),
+        "topk_ids": torch.cat([r["topk_ids"] for r in rows]),
+        "topk_logprobs": torch.cat([r["topk_logprobs"] for r in rows]),
+    }
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp))
+    tmp.replace(path)
+
+
+def _count(out_dir: Path, shards: list[str]) -> dict:
+    from safetensors import safe_open
+
+    sequences = tokens = 0
+    for name in shards:
+        if not (out_dir / name).is_file():
+            continue
+        with safe_open(str(out_dir / name), "pt") as f:
+            offsets = f.get_tensor("offsets")
+        sequences += len(offsets) - 1
+        tokens += int(offsets[-1])
+    return {"sequences": sequences, "tokens": tokens}
+
+
+@dataclass
+class FeatureSet:
+    """A split of feature data in memory, packed: sequence i is rows offsets[i]..offsets[i+1]-1.
+
+    tokens int64[N]; offsets int64[n+1]; prompt_lengths int64[n]; features float16[N, F, H];
+    topk_ids int64[N, k]; topk_logprobs float16[N, k].
+    """
+
+    tokens: torch.Tensor
+    offsets: torch.Tensor
+    prompt_lengths: torch.Tensor
+    features: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_logprobs: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.offsets[1:] - self.offsets[:-1]
+
+    def token_counts(self, vocab: int) -> torch.Tensor:
+        return torch.bincount(self.tokens, minlength=vocab)
+
+
+def load_features(data_dir: str | Path, split: str) -> tuple[FeatureSet | None, dict]:
+    """The split's sequences (None when it has none) and the manifest; ValueError when it is not feature data."""
+    import torch
+    from safetensors.torch import load_file
+
+    from specserve.training.outputs import read_json
+
+    data_dir = Path(data_dir).expanduser()
+    if not (data_dir / MANIFEST).is_file():
+        raise ValueError(f"{str(data_dir)!r} is not feature data ({MANIFEST} is missing): run `specserve train feature-data`")
+    manifest = read_json(data_dir / MANIFEST)
+    parts = [load_file(str(data_dir / name)) for name in manifest["shards"].get(split, []) if (data_dir / name).is_file()]
+    if not parts:
+        return None, manifest
+    offsets, base = [torch.zeros(1, dtype=torch.int64)], 0
+    for p in parts:
+        offsets.append(p["offsets"][1:] + base)
+        base += int(p["offsets"][-1])
+    cat = {k: torch.cat([p[k] for p in parts]) for k in ("tokens", "prompt_lengths", "features", "topk_ids", "topk_logprobs")}
+    return FeatureSet(cat["tokens"].long(), torch.cat(offsets), cat["prompt_lengths"].long(), cat["features"],
+                      cat["topk_ids"].long(), cat["topk_logprobs"]), manifest
+
+
+def is_feature_data(data_dir: str | Path | None) -> bool:
+    return data_dir is not None and (Path(data_dir).expanduser() / MANIFEST).is_file()
+
+
+# ---- command line -------------------------------------------------------------------------------
+
+
+def add_feature_data_args(p) -> None:
+    """``train feature-data``'s own arguments (corpus and budget arguments come from training/cli.py)."""
+    d = FeatureSettings()
+    p.add_argument("--model", default=None, help="the target: a GGUF file or a model directory (default: the default model)")
+    p.add_argument("--out", required=True, help="output data directory")
+    p.add_argument("--feature-layers", default=None,
+                   help="target layers to capture, comma-separated, transformers numbering (default: EAGLE-3's)")
+    p.add_argument("--num-prompts", type=int, default=d.num_prompts, help=f"train prompts (default {d.num_prompts})")
+    p.add_argument("--heldout-prompts", type=int, default=d.heldout_prompts,
+                   help=f"held-out prompts (default {d.heldout_prompts})")
+    p.add_argument("--new-tokens", type=int, default=d.new_tokens, help=f"answer tokens (default {d.new_tokens})")
+    p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens,
+                   help=f"longer chat prompts are skipped (default {d.max_prompt_tokens})")
+    p.add_argument("--greedy-fraction", type=float, default=d.greedy_fraction,
+                   help=f"share of answers decoded greedily; the rest are sampled (default {d.greedy_fraction})")
+    p.add_argument("--temperature", type=float, default=d.temperature,
+                   help=f"temperature of the sampled answers (default {d.temperature})")
+    p.add_argument("--topk", type=int, default=d.topk, help=f"soft-label top-k (default {d.topk})")
+    p.add_argument("--gen-batch-size", type=int, default=d.batch_size,
+                   help=f"prompts answered per engine batch (default {d.batch_size})")
+    p.add_argument("--data-seed", type=int, default=d.seed, help="seed of the prompts and sampling (default 0)")
+
+
+def cmd_feature_data(args) -> int:
+    import json
+
+    layers = None
+    if args.feature_layers:
+        try:
+            layers = tuple(int(x) for x in args.feature_layers.split(","))
+        except ValueError as exc:
+            raise ValueError(f"--feature-layers must be comma-separated integers, got {args.feature_layers!r}") from exc
+    settings = FeatureSettings(num_prompts=args.num_prompts, heldout_prompts=args.heldout_prompts,
+                               new_tokens=args.new_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                               greedy_fraction=args.greedy_fraction, temperature=args.temperature, topk=args.topk,
+                               batch_size=args.gen_batch_size, seed=args.data_seed)
+    manifest = make_feature_data(args.model, args.out, settings, feature_layers=layers, corpus=args.corpus,
+                                 heldout_fraction=args.heldout_fraction, threads=args.threads,
+                                 max_minutes=args.max_minutes, resume=args.resume, force=args.force)
+    print(json.dumps({"out": args.out, "complete": manifest["complete"], "counts": manifest["counts"],
+                      "stats": manifest["stats"]}))
+    return 0
