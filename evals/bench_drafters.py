@@ -1,9 +1,12 @@
-"""`specserve bench drafters`: τ and speed of drafters against plain decoding on held-out code.
+"""`specserve bench drafters`: τ and speed of drafters against plain decoding on held-out prompts.
 
-Prompts are windows of the default model's held-out modules (never seen in training), each ending
-just after a top-level `def` line (`specserve.evals.datasets.heldout_prompts`). For each repeat,
-plain decoding and every drafter run the same prompts one at a time (batch 1, greedy, EOS ignored),
-interleaved, after a warm-up; outputs must be identical.
+Prompts are windows of the tiny model's held-out modules (never seen in training), each ending just
+after a top-level `def` line (`specserve.evals.datasets.heldout_prompts`); with ``--chat``, chat questions
+about the standard library's held-out modules in the target's chat template (`heldout_chat_prompts`: the
+split `train feature-data` never trains on). For each repeat, plain decoding and every drafter run the
+same prompts one at a time (batch 1, greedy, EOS ignored), interleaved, after a warm-up; outputs must be
+identical. ``--peer llama.cpp`` / ``llama.cpp-prompt-lookup`` run llama.cpp on the same GGUF file (plain, and
+with its own prompt-lookup speculative decoding) in the same loop, with the kernels' thread count.
 
 **Roofline.** One more pass, after the timed ones, runs each system with a `KernelClock`: the seconds
 spent inside model forwards — the target's and the drafter's own models or heads — at the shapes the
@@ -86,27 +89,59 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the target's weights (int8 / int4, CPU kernels; a draft model follows, heads do not)")
     p.add_argument("--speculation", choices=("adaptive", "static"), default="adaptive",
                    help="adaptive (default: what users get) or static (every step at the drafter's own budget)")
+    p.add_argument("--chat", action="store_true",
+                   help="held-out chat questions in the target's chat template instead of code prefixes")
+    p.add_argument("--peer", action="append", default=None, choices=LLAMA_PEERS,
+                   help="llama.cpp on the same GGUF file in the same loop: plain, or with its prompt-lookup drafting "
+                        "(repeatable; needs llama-cpp-python)")
     p.add_argument("--json", default=None, metavar="FILE")
+
+
+LLAMA_PEERS = ("llama.cpp", "llama.cpp-prompt-lookup")
+PROMPT_LOOKUP_TOKENS = 10  # llama-cpp-python's own example drafts 10 (our n-gram drafter's default budget is 8)
+
+
+def _llama_peers(names: list[str], model, threads: int, n_ctx: int) -> dict:
+    """One `llamacpp_peer.LlamaCpp` per peer name, on the target's own GGUF file; ValueError for another target."""
+    from specserve.evals import llamacpp_peer
+    from specserve.loading import resolve_model
+    from specserve.loading.gguf_file import is_gguf
+
+    path = resolve_model(model)
+    if not is_gguf(path):
+        raise ValueError("--peer runs llama.cpp on the same file: the target must be a GGUF file")
+    reason = llamacpp_peer.locate(None, path)
+    if isinstance(reason, llamacpp_peer.PeerUnavailable):
+        raise ValueError(f"--peer: {reason}")
+    return {name: llamacpp_peer.LlamaCpp(path, threads, n_ctx,
+                                          prompt_lookup=PROMPT_LOOKUP_TOKENS if name.endswith("prompt-lookup") else 0)
+            for name in names}
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from specserve import LLM, SamplingParams
-    from specserve.evals.datasets import heldout_prompts
+    from specserve.evals.datasets import heldout_chat_prompts, heldout_prompts
 
     set_threads(args.threads)
     specs = args.drafter or ["draft", "ngram"]
-    prompts = heldout_prompts(args.prompts, args.prompt_chars)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     target = dict(quantization=args.quantization)
     llms = {"plain": LLM(args.model, drafter=None, **target)} | {
         spec: LLM(args.model, drafter=spec, speculation=args.speculation, **target) for spec in specs}
+    if args.chat:
+        prompts = heldout_chat_prompts(llms["plain"].tokenizer, args.prompts)
+    else:
+        prompts = heldout_prompts(args.prompts, args.prompt_chars)
+    n_ctx = max(len(llms["plain"].encode(p)) for p in prompts) + args.max_tokens + 16
+    peers = _llama_peers(list(dict.fromkeys(args.peer or [])), args.model, torch.get_num_threads(), n_ctx)
     for llm in llms.values():
         llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-    rates: dict[str, list[float]] = {name: [] for name in llms}
+    names = [*llms, *peers]
+    rates: dict[str, list[float]] = {name: [] for name in names}
     stats: dict[str, list] = {name: [] for name in llms}
-    outputs: dict[str, list] = {name: [] for name in llms}
+    outputs: dict[str, list] = {name: [] for name in names}
     for _ in range(args.repeats):
         for name, llm in llms.items():
             forget_shared(llm)
@@ -115,6 +150,11 @@ def run(args: argparse.Namespace) -> int:
             rates[name].append(len(prompts) * args.max_tokens / (time.perf_counter() - t0))
             stats[name] = [o.spec for o in outs]
             outputs[name] = [o.token_ids for o in outs]
+        for name, peer in peers.items():
+            ids = [llms["plain"].encode(p) for p in prompts]
+            t0 = time.perf_counter()
+            outputs[name] = [peer.generate(p, args.max_tokens) for p in ids]
+            rates[name].append(len(prompts) * args.max_tokens / (time.perf_counter() - t0))
     kernel_s = {}
     for name, llm in llms.items():  # the roofline pass (see the module docstring)
         clock = KernelClock(llm)
@@ -123,10 +163,15 @@ def run(args: argparse.Namespace) -> int:
             llm.generate([p], params)
         kernel_s[name] = clock.seconds
     plain_rate = statistics.median(rates["plain"])
-    result = {"prompts": len(prompts), "max_tokens": args.max_tokens, "repeats": args.repeats,
-              "threads": torch.get_num_threads(), "speculation": args.speculation, "quantization": args.quantization,
-              "plain_tokens_per_s": plain_rate,
-              "plain_kernel_s": kernel_s["plain"], "drafters": {}}
+    result = {"prompts": len(prompts), "prompt_set": "chat" if args.chat else "code", "max_tokens": args.max_tokens,
+              "repeats": args.repeats, "threads": torch.get_num_threads(), "speculation": args.speculation,
+              "quantization": args.quantization, "plain_tokens_per_s": plain_rate,
+              "plain_kernel_s": kernel_s["plain"], "drafters": {}, "peers": {}}
+    for name in peers:
+        rate = statistics.median(rates[name])
+        same = sum(a == b for a, b in zip(outputs[name], outputs["plain"]))
+        result["peers"][name] = {"tokens_per_s": rate, "plain_over_peer": plain_rate / rate,
+                                 "prompts_greedy_equal_to_plain": same}
     for name in specs:
         counts = SpecCounts.total(stats[name])
         speedup = statistics.median(rates[name]) / plain_rate
@@ -146,6 +191,11 @@ def run(args: argparse.Namespace) -> int:
           f"{plain_rate:.0f} tok/s, {args.speculation} speculation{', ' + args.quantization if args.quantization else ''})")
     for name, d in result["drafters"].items():
         print(f"{name:24s} {d['tau']:5.2f} {d['speedup']:8.2f} {d['roofline_speedup']:9.2f} {d['efficiency']:10.2f}")
+    for name, d in result["peers"].items():
+        best = max(d["tokens_per_s"] for d in result["drafters"].values()) if result["drafters"] else plain_rate
+        print(f"{name:24s} {d['tokens_per_s']:.0f} tok/s: plain specserve {d['plain_over_peer']:.2f}x it, the best "
+              f"drafter {best / d['tokens_per_s']:.2f}x; greedy equal to ours on {d['prompts_greedy_equal_to_plain']}/"
+              f"{len(prompts)} prompts")
     write_json(result, args.json)
     return 0
 

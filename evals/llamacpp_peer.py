@@ -253,6 +253,9 @@ class LlamaCpp:
 
     kv_type: str = "f32"
     logits_all: bool = False  # every row's logits, as a verify forward needs (`bench verify`)
+    # > 0: llama.cpp's own speculative decoding with prompt lookup (llama-cpp-python's LlamaPromptLookupDecoding,
+    # drafting this many tokens a step): the peer of our n-gram drafter.
+    prompt_lookup: int = 0
 
     def __post_init__(self) -> None:
         import llama_cpp
@@ -262,10 +265,17 @@ class LlamaCpp:
             self.llm = llama_cpp.Llama(model_path=str(self.gguf), n_ctx=self.n_ctx, n_batch=min(self.n_ctx, 512),
                                        n_threads=self.threads, n_threads_batch=self.threads, type_k=kv, type_v=kv,
                                        n_gpu_layers=-1 if self.gpu else 0, logits_all=self.logits_all,
-                                       verbose=False)
+                                       draft_model=self._draft_model(), verbose=False)
         except Exception as exc:  # a GGUF this llama.cpp cannot read: usually a converter newer than the library
             raise ValueError(f"llama-cpp-python cannot load {self.gguf} ({exc}); use the converter from the "
                              "same llama.cpp version as the installed llama-cpp-python") from exc
+
+    def _draft_model(self):
+        if not self.prompt_lookup:
+            return None
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        return LlamaPromptLookupDecoding(num_pred_tokens=self.prompt_lookup)
 
     def generate(self, prompt: list[int], max_tokens: int, temperature: float = 0.0, seed: int = 0) -> list[int]:
         """Exactly `max_tokens` tokens after `prompt` (EOS does not stop generation, as with ignore_eos).

@@ -69,6 +69,12 @@ AMORTIZE_STEPS = 4
 TREE_HISTORY = REPLAN
 # The per-tree overhead is calibrated on a chain this long.
 TREE_CALIBRATION_NODES = 8
+# A drafter that drafts whole trees (n-gram, suffix) and whose measured drafting costs at most this share
+# of a plain step is nearly free: every request drafts every step and the cut alone decides what is
+# verified (an empty or fully cut tree costs nothing more). Deciding per request instead turned such a
+# drafter off after the first empty trees of a cold start, until a probe 64 steps later (BENCHMARKS.md,
+# "Plain decoding at one and two threads": τ 1.02 where static drafting gave 5.08).
+NEARLY_FREE_SHARE = 0.02
 
 
 @dataclass
@@ -181,6 +187,8 @@ class AdaptiveBudget:
             if rate > best_rate:
                 best_depth, best_rate, best_kept = depth, rate, kept
         drafting = [best_kept is not None and best_kept[i] > 0 for i in range(len(states))]
+        if self._nearly_free(len(states), fixed_rows):
+            drafting, best_depth = [True] * len(states), self.max_depth
         for s, d in zip(states, drafting):
             s.decided, s.drafting = True, d
         self._plan_depth = best_depth
@@ -221,6 +229,12 @@ class AdaptiveBudget:
             depth += 1
         self._depth = depth
         return DraftPlan(budgets, depth)
+
+    def _nearly_free(self, requests: int, fixed_rows: int) -> bool:
+        """Whether drafting for every request costs at most NEARLY_FREE_SHARE of a plain step (whole-tree
+        drafters only: a level drafter's empty levels still cost a forward each)."""
+        plain_s = self._seconds(0.0, fixed_rows)
+        return self.whole_trees and self.draft_cost(self.max_depth, requests, 0) <= NEARLY_FREE_SHARE * plain_s
 
     def _probe_pays(self, state: _RequestState, steps: int, fixed_rows: int, requests: int) -> bool:
         """Whether this request's share of `steps` plain steps covers a probe's predicted cost (the whole

@@ -15,7 +15,7 @@ from adaptive_policy import FixedVerifyCost, FreeDrafting
 from specserve import LLM, SamplingParams
 from specserve.budget import RequestStepRecord, StepRecord
 from specserve.speculation import AdaptiveBudget
-from specserve.speculation.adaptive import PROBE_FIRST, PROBE_NODES, REPLAN
+from specserve.speculation.adaptive import NEARLY_FREE_SHARE, PROBE_FIRST, PROBE_NODES, REPLAN
 from specserve.speculation.cost_model import DraftCost, VerifyCost, calibrate_tree_cost
 from specserve.speculation.node_values import NodeValueModel, fallback_scores, path_products
 from specserve.verify import DraftTree
@@ -167,6 +167,35 @@ def test_probing_revives_a_plain_request():
             revived_at = step
             break
     assert revived_at is not None
+
+
+class _PricedDrafting(DraftCost):
+    """Drafting that costs `share` of a (one-unit) plain step per request."""
+
+    def __init__(self, share: float) -> None:
+        super().__init__()
+        self.share = share
+
+    def __call__(self, levels: int, requests: int, backlog: int = 0) -> float:
+        return self.share * requests if levels > 0 and requests > 0 else 0.0
+
+
+def test_a_nearly_free_whole_tree_drafter_drafts_through_a_cold_start():
+    """n-gram and suffix draft whole trees for almost nothing: a cold start's useless trees must not turn them
+    off until a late probe (the cut alone decides what is verified); a drafter whose drafting is priced above
+    NEARLY_FREE_SHARE of a step is still switched off as before."""
+    def budgets_after_cold_start(share: float) -> list[int]:
+        policy = AdaptiveBudget(max_budget=8, max_depth=8, whole_trees=True, verify_cost=_cost(per_row=0.3),
+                                draft_cost=_PricedDrafting(share))
+        requests = [_Req("a")]
+        cut = _run(policy, requests, accepted=0, steps=20, depth=8)
+        return [policy.plan(requests, 1).budgets[0] for _ in range(3 * REPLAN)], cut
+
+    free, cut = budgets_after_cold_start(NEARLY_FREE_SHARE / 4)
+    assert free == [8] * len(free)
+    assert cut[0].num_nodes == 0  # nothing accepted: the cut verifies nothing, so drafting stays free
+    priced, _ = budgets_after_cold_start(NEARLY_FREE_SHARE * 4)
+    assert set(priced) == {0}
 
 
 def test_a_probe_drafts_the_whole_tree_so_the_plan_sees_long_chains():
