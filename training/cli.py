@@ -18,6 +18,7 @@ def add_train_parser(sub, parser_class):
     `specserve.evals.default_drafter`, which training code does not import)."""
     from specserve.training.eagle import add_eagle_args  # light: heavy imports live in its functions
     from specserve.training.feature_data import add_feature_data_args, cmd_feature_data
+    from specserve.training.ship import add_ship_args, cmd_ship
 
     train = sub.add_parser("train", help="train the models specserve serves: corpus, lm, distill-data, feature-data, draft, medusa, eagle, bundle")
     tsub = train.add_subparsers(dest="train_command", required=True, parser_class=parser_class)
@@ -91,6 +92,11 @@ def add_train_parser(sub, parser_class):
     _run_args(eagle, seq_len=False)
     _distill_args(eagle, prefix="distill options (only when --data is not given)")
     eagle.set_defaults(handler=cmd_eagle)
+
+    ship = tsub.add_parser("ship", help="put drafters trained for the default model into the package "
+                                         "(specserve/default_model_drafters, with its MANIFEST)")
+    add_ship_args(ship)
+    ship.set_defaults(handler=cmd_ship)
 
     bundle = tsub.add_parser("bundle", help="train the embedded default model and its drafters (long: see README)")
     bundle.add_argument("--work", default="bundle-work", help="working directory for the runs (default: ./bundle-work)")

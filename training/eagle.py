@@ -216,14 +216,16 @@ def _recorded(out_dir: Path) -> dict:
 
 
 def _draft_vocabulary(train_set, vocab: int, size: int | None):
-    """The ``size`` most frequent tokens of the training sequences (ties: lower id), ascending: int64[size]."""
+    """The ``size`` most frequent tokens of the training sequences (ties: lower id), ascending: int64[size].
+    Captured feature data counts the target's argmax at every position too: what a head must be able to draft."""
     import torch
 
     from specserve.training.draft_vocab import most_frequent
 
     size = vocab if size is None else size
-    if train_set.tokens.dim() == 1:  # packed feature data: every token is real
-        return most_frequent(torch.bincount(train_set.tokens, minlength=vocab), size)
+    if train_set.tokens.dim() == 1:  # packed feature data: every token is real, and the target's argmaxes are known
+        counts = torch.bincount(train_set.tokens, minlength=vocab) + torch.bincount(train_set.topk_ids[:, 0], minlength=vocab)
+        return most_frequent(counts, size)
     mask = torch.arange(train_set.tokens.shape[1])[None, :] < train_set.lengths[:, None]
     return most_frequent(torch.bincount(train_set.tokens[mask], minlength=vocab), size)
 
