@@ -337,6 +337,10 @@ class _HeadKernels:
         from specserve.kernels import LayerKernels, PackedLinear
 
         storage = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(head.fc.dtype, "float32")
+        if target_kernels is not None and getattr(target_kernels, "quantized", False):
+            # A quantized target's head runs 8-bit too: a draft level streams the head's weights for one or two
+            # rows, so their bytes are its time (SmolLM2's head: 30 MB as float32, 7.5 MB as int8).
+            storage = "int8"
         self.head = head
         self.layers = [LayerKernels(layer, storage) for layer in head.layers]
         self.fc = PackedLinear(head.fc, head.fc_bias, storage)

@@ -124,7 +124,7 @@ def make_feature_data(
                                           "score_s": 0.0})
     started = time.perf_counter()
     stopped = False
-    for split in ("train", "heldout"):
+    for split in ("heldout", "train"):  # held-out first (small): a run the time budget stops can still be evaluated
         chunk_size = settings.shard_size
         split_prompts = prompts[split]
         done = set(manifest["shards"][split])

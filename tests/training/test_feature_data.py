@@ -112,6 +112,12 @@ def test_an_eagle3_head_trains_on_captured_features_and_serves_losslessly(target
     plain = [o.token_ids for o in LLM(str(target[1]), drafter=None, threads=1).generate(prompts, params)]
     spec = LLM(str(target[1]), drafter=f"eagle:{head}", speculation="static", threads=1)
     assert [o.token_ids for o in spec.generate(prompts, params)] == plain
+    # On 8-bit target products the head's own products run 8-bit too (its weights are a draft level's time).
+    plain8 = [o.token_ids for o in LLM(str(target[1]), drafter=None, threads=1, quantization="int8").generate(prompts, params)]
+    spec8 = LLM(str(target[1]), drafter=f"eagle:{head}", speculation="static", threads=1, quantization="int8")
+    assert spec8.engine.drafter.head.kernels.fc.scales.size and spec8.engine.drafter.head.kernels.lm_head.scales.size
+    assert not spec.engine.drafter.head.kernels.fc.scales.size
+    assert [o.token_ids for o in spec8.generate(prompts, params)] == plain8
 
     other_hf = build_model(tmp_path / "other", "llama", hidden_size=64, layers=4, init_std=0.1, seed=1)
     other = write_gguf(other_hf, tmp_path / "other.gguf", "F32")
