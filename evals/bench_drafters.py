@@ -101,8 +101,8 @@ LLAMA_PEERS = ("llama.cpp", "llama.cpp-prompt-lookup")
 PROMPT_LOOKUP_TOKENS = 10  # llama-cpp-python's own example drafts 10 (our n-gram drafter's default budget is 8)
 
 
-def _llama_peers(names: list[str], model, threads: int, n_ctx: int) -> dict:
-    """One `llamacpp_peer.LlamaCpp` per peer name, on the target's own GGUF file; ValueError for another target."""
+def _check_peer_target(model):
+    """The target's GGUF file, which the llama.cpp peers run too; ValueError for another target or no llama.cpp."""
     from specserve.evals import llamacpp_peer
     from specserve.loading import resolve_model
     from specserve.loading.gguf_file import is_gguf
@@ -113,6 +113,16 @@ def _llama_peers(names: list[str], model, threads: int, n_ctx: int) -> dict:
     reason = llamacpp_peer.locate(None, path)
     if isinstance(reason, llamacpp_peer.PeerUnavailable):
         raise ValueError(f"--peer: {reason}")
+    return path
+
+
+def _llama_peers(names: list[str], model, threads: int, n_ctx: int) -> dict:
+    """One `llamacpp_peer.LlamaCpp` per peer name, on the target's own GGUF file."""
+    from specserve.evals import llamacpp_peer
+
+    if not names:
+        return {}
+    path = _check_peer_target(model)
     return {name: llamacpp_peer.LlamaCpp(path, threads, n_ctx,
                                           prompt_lookup=PROMPT_LOOKUP_TOKENS if name.endswith("prompt-lookup") else 0)
             for name in names}
@@ -125,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
     from specserve.evals.datasets import heldout_chat_prompts, heldout_prompts
 
     set_threads(args.threads)
+    if args.peer:
+        _check_peer_target(args.model)  # before anything loads
     specs = args.drafter or ["draft", "ngram"]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     target = dict(quantization=args.quantization)

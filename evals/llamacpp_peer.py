@@ -339,18 +339,18 @@ def locate(source: str | None, model: str | Path | None = None) -> Path | PeerUn
 
 
 def load(model_dir: str | Path, tree: Path, *, dtype, threads: int, n_ctx: int, gpu: bool = False,
-         cache_dir: str | Path | None = None, log=None, logits_all: bool = False) -> LlamaCpp:
+         cache_dir: str | Path | None = None, log=None, logits_all: bool = False, prompt_lookup: int = 0) -> LlamaCpp:
     """`model_dir` converted (cached) to the GGUF type that pairs with our `dtype` (or "int8" / "int4": our
     quantized storages), loaded; a GGUF file is loaded as it is — the same file both sides, whatever `dtype`."""
     from specserve.loading.gguf_file import is_gguf
 
     if is_gguf(model_dir):
-        return LlamaCpp(Path(model_dir), threads, n_ctx, gpu, logits_all=logits_all)
+        return LlamaCpp(Path(model_dir), threads, n_ctx, gpu, logits_all=logits_all, prompt_lookup=prompt_lookup)
     name = str(dtype).removeprefix("torch.")
     if name not in GGUF_TYPE:
         raise ValueError(f"no GGUF type pairs with dtype {name!r}; known: {', '.join(GGUF_TYPE)}")
     gguf = convert(Path(model_dir), tree, GGUF_TYPE[name], Path(cache_dir) if cache_dir else None, log=log)
-    return LlamaCpp(gguf, threads, n_ctx, gpu, logits_all=logits_all)
+    return LlamaCpp(gguf, threads, n_ctx, gpu, logits_all=logits_all, prompt_lookup=prompt_lookup)
 
 
 # -- the converter subprocess ----------------------------------------------------------------------

@@ -9,6 +9,8 @@ checkpoint.
   by llama.cpp's own converter (f32 against float32, f16 against half-size weights; see
   llamacpp_peer.py), with the kernels' thread count. When llama-cpp-python or the converter is not
   available it is skipped with one line and the other systems still run.
+- ``llama.cpp-prompt-lookup``: the same, with llama-cpp-python's own prompt-lookup speculative decoding
+  (`LlamaPromptLookupDecoding`, ``--prompt-lookup-tokens`` drafted a step).
 
 Assisted and prompt-lookup generation take one sequence at a time in transformers, so those two
 run each prompt of a group in turn. ``min_new_tokens = max_new_tokens`` makes every system generate
@@ -25,7 +27,8 @@ from pathlib import Path
 from specserve.evals import llamacpp_peer
 from specserve.evals.common import sync
 
-PEERS = ("transformers", "transformers-assisted", "transformers-prompt-lookup", "llama.cpp")
+PEERS = ("transformers", "transformers-assisted", "transformers-prompt-lookup", "llama.cpp", "llama.cpp-prompt-lookup")
+LLAMA_CPP_PEERS = PEERS[3:]
 TRANSFORMERS_PEERS = PEERS[:3]
 
 

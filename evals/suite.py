@@ -41,7 +41,7 @@ from specserve.evals.datasets import (
 )
 from specserve.evals import llamacpp_peer
 from specserve.evals.common import forget_shared, set_threads, sync
-from specserve.evals.peers import parse_peers, resolve_peer_draft
+from specserve.evals.peers import LLAMA_CPP_PEERS, parse_peers, resolve_peer_draft
 from specserve.evals.structured import check_output, constraint_kwargs
 from specserve.evals.report import write_json, write_report
 from specserve.evals.summary import PLAIN, RunData, summarize
@@ -64,7 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=1, help="prompts per generate call (groups never mix categories)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--peers", default="",
-                   help="comma-separated: transformers, transformers-assisted, transformers-prompt-lookup, llama.cpp")
+                   help="comma-separated: transformers, transformers-assisted, transformers-prompt-lookup, llama.cpp, "
+                        "llama.cpp-prompt-lookup")
     p.add_argument("--peer-draft", default=None, metavar="DIR", help="assistant model for transformers-assisted "
                    "(default: the bundle's draft model when the target is the embedded model)")
     p.add_argument("--prompt-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens of that peer")
@@ -192,10 +193,11 @@ def run_eval(cfg: EvalConfig) -> dict:
     if "transformers-assisted" in cfg.peers:  # fail before any long loading
         cfg.peer_draft = resolve_peer_draft(_model_dir(cfg.model), cfg.peer_draft)
     skipped_peers: dict[str, str] = {}
-    llama_tree = llamacpp_peer.locate(cfg.llama_cpp_source, _model_dir(cfg.model)) if "llama.cpp" in cfg.peers else None
+    llama_names = [name for name in cfg.peers if name in LLAMA_CPP_PEERS]
+    llama_tree = llamacpp_peer.locate(cfg.llama_cpp_source, _model_dir(cfg.model)) if llama_names else None
     if isinstance(llama_tree, llamacpp_peer.PeerUnavailable):
         _log(llamacpp_peer.skip_line(llama_tree))
-        skipped_peers["llama.cpp"] = str(llama_tree)
+        skipped_peers.update({name: str(llama_tree) for name in llama_names})
     set_threads(cfg.threads)  # the kernels' and torch's; llama.cpp gets the same count
     records = load_dataset(cfg.dataset, cfg.on_bad_line, limit=cfg.max_prompts, warn=_log)
     if cfg.peers and any(r.constraint is not None for r in records):
@@ -215,7 +217,7 @@ def run_eval(cfg: EvalConfig) -> dict:
             "skipped_prompts": state["skipped"], "skipped_peers": skipped_peers,
             "progress": {"measurements": len(data.measurements) if data else 0,
                          "planned": len(data.groups) * cfg.repeats * (1 + len(cfg.drafters) + len(data.peers)) if data else None},
-            "versions": _versions("llama.cpp" in (data.peers if data else [])),
+            "versions": _versions(any(p in LLAMA_CPP_PEERS for p in (data.peers if data else []))),
             "machine": _machine(state["device"], torch.get_num_threads()),
         }
 
@@ -297,9 +299,12 @@ def _load_peers(cfg: EvalConfig, plain, llama_tree, n_ctx: int) -> dict:
     peers: dict = load_peers(cfg.peers, plain.model_dir, draft_dir=cfg.peer_draft, device=plain.device,
                              dtype=plain.dtype, prompt_lookup_tokens=cfg.prompt_lookup_tokens)
     if isinstance(llama_tree, Path):
-        runner = llamacpp_peer.load(plain.model_dir, llama_tree, dtype=plain.dtype, threads=get_threads(), n_ctx=n_ctx,
-                                    gpu=plain.device.type == "cuda", cache_dir=cfg.llama_cpp_cache, log=_log)
-        peers["llama.cpp"] = LlamaCppPeer("llama.cpp", runner)
+        for name in (n for n in cfg.peers if n in LLAMA_CPP_PEERS):
+            lookup = cfg.prompt_lookup_tokens if name == "llama.cpp-prompt-lookup" else 0
+            runner = llamacpp_peer.load(plain.model_dir, llama_tree, dtype=plain.dtype, threads=get_threads(),
+                                        n_ctx=n_ctx, gpu=plain.device.type == "cuda", cache_dir=cfg.llama_cpp_cache,
+                                        log=_log, prompt_lookup=lookup)
+            peers[name] = LlamaCppPeer(name, runner)
     return peers
 
 

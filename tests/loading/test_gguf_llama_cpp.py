@@ -97,3 +97,35 @@ def test_bench_verify_peer_rewinds_to_the_prefix_each_time(hf_dir, tmp_path):
     fresh = LlamaCpp(path, threads=1, n_ctx=64, logits_all=True)
     fresh.llm.eval(prefix + rows)
     np.testing.assert_allclose(timed, np.array(fresh.llm.scores[len(prefix):len(prefix) + len(rows)]), atol=1e-4)
+
+
+def test_llama_cpp_prompt_lookup_peer_decodes_what_plain_llama_cpp_does(hf_dir, tmp_path):
+    """The `llama.cpp-prompt-lookup` peer is llama.cpp's own speculative decoding: greedy tokens equal plain llama.cpp's."""
+    from specserve.evals.llamacpp_peer import LlamaCpp
+
+    path = write_gguf(hf_dir, tmp_path / "model-F32.gguf", "F32")
+    plain, lookup = LlamaCpp(path, 1, 256), LlamaCpp(path, 1, 256, prompt_lookup=10)
+    assert plain.llm.draft_model is None and lookup.llm.draft_model is not None
+    for prompt in ([5, 6, 7, 8, 9] * 6, [40, 41, 42, 43, 44, 45, 46]):
+        assert lookup.generate(prompt, 24) == plain.generate(prompt, 24)
+
+
+def test_bench_drafters_runs_llama_cpp_beside_us_on_the_same_file(hf_dir, tmp_path, capsys):
+    """`bench drafters --peer ...` times both llama.cpp peers in the same loop on a GGUF target; another target
+    is refused with one line."""
+    import json
+
+    from specserve.cli import main
+
+    path = write_gguf(hf_dir, tmp_path / "model-F32.gguf", "F32")
+    out = tmp_path / "bench.json"
+    assert main(["bench", "drafters", "--model", str(path), "--drafter", "ngram", "--prompts", "2", "--max-tokens", "8",
+                 "--repeats", "1", "--threads", "1", "--peer", "llama.cpp", "--peer", "llama.cpp-prompt-lookup",
+                 "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["peers"]) == {"llama.cpp", "llama.cpp-prompt-lookup"}
+    assert all(p["tokens_per_s"] > 0 for p in result["peers"].values())
+    capsys.readouterr()
+    assert main(["bench", "drafters", "--model", str(hf_dir), "--drafter", "ngram", "--prompts", "1", "--max-tokens", "4",
+                 "--repeats", "1", "--peer", "llama.cpp"]) == 2
+    assert "GGUF" in capsys.readouterr().err
