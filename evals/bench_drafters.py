@@ -146,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
         prompts = heldout_chat_prompts(llms["plain"].tokenizer, args.prompts)
     else:
         prompts = heldout_prompts(args.prompts, args.prompt_chars)
-    n_ctx = max(len(llms["plain"].encode(p)) for p in prompts) + args.max_tokens + 16
+    prompt_ids = [llms["plain"].encode(p) for p in prompts]  # what the llama.cpp peers are given
+    n_ctx = max(map(len, prompt_ids)) + args.max_tokens + 16
     peers = _llama_peers(list(dict.fromkeys(args.peer or [])), args.model, torch.get_num_threads(), n_ctx)
     for llm in llms.values():
         llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
@@ -163,9 +164,8 @@ def run(args: argparse.Namespace) -> int:
             stats[name] = [o.spec for o in outs]
             outputs[name] = [o.token_ids for o in outs]
         for name, peer in peers.items():
-            ids = [llms["plain"].encode(p) for p in prompts]
             t0 = time.perf_counter()
-            outputs[name] = [peer.generate(p, args.max_tokens) for p in ids]
+            outputs[name] = [peer.generate(p, args.max_tokens) for p in prompt_ids]
             rates[name].append(len(prompts) * args.max_tokens / (time.perf_counter() - t0))
     kernel_s = {}
     for name, llm in llms.items():  # the roofline pass (see the module docstring)

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from specserve.training.corpus import build_corpus, corpus_from_manifest
 from specserve.training.data import encode_stream, load_stream
-from specserve.training.outputs import prepare_out_dir, read_json, write_json
+from specserve.training.outputs import prepare_out_dir, read_json, write_json, write_shard
 from specserve.training.presets import check_float, check_int
 from specserve.training.tokenizer import load_tokenizer, tokenizer_fingerprint
 
@@ -232,8 +232,6 @@ def cpu_threads(count: int | None):
 
 
 def _write_shard(path: Path, rows: list[dict], s: DistillSettings, eos_id: int, vocab_size: int) -> None:
-    from safetensors.torch import save_file
-
     id_dtype = torch.int16 if vocab_size <= 32768 else torch.int32
     tensors = {
         "tokens": torch.stack([r["tokens"] for r in rows]).to(torch.int32),
@@ -242,9 +240,7 @@ def _write_shard(path: Path, rows: list[dict], s: DistillSettings, eos_id: int, 
         "topk_ids": torch.stack([r["topk_ids"] for r in rows]).to(id_dtype),
         "topk_logprobs": torch.stack([r["topk_logprobs"] for r in rows]).to(torch.float16),
     }
-    tmp = path.with_suffix(".tmp")
-    save_file(tensors, str(tmp))
-    tmp.replace(path)
+    write_shard(path, tensors)
 
 
 def _count(out_dir: Path, shards: list[str]) -> dict:

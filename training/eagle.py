@@ -451,16 +451,11 @@ def cmd_eagle(args: argparse.Namespace) -> int:
     from specserve.training.cli import _distill_settings, _report, _set_threads, run_options
 
     _set_threads(args.threads)
-    from specserve.training.feature_data import is_feature_data
+    from specserve.training.feature_data import is_feature_data, parse_feature_layers
 
     if args.target is None and not is_feature_data(args.data) and not args.resume:
         raise ValueError("--target is required (it may be left out only with --data from `train feature-data`)")
-    layers = None
-    if args.feature_layers:
-        try:
-            layers = tuple(int(x) for x in args.feature_layers.split(","))
-        except ValueError as exc:
-            raise ValueError(f"--feature-layers must be comma-separated integers, got {args.feature_layers!r}") from exc
+    layers = parse_feature_layers(args.feature_layers)
     summary = train_eagle(
         args.target, args.out, data=args.data, mode=args.mode, ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab,
         feature_layers=layers, save_dtype=args.save_dtype, distill_settings=_distill_settings(args), **run_options(args),

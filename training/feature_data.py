@@ -236,7 +236,8 @@ def capture(llm, tokens: np.ndarray, layers: tuple[int, ...]) -> tuple[dict[int,
 def _write_shard(path: Path, rows: list[dict]) -> None:
     import numpy as np
     import torch
-    from safetensors.torch import save_file
+
+    from specserve.training.outputs import write_shard
 
     lengths = [len(r["tokens"]) for r in rows]
     tensors = {
@@ -247,9 +248,7 @@ def _write_shard(path: Path, rows: list[dict]) -> None:
         "topk_ids": torch.cat([r["topk_ids"] for r in rows]),
         "topk_logprobs": torch.cat([r["topk_logprobs"] for r in rows]),
     }
-    tmp = path.with_suffix(".tmp")
-    save_file(tensors, str(tmp))
-    tmp.replace(path)
+    write_shard(path, tensors)
 
 
 def _count(out_dir: Path, shards: list[str]) -> dict:
@@ -345,15 +344,20 @@ def add_feature_data_args(p) -> None:
     p.add_argument("--data-seed", type=int, default=d.seed, help="seed of the prompts and sampling (default 0)")
 
 
+def parse_feature_layers(text: str | None) -> tuple[int, ...] | None:
+    """``--feature-layers "2,15,27"`` → (2, 15, 27); None when not given. ValueError (one line) otherwise."""
+    if not text:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError as exc:
+        raise ValueError(f"--feature-layers must be comma-separated integers, got {text!r}") from exc
+
+
 def cmd_feature_data(args) -> int:
     import json
 
-    layers = None
-    if args.feature_layers:
-        try:
-            layers = tuple(int(x) for x in args.feature_layers.split(","))
-        except ValueError as exc:
-            raise ValueError(f"--feature-layers must be comma-separated integers, got {args.feature_layers!r}") from exc
+    layers = parse_feature_layers(args.feature_layers)
     settings = FeatureSettings(num_prompts=args.num_prompts, heldout_prompts=args.heldout_prompts,
                                new_tokens=args.new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                                greedy_fraction=args.greedy_fraction, temperature=args.temperature, topk=args.topk,

@@ -57,6 +57,16 @@ def write_json(path: Path, data: dict) -> None:
     tmp.replace(path)
 
 
+def write_shard(path: Path, tensors: dict) -> None:
+    """Write a safetensors shard atomically (a temporary file renamed over ``path``): an interrupted run
+    leaves whole shards only, which is what ``--resume`` counts on."""
+    from safetensors.torch import save_file
+
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp))
+    tmp.replace(path)
+
+
 def read_json(path: Path) -> dict:
     try:
         return json.loads(Path(path).read_text())
