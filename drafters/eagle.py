@@ -82,8 +82,8 @@ class EagleDrafter(LevelDrafter):
         self.max_budget = min(8, full) if max_budget is None else min(_check("max_budget", max_budget, 1, 1 << 20), full)
         self.seed = _check("seed", seed, 0, 2**63 - 1)
         if path is None:
-            raise ValueError("the eagle drafter needs a head directory: 'eagle:DIR' (a bare 'eagle' only works with "
-                             "the bundled default model when the bundle has a head)")
+            raise ValueError("the eagle drafter needs a head directory: 'eagle:DIR' (a bare 'eagle' works only where a "
+                             "head ships for the target: the tiny model's bundle; none ships for the default model yet)")
         self.path = Path(path).expanduser()
         self.head = load_head(self.path, target)
         self.mode = self.head.mode
