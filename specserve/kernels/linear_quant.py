@@ -104,11 +104,26 @@ def quantize_activations(x, runs):
     return qx, dx, sums
 
 
-def run_sum(acc, isum, total, offset, scales, j, dx):
+def run_sum(acc, isum, total, offset, scales, lanes, j, dx):
     """acc after run j of one output block: isum the run's integer sums Σ stored q · qx (16 outputs), total = Σ qx
-    (the row's `sums`), offset the stored weights' (`weight_offset`), scales the block's row of scales, dx the
-    row's activation scale — one FMA (Q8_0, Q4_0) or two (Q4_1) of the module docstring's chain."""
+    (the row's `sums`), offset the stored weights' (`weight_offset`), scales the packed scales (only their dtype is
+    read: the format's tag), lanes the block's row of `scale_lanes(scales)`, dx the row's activation scale — one FMA
+    (Q8_0, Q4_0) or two (Q4_1) of the module docstring's chain."""
     raise NotImplementedError("runs inside numba kernels only")
+
+
+def scale_lanes(scales):
+    """The packed scales as float16 bits, uint16[blocks, lanes]: Q8_0's and Q4_0's as they are, Q4_1's uint32
+    containers viewed once per call of the kernel. (Viewing a block's row inside `run_sum` made a new array each
+    run: a reference-count call per run and block, and every accumulator spilled around it.)"""
+    raise NotImplementedError("runs inside numba kernels only")
+
+
+@overload(scale_lanes, inline="always")
+def _scale_lanes(scales):
+    if scales.dtype == types.uint32:
+        return lambda scales: scales.view(np.uint16)
+    return lambda scales: scales
 
 
 def group_pair(w, p, stride, offset):
@@ -123,20 +138,19 @@ def weight_offset(w, scales):
 
 
 @overload(run_sum, inline="always")
-def _run_sum(acc, isum, total, offset, scales, j, dx):
+def _run_sum(acc, isum, total, offset, scales, lanes, j, dx):
     if isinstance(isum, I16x32Type):  # AVX2 4-bit pair sums (`wzero`): widened to int32 once per run
-        return lambda acc, isum, total, offset, scales, j, dx: run_sum(acc, vpairs_widen(isum), total, offset, scales,
-                                                                       j, dx)
+        return lambda acc, isum, total, offset, scales, lanes, j, dx: run_sum(acc, vpairs_widen(isum), total, offset,
+                                                                              scales, lanes, j, dx)
     if scales.dtype == types.uint32:  # Q4_1 (offset 0): d and m (float16 bits) of each run, 16 outputs each, in turn
-        def q4_1(acc, isum, total, offset, scales, j, dx):
-            dm = scales.view(np.uint16)
+        def q4_1(acc, isum, total, offset, scales, lanes, j, dx):
             d_term = vtofloat(visub_scalar(isum, offset * total))
-            acc = vfma(d_term, vmul(vload(dm, 2 * j * LANES), vbroadcast(dx)), acc)
-            return vfma(vload(dm, (2 * j + 1) * LANES), vbroadcast(dx * np.float32(total)), acc)
+            acc = vfma(d_term, vmul(vload(lanes, 2 * j * LANES), vbroadcast(dx)), acc)
+            return vfma(vload(lanes, (2 * j + 1) * LANES), vbroadcast(dx * np.float32(total)), acc)
         return q4_1
     # Q8_0, Q4_0: acc + (S_j - offset · Σ qx) · (d_j · dx), S exact in int32, the scale product rounded once
-    return lambda acc, isum, total, offset, scales, j, dx: vfma(
-        vtofloat(visub_scalar(isum, offset * total)), vmul(vload(scales, j * LANES), vbroadcast(dx)), acc)
+    return lambda acc, isum, total, offset, scales, lanes, j, dx: vfma(
+        vtofloat(visub_scalar(isum, offset * total)), vmul(vload(lanes, j * LANES), vbroadcast(dx)), acc)
 
 
 @overload(group_pair, inline="always")
@@ -222,6 +236,7 @@ def linear_rows_quant(x, w, scales, bias, out, accumulate):
     tb = scales.shape[0] // num_tiles  # blocks per tile
     qx, dx, sums = quantize_activations(x, runs)
     offset = weight_offset(w, scales)
+    lanes = scale_lanes(scales)
     pairs_per_run = Q8_BLOCK // (2 * GROUP)
     block_bytes = GROUP * LANES  # one slot of one block: 4 inputs x 16 outputs (Q4_0, Q4_1: 8 inputs)
     stride = tb * block_bytes  # from one slot of a tile to the next
@@ -238,7 +253,7 @@ def linear_rows_quant(x, w, scales, bias, out, accumulate):
         while PAIR_SUMS and m + 4 <= num_rows:  # AVX2: 4 rows x 1 block, the accumulators fit 16 registers
             x0, x1, x2, x3 = qx[m], qx[m + 1], qx[m + 2], qx[m + 3]
             for i in range(count):
-                s0 = scales[first + i]
+                s0 = lanes[first + i]
                 a0 = vzero(); a1 = vzero(); a2 = vzero(); a3 = vzero()
                 for j in range(runs):
                     i0 = wzero(wt); i1 = wzero(wt); i2 = wzero(wt); i3 = wzero(wt)
@@ -252,10 +267,10 @@ def linear_rows_quant(x, w, scales, bias, out, accumulate):
                         g += GROUP
                         i0 = wdot(wt, i0, u2, vbroadcast_bytes(x0, g)); i1 = wdot(wt, i1, u2, vbroadcast_bytes(x1, g))
                         i2 = wdot(wt, i2, u2, vbroadcast_bytes(x2, g)); i3 = wdot(wt, i3, u2, vbroadcast_bytes(x3, g))
-                    a0 = run_sum(a0, i0, sums[m, j], offset, s0, j, dx[m, j])
-                    a1 = run_sum(a1, i1, sums[m + 1, j], offset, s0, j, dx[m + 1, j])
-                    a2 = run_sum(a2, i2, sums[m + 2, j], offset, s0, j, dx[m + 2, j])
-                    a3 = run_sum(a3, i3, sums[m + 3, j], offset, s0, j, dx[m + 3, j])
+                    a0 = run_sum(a0, i0, sums[m, j], offset, scales, s0, j, dx[m, j])
+                    a1 = run_sum(a1, i1, sums[m + 1, j], offset, scales, s0, j, dx[m + 1, j])
+                    a2 = run_sum(a2, i2, sums[m + 2, j], offset, scales, s0, j, dx[m + 2, j])
+                    a3 = run_sum(a3, i3, sums[m + 3, j], offset, scales, s0, j, dx[m + 3, j])
                 store_block_rows(out, m, (first + i) * LANES, a0, a1, a2, a3, bias, accumulate)
             ahead = -1
             m += 4
@@ -264,8 +279,8 @@ def linear_rows_quant(x, w, scales, bias, out, accumulate):
             i = 0
             while i < count:
                 pair = i + 1 < count
-                s0 = scales[first + i]
-                s1 = scales[first + i + 1] if pair else s0
+                s0 = lanes[first + i]
+                s1 = lanes[first + i + 1] if pair else s0
                 o1 = (i + 1) * block_bytes if pair else i * block_bytes
                 a0 = vzero(); a1 = vzero(); a2 = vzero(); a3 = vzero()
                 c0 = vzero(); c1 = vzero(); c2 = vzero(); c3 = vzero()
@@ -286,10 +301,10 @@ def linear_rows_quant(x, w, scales, bias, out, accumulate):
                         s = vbroadcast_bytes(x2, g); i2 = wdot(wt, i2, u2, s); k2 = wdot(wt, k2, v2, s)
                         s = vbroadcast_bytes(x3, g); i3 = wdot(wt, i3, u2, s); k3 = wdot(wt, k3, v2, s)
                     t0, t1, t2, t3 = sums[m, j], sums[m + 1, j], sums[m + 2, j], sums[m + 3, j]
-                    a0 = run_sum(a0, i0, t0, offset, s0, j, dx[m, j]); c0 = run_sum(c0, k0, t0, offset, s1, j, dx[m, j])
-                    a1 = run_sum(a1, i1, t1, offset, s0, j, dx[m + 1, j]); c1 = run_sum(c1, k1, t1, offset, s1, j, dx[m + 1, j])
-                    a2 = run_sum(a2, i2, t2, offset, s0, j, dx[m + 2, j]); c2 = run_sum(c2, k2, t2, offset, s1, j, dx[m + 2, j])
-                    a3 = run_sum(a3, i3, t3, offset, s0, j, dx[m + 3, j]); c3 = run_sum(c3, k3, t3, offset, s1, j, dx[m + 3, j])
+                    a0 = run_sum(a0, i0, t0, offset, scales, s0, j, dx[m, j]); c0 = run_sum(c0, k0, t0, offset, scales, s1, j, dx[m, j])
+                    a1 = run_sum(a1, i1, t1, offset, scales, s0, j, dx[m + 1, j]); c1 = run_sum(c1, k1, t1, offset, scales, s1, j, dx[m + 1, j])
+                    a2 = run_sum(a2, i2, t2, offset, scales, s0, j, dx[m + 2, j]); c2 = run_sum(c2, k2, t2, offset, scales, s1, j, dx[m + 2, j])
+                    a3 = run_sum(a3, i3, t3, offset, scales, s0, j, dx[m + 3, j]); c3 = run_sum(c3, k3, t3, offset, scales, s1, j, dx[m + 3, j])
                 base = (first + i) * LANES
                 store_block_rows(out, m, base, a0, a1, a2, a3, bias, accumulate)
                 if pair:
@@ -301,7 +316,7 @@ def linear_rows_quant(x, w, scales, bias, out, accumulate):
             xr = qx[m]
             i = 0
             if count == 4:
-                s0, s1, s2, s3 = scales[first], scales[first + 1], scales[first + 2], scales[first + 3]
+                s0, s1, s2, s3 = lanes[first], lanes[first + 1], lanes[first + 2], lanes[first + 3]
                 a0 = vzero(); a1 = vzero(); a2 = vzero(); a3 = vzero()
                 for j in range(runs):
                     i0 = wzero(wt); i1 = wzero(wt); i2 = wzero(wt); i3 = wzero(wt)
@@ -320,15 +335,15 @@ def linear_rows_quant(x, w, scales, bias, out, accumulate):
                         u, u2 = group_pair(wt, p, stride, 3 * block_bytes)
                         i3 = wdot(wt, wdot(wt, i3, u, s), u2, t)
                     t = sums[m, j]
-                    a0 = run_sum(a0, i0, t, offset, s0, j, dx[m, j])
-                    a1 = run_sum(a1, i1, t, offset, s1, j, dx[m, j])
-                    a2 = run_sum(a2, i2, t, offset, s2, j, dx[m, j])
-                    a3 = run_sum(a3, i3, t, offset, s3, j, dx[m, j])
+                    a0 = run_sum(a0, i0, t, offset, scales, s0, j, dx[m, j])
+                    a1 = run_sum(a1, i1, t, offset, scales, s1, j, dx[m, j])
+                    a2 = run_sum(a2, i2, t, offset, scales, s2, j, dx[m, j])
+                    a3 = run_sum(a3, i3, t, offset, scales, s3, j, dx[m, j])
                 base = first * LANES
                 store_row_blocks(out, m, base, a0, a1, a2, a3, bias, accumulate)
                 i = 4
             if i + 2 <= count:
-                s0, s1 = scales[first + i], scales[first + i + 1]
+                s0, s1 = lanes[first + i], lanes[first + i + 1]
                 a0 = vzero(); a1 = vzero()
                 for j in range(runs):
                     i0 = wzero(wt); i1 = wzero(wt)
@@ -343,13 +358,13 @@ def linear_rows_quant(x, w, scales, bias, out, accumulate):
                         u, u2 = group_pair(wt, p, stride, (i + 1) * block_bytes)
                         i1 = wdot(wt, wdot(wt, i1, u, s), u2, t)
                     t = sums[m, j]
-                    a0 = run_sum(a0, i0, t, offset, s0, j, dx[m, j])
-                    a1 = run_sum(a1, i1, t, offset, s1, j, dx[m, j])
+                    a0 = run_sum(a0, i0, t, offset, scales, s0, j, dx[m, j])
+                    a1 = run_sum(a1, i1, t, offset, scales, s1, j, dx[m, j])
                 store_lanes(out, m, (first + i) * LANES, a0, bias, accumulate)
                 store_lanes(out, m, (first + i + 1) * LANES, a1, bias, accumulate)
                 i += 2
             while i < count:
-                s0 = scales[first + i]
+                s0 = lanes[first + i]
                 a0 = vzero()
                 for j in range(runs):
                     i0 = wzero(wt)
@@ -357,7 +372,7 @@ def linear_rows_quant(x, w, scales, bias, out, accumulate):
                         u, u2 = group_pair(wt, p, stride, i * block_bytes)
                         i0 = wdot(wt, wdot(wt, i0, u, vbroadcast_bytes(xr, 2 * p * GROUP)), u2,
                                    vbroadcast_bytes(xr, (2 * p + 1) * GROUP))
-                    a0 = run_sum(a0, i0, sums[m, j], offset, s0, j, dx[m, j])
+                    a0 = run_sum(a0, i0, sums[m, j], offset, scales, s0, j, dx[m, j])
                 store_lanes(out, m, (first + i) * LANES, a0, bias, accumulate)
                 i += 1
             ahead = -1
