@@ -31,6 +31,7 @@ from specserve.defaults import QUANTIZATIONS
 from specserve.evals.common import forget_shared, set_threads, sync, write_json
 from specserve.evals.metrics import SpecCounts
 from specserve.cli import MODEL_HELP
+from specserve.training.chat_prompts import KINDS as CHAT_KINDS
 
 
 class KernelClock:
@@ -91,6 +92,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="adaptive (default: what users get) or static (every step at the drafter's own budget)")
     p.add_argument("--chat", action="store_true",
                    help="held-out chat questions in the target's chat template instead of code prefixes")
+    p.add_argument("--chat-kind", action="append", default=None, choices=CHAT_KINDS,
+                   help="with --chat, only this kind of question (repeatable; default: all four, mixed): 'edit' "
+                        "answers copy the prompt's code, what prompt lookup and n-gram drafting are for")
     p.add_argument("--peer", action="append", default=None, choices=LLAMA_PEERS,
                    help="llama.cpp on the same GGUF file in the same loop: plain, or with its prompt-lookup drafting "
                         "(repeatable; needs llama-cpp-python)")
@@ -135,6 +139,8 @@ def run(args: argparse.Namespace) -> int:
     from specserve.evals.datasets import heldout_chat_prompts, heldout_prompts
 
     set_threads(args.threads)
+    if args.chat_kind and not args.chat:
+        raise ValueError("--chat-kind picks among chat questions: add --chat")
     if args.peer:
         _check_peer_target(args.model)  # before anything loads
     specs = args.drafter or ["draft", "ngram"]
@@ -143,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     llms = {"plain": LLM(args.model, drafter=None, **target)} | {
         spec: LLM(args.model, drafter=spec, speculation=args.speculation, **target) for spec in specs}
     if args.chat:
-        prompts = heldout_chat_prompts(llms["plain"].tokenizer, args.prompts)
+        prompts = heldout_chat_prompts(llms["plain"].tokenizer, args.prompts, kinds=args.chat_kind)
     else:
         prompts = heldout_prompts(args.prompts, args.prompt_chars)
     prompt_ids = [llms["plain"].encode(p) for p in prompts]  # what the llama.cpp peers are given
@@ -175,7 +181,8 @@ def run(args: argparse.Namespace) -> int:
             llm.generate([p], params)
         kernel_s[name] = clock.seconds
     plain_rate = statistics.median(rates["plain"])
-    result = {"prompts": len(prompts), "prompt_set": "chat" if args.chat else "code", "max_tokens": args.max_tokens,
+    result = {"prompts": len(prompts), "prompt_set": "chat" if args.chat else "code",
+              "chat_kinds": args.chat_kind, "max_tokens": args.max_tokens,
               "repeats": args.repeats, "threads": torch.get_num_threads(), "speculation": args.speculation,
               "quantization": args.quantization, "plain_tokens_per_s": plain_rate,
               "plain_kernel_s": kernel_s["plain"], "drafters": {}, "peers": {}}

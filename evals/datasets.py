@@ -202,18 +202,20 @@ def heldout_prompts(count: int, chars: int = 400) -> list[str]:
     return [text for _, text in heldout_code_prefixes(count, chars)]
 
 
-def heldout_chat_prompts(tokenizer, count: int, seed: int = 0) -> list[list[int]]:
+def heldout_chat_prompts(tokenizer, count: int, seed: int = 0, kinds: tuple[str, ...] | None = None) -> list[list[int]]:
     """Chat questions about the standard library's held-out modules (`training.chat_prompts`, the split
-    `train feature-data` never trains on), rendered with the target's chat template: token ids."""
+    `train feature-data` never trains on), rendered with the target's chat template: token ids. kinds: only
+    those kinds of question (`chat_prompts.KINDS`; None: all, mixed)."""
     from specserve.chat_template import has_chat_template
-    from specserve.training.chat_prompts import chat_prompts
+    from specserve.training.chat_prompts import KINDS, chat_prompts
     from specserve.training.corpus import build_corpus
 
     if not has_chat_template(tokenizer):
         raise ValueError("chat prompts need a model with a chat template")
-    prompts = chat_prompts(build_corpus(None), "heldout", count, seed)
+    prompts = chat_prompts(build_corpus(None), "heldout", count, seed, tuple(kinds or KINDS))
     if len(prompts) < count:
-        raise ValueError(f"the held-out split has {len(prompts)} chat prompts, fewer than {count}")
+        which = f" of kind {', '.join(kinds)}" if kinds else ""
+        raise ValueError(f"the held-out split has {len(prompts)} chat prompts{which}, fewer than {count}")
     out = []
     for prompt in prompts:
         text = tokenizer.apply_chat_template(prompt.messages(), tokenize=False, add_generation_prompt=True)

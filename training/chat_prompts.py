@@ -36,15 +36,20 @@ class ChatPrompt:
         return [{"role": "user", "content": self.text}]
 
 
-def chat_prompts(corpus, split: str, count: int, seed: int = 0) -> list[ChatPrompt]:
+def chat_prompts(corpus, split: str, count: int, seed: int = 0, kinds: tuple[str, ...] = KINDS) -> list[ChatPrompt]:
     """``count`` prompts from the ``split`` files of ``corpus`` (`training.corpus.Corpus`), a seeded sample
-    without repeats (fewer when the split has fewer definitions), in a seeded order."""
+    without repeats (fewer when the split has fewer definitions), in a seeded order; only those of ``kinds``
+    (each definition's kind is drawn as always, then filtered: a kind's prompts are the same whatever else
+    is asked for)."""
+    unknown = set(kinds) - set(KINDS)
+    if unknown or not kinds:
+        raise ValueError(f"chat prompt kinds are {', '.join(KINDS)}; got {', '.join(sorted(unknown)) or 'none'}")
     rng = random.Random(f"chat-prompts/{seed}/{split}")
     every = []
     for f in corpus.split(split):
         every.extend(_file_prompts(f.path.read_text(encoding="utf-8"), f.rel, f.module, rng))
     rng.shuffle(every)
-    return every[:count]
+    return [p for p in every if p.kind in kinds][:count]
 
 
 def _file_prompts(source: str, rel: str, module: str, rng: random.Random) -> list[ChatPrompt]:
