@@ -92,6 +92,12 @@ def test_chat_prompts_follow_the_corpus_split(feature_dir):
     assert not {p.module for p in train} & corpus.modules("heldout")
     assert {p.kind for p in train} <= set(KINDS)
     assert chat_prompts(corpus, "train", 5, seed=3) == chat_prompts(corpus, "train", 5, seed=3)
+    # One kind alone: exactly the prompts of that kind among all of them, in the same order.
+    edits = chat_prompts(corpus, "train", 10_000, kinds=("edit",))
+    assert edits and edits == [p for p in train if p.kind == "edit"]
+    assert all("```python" in p.text for p in edits)
+    with pytest.raises(ValueError, match="kinds"):
+        chat_prompts(corpus, "train", 5, kinds=("poem",))
 
 
 def test_an_eagle3_head_trains_on_captured_features_and_serves_losslessly(target, feature_dir, tmp_path):
