@@ -2,9 +2,9 @@
 on loopback for a given time, checking that nothing leaks, nothing crosses over and nothing dies.
 
 The server is a real SpecServer (BackgroundServer: its own event loop and engine thread) in this process,
-over the embedded model by default, so that the engine's KV pool can be read at the end; the clients are
-real websocket (``websockets``) and HTTP/SSE (``aiohttp``) connections on one asyncio loop in the main
-thread. Their scripts are in soak_scripts.py, their connections in soak_clients.py.
+over the default model (SmolLM2-135M-Instruct) unless ``--model`` names another, so that the engine's KV pool
+can be read at the end; the clients are real websocket (``websockets``) and HTTP/SSE (``aiohttp``) connections
+on one asyncio loop in the main thread. Their scripts are in soak_scripts.py, their connections in soak_clients.py.
 
 Before the server starts, every reference is answered solo by the same LLM: greedy requests (a prompt and
 its max tokens) and seeded sampled ones. Then, after a warm-up (every action once, unmeasured: first-time
@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         figures = asyncio.run(soak_run(srv, soak, args, args.clients - hostile, hostile))
     figures["server_errors_logged"] = {"count": errors.count, "first": errors.first}
     figures["machine"] = machine(llm)
-    figures["settings"] = {"model": args.model or "embedded", "drafter": soak.drafter, "speculation": args.speculation,
+    figures["settings"] = {"model": args.model or "the default model", "drafter": soak.drafter, "speculation": args.speculation,
                            "clients": args.clients, "well_behaved": args.clients - hostile, "hostile": hostile,
                            "duration_s": args.duration, "quiet_share": args.quiet_share, "seed": args.seed,
                            "load_matched": args.load_matched,
