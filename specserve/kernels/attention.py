@@ -6,13 +6,17 @@ tokens, or the sliding window) hides it. Masked keys are skipped, not added as z
 arithmetic depends only on the keys it sees and their order: a tree node attends exactly as the same
 token does in plain decoding once its ancestors are committed (they are then the same keys, in the
 same order). Which keys a row sees (their cache slots, in order) is found once per row, block by block
-of its block table; then work is split over (row, query head) pairs, so one decode row's heads run in
-parallel even when they share one KV head (GQA; the embedded model has one).
+of its block table; then work is split over (block of rows, KV head) items — (block, query head) when
+those are few, so one decode row's heads still run in parallel when they share one KV head (GQA; the
+embedded model has one).
 
 Per (row, head): scores of the visible keys, then the softmax 16 keys at a time (`vexp`; the sum
 kept in 16 lanes and added up in one fixed order), then the weighted sum of values key by key, in
-registers. The inner loops index flat views of the cache (no per-key array views: numba would
-reference-count each one, and that cost more than the arithmetic).
+registers. A block's rows and a KV head's query heads read the keys they share a tile at a time, while
+the tile is in L1: each (row, head) used to stream the whole context's K and V from L2/L3 on its own,
+which made a long prompt's prefill quadratic in memory traffic (a 6,000-token prompt took minutes). The
+inner loops index flat views of the cache (no per-key array views: numba would reference-count each one,
+and that cost more than the arithmetic).
 """
 
 from __future__ import annotations
@@ -81,6 +85,72 @@ def visible_keys(batch, window: int):
                          window)
 
 
+#: Rows attended together: consecutive rows that see the same keys (a prompt chunk's rows, a tree's rows over
+#: their context) share each key tile while it is in L1.
+ROW_BLOCK = 4
+#: Keys per tile: 64 keys' K (or V) vectors of one KV head are 16 KB at head_dim 64, so every query head of the
+#: group and every row of the block reads them from L1 instead of each streaming the whole context from L2/L3.
+KEY_TILE = 64
+
+
+@numba.njit(inline="always")
+def _key_scores(q_flat, q0, k_flat, starts, lo, hi, head_dim, scale, scores):
+    """scores[j] = (q . K_j) * scale for keys lo .. hi - 1 (starts: each key's offset in the flat cache), four keys
+    at a time where four remain: each score is one FMA chain over the dims then `vsum`, however keys are grouped."""
+    j = lo
+    while j + 4 <= hi:  # four keys at once: four independent dot products in flight
+        k0, k1, k2, k3 = starts[j], starts[j + 1], starts[j + 2], starts[j + 3]
+        c0 = vzero(); c1 = vzero(); c2 = vzero(); c3 = vzero()
+        for d in range(0, head_dim, LANES):
+            qd = vload(q_flat, q0 + d)
+            c0 = vfma(qd, vload(k_flat, k0 + d), c0)
+            c1 = vfma(qd, vload(k_flat, k1 + d), c1)
+            c2 = vfma(qd, vload(k_flat, k2 + d), c2)
+            c3 = vfma(qd, vload(k_flat, k3 + d), c3)
+        sums = vsum4(c0, c1, c2, c3)  # each exactly vsum(c_i): the same order as a lone key's
+        scores[j] = vlane(sums, 0) * scale
+        scores[j + 1] = vlane(sums, 1) * scale
+        scores[j + 2] = vlane(sums, 2) * scale
+        scores[j + 3] = vlane(sums, 3) * scale
+        j += 4
+    while j < hi:
+        k0 = starts[j]
+        acc = vzero()
+        for d in range(0, head_dim, LANES):
+            acc = vfma(vload(q_flat, q0 + d), vload(k_flat, k0 + d), acc)
+        scores[j] = vsum(acc) * scale
+        j += 1
+
+
+@numba.njit(inline="always")
+def _weighted_values(v_flat, starts, probs, lo, hi, head_dim, acc):
+    """acc[:] += Σ probs[j] · V_j over keys lo .. hi - 1 in key order, 64 dims (four 16-lane chunks) at a time in
+    registers: each output lane is one FMA chain over the keys (acc round-trips memory between calls exactly)."""
+    for d0 in range(0, head_dim, 4 * LANES):
+        chunks = min(4, (head_dim - d0) // LANES)
+        a0 = vload(acc, d0)
+        a1 = vload(acc, d0 + LANES) if chunks > 1 else a0
+        a2 = vload(acc, d0 + 2 * LANES) if chunks > 2 else a0
+        a3 = vload(acc, d0 + 3 * LANES) if chunks > 3 else a0
+        for j in range(lo, hi):
+            v0 = starts[j] + d0
+            pv = vbroadcast(probs[j])
+            a0 = vfma(pv, vload(v_flat, v0), a0)
+            if chunks > 1:
+                a1 = vfma(pv, vload(v_flat, v0 + LANES), a1)
+            if chunks > 2:
+                a2 = vfma(pv, vload(v_flat, v0 + 2 * LANES), a2)
+            if chunks > 3:
+                a3 = vfma(pv, vload(v_flat, v0 + 3 * LANES), a3)
+        vstore(acc, d0, a0)
+        if chunks > 1:
+            vstore(acc, d0 + LANES, a1)
+        if chunks > 2:
+            vstore(acc, d0 + 2 * LANES, a2)
+        if chunks > 3:
+            vstore(acc, d0 + 3 * LANES, a3)
+
+
 @numba.njit(parallel=True, boundscheck=False, cache=True)
 def paged_attention(q, k_cache, v_cache, slots, seen_counts, scale, out):
     """out[t, h] = softmax(q[t, h] . K / sqrt(d)) V over row t's visible keys.
@@ -88,74 +158,74 @@ def paged_attention(q, k_cache, v_cache, slots, seen_counts, scale, out):
     q:        float32[T, heads, head_dim] (rotary applied); out: float32[T, heads, head_dim].
     k_cache, v_cache: float32[slots, kv_heads, head_dim], this layer's cache (this step's K/V written).
     slots, seen_counts: the visible keys' cache slots per row (`visible_slots`); scale: 1 / sqrt(head_dim).
+
+    Work items are (block of ROW_BLOCK rows, KV head), or (block, query head) when those are few. The keys every row of the block sees at the same slots (its
+    shared prefix) are read a KEY_TILE at a time by each of the block's (row, query head) pairs in turn; each row's
+    remaining keys alone. A pair's arithmetic is the same whichever rows share its block: a score is one chain
+    (`_key_scores`), the softmax runs 16 keys at a time (`vexp`, the sum in 16 lanes added up in one fixed order),
+    the value sum one FMA chain per lane over the keys in order (`_weighted_values`).
     """
     num_rows, num_heads, head_dim = q.shape
     num_kv = k_cache.shape[1]
     group = num_heads // num_kv
     q_flat, out_flat = q.reshape(-1), out.reshape(-1)
     k_flat, v_flat = k_cache.reshape(-1), v_cache.reshape(-1)
-    for item in prange(num_rows * num_heads):  # one query head of one row: heads of a KV group run in parallel
-        t = item // num_heads
-        h = item % num_heads
-        g = h // group  # its KV head
-        seen = seen_counts[t]
-        # Where each visible key's (K, V) vector starts in the flat cache, in key order.
-        starts = np.empty(seen, dtype=np.int64)
-        for j in range(seen):
-            starts[j] = (slots[t, j] * num_kv + g) * head_dim
-        padded = -(-seen // LANES) * LANES
-        scores = np.full(padded, -np.inf, dtype=np.float32)  # padding lanes: exp(-inf) = 0 exactly
-        q0 = (t * num_heads + h) * head_dim
-        j = 0
-        while j + 4 <= seen:  # four keys at once: four independent dot products in flight
-            k0, k1, k2, k3 = starts[j], starts[j + 1], starts[j + 2], starts[j + 3]
-            c0 = vzero(); c1 = vzero(); c2 = vzero(); c3 = vzero()
+    num_blocks = (num_rows + ROW_BLOCK - 1) // ROW_BLOCK
+    # Few items (a decode row, a model with one KV head): each query head its own item, so they run in parallel.
+    splits = group if num_blocks * num_kv < 4 else 1
+    per_item = group // splits  # query heads per item
+    for item in prange(num_blocks * num_kv * splits):
+        r0 = (item // (num_kv * splits)) * ROW_BLOCK
+        g = (item // splits) % num_kv
+        h0 = g * group + (item % splits) * per_item  # the item's first query head
+        rows = min(num_rows, r0 + ROW_BLOCK) - r0
+        most, shared = 0, seen_counts[r0]
+        for r in range(rows):
+            most = max(most, seen_counts[r0 + r])
+            shared = min(shared, seen_counts[r0 + r])
+        for r in range(1, rows):  # the leading keys every row sees at the same slots
+            j = 0
+            while j < shared and slots[r0 + r, j] == slots[r0, j]:
+                j += 1
+            shared = j
+        # Where each visible key's (K, V) vector starts in the flat cache, per row, in key order.
+        starts = np.empty((rows, most), dtype=np.int64)
+        for r in range(rows):
+            for j in range(seen_counts[r0 + r]):
+                starts[r, j] = (slots[r0 + r, j] * num_kv + g) * head_dim
+        pairs = rows * per_item
+        padded = -(-most // LANES) * LANES
+        scores = np.full((pairs, padded), -np.inf, dtype=np.float32)  # padding lanes: exp(-inf) = 0 exactly
+        for lo in range(0, shared, KEY_TILE):
+            hi = min(shared, lo + KEY_TILE)
+            for p in range(pairs):
+                r, h = p // per_item, h0 + p % per_item
+                _key_scores(q_flat, ((r0 + r) * num_heads + h) * head_dim, k_flat, starts[r], lo, hi, head_dim,
+                            scale, scores[p])
+        for p in range(pairs):
+            r, h = p // per_item, h0 + p % per_item
+            _key_scores(q_flat, ((r0 + r) * num_heads + h) * head_dim, k_flat, starts[r], shared,
+                        seen_counts[r0 + r], head_dim, scale, scores[p])
+        inv = np.empty(pairs, dtype=np.float32)
+        for p in range(pairs):
+            seen = seen_counts[r0 + p // per_item]
+            row = scores[p]
+            top = vbroadcast(np.float32(np.max(row[:seen])))
+            lanes = vzero()
+            for j in range(0, -(-seen // LANES) * LANES, LANES):
+                e = vexp(vsub(vload(row, j), top))
+                vstore(row, j, e)
+                lanes = vadd(lanes, e)
+            inv[p] = np.float32(1.0) / vsum(lanes)
+        acc = np.zeros((pairs, head_dim), dtype=np.float32)
+        for lo in range(0, shared, KEY_TILE):
+            hi = min(shared, lo + KEY_TILE)
+            for p in range(pairs):
+                _weighted_values(v_flat, starts[p // per_item], scores[p], lo, hi, head_dim, acc[p])
+        for p in range(pairs):
+            r, h = p // per_item, h0 + p % per_item
+            _weighted_values(v_flat, starts[r], scores[p], shared, seen_counts[r0 + r], head_dim, acc[p])
+            scale_inv = vbroadcast(inv[p])
+            o0 = ((r0 + r) * num_heads + h) * head_dim
             for d in range(0, head_dim, LANES):
-                qd = vload(q_flat, q0 + d)
-                c0 = vfma(qd, vload(k_flat, k0 + d), c0)
-                c1 = vfma(qd, vload(k_flat, k1 + d), c1)
-                c2 = vfma(qd, vload(k_flat, k2 + d), c2)
-                c3 = vfma(qd, vload(k_flat, k3 + d), c3)
-            sums = vsum4(c0, c1, c2, c3)  # each exactly vsum(c_i): the same order as a lone key's
-            scores[j] = vlane(sums, 0) * scale
-            scores[j + 1] = vlane(sums, 1) * scale
-            scores[j + 2] = vlane(sums, 2) * scale
-            scores[j + 3] = vlane(sums, 3) * scale
-            j += 4
-        while j < seen:
-            k0 = starts[j]
-            acc = vzero()
-            for d in range(0, head_dim, LANES):
-                acc = vfma(vload(q_flat, q0 + d), vload(k_flat, k0 + d), acc)
-            scores[j] = vsum(acc) * scale
-            j += 1
-        top = vbroadcast(np.float32(np.max(scores[:seen])))
-        lanes = vzero()
-        for j in range(0, padded, LANES):
-            e = vexp(vsub(vload(scores, j), top))
-            vstore(scores, j, e)
-            lanes = vadd(lanes, e)
-        inv = vbroadcast(np.float32(1.0) / vsum(lanes))
-        # Weighted sum of values, keys in order, accumulated in registers 64 dims (four 16-lane
-        # chunks) at a time: each output lane is one FMA chain over the keys.
-        for d0 in range(0, head_dim, 4 * LANES):
-            chunks = min(4, (head_dim - d0) // LANES)
-            a0 = vzero(); a1 = vzero(); a2 = vzero(); a3 = vzero()
-            for j in range(seen):
-                v0 = starts[j] + d0
-                pv = vbroadcast(scores[j])
-                a0 = vfma(pv, vload(v_flat, v0), a0)
-                if chunks > 1:
-                    a1 = vfma(pv, vload(v_flat, v0 + LANES), a1)
-                if chunks > 2:
-                    a2 = vfma(pv, vload(v_flat, v0 + 2 * LANES), a2)
-                if chunks > 3:
-                    a3 = vfma(pv, vload(v_flat, v0 + 3 * LANES), a3)
-            o0 = (t * num_heads + h) * head_dim + d0
-            vstore(out_flat, o0, vmul(a0, inv))
-            if chunks > 1:
-                vstore(out_flat, o0 + LANES, vmul(a1, inv))
-            if chunks > 2:
-                vstore(out_flat, o0 + 2 * LANES, vmul(a2, inv))
-            if chunks > 3:
-                vstore(out_flat, o0 + 3 * LANES, vmul(a3, inv))
+                vstore(out_flat, o0 + d, vmul(vload(acc[p], d), scale_inv))
