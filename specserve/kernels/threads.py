@@ -7,7 +7,7 @@ left in a step are too small to gain from threads, and a second pool waking up f
 numba's (measured: an argmax over 9 x 8192 logits took 3.7 ms with two torch threads on a busy machine,
 70 us with one).
 
-Work is split over output tiles and (row, head) pairs, never over a reduction, so results do not
+Work is split over output tiles and (rows, heads) of attention, never over a reduction, so results do not
 depend on the thread count (`linear_rows`, `paged_attention`).
 """
 
