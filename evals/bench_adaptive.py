@@ -14,7 +14,9 @@ request i of round r has seed 1000·r + i, the same for every configuration):
 
 Every configuration is one `LLM` built once per drafter (plain once for all), warmed up once at each
 temperature, and reused for every cell. A cell runs --repeats rounds; each round runs every
-configuration once, in an order rotated by one each round, so none always goes first.
+configuration once, in an order rotated by one each round, so none always goes first, over at least
+MIN_CELL_PROMPTS prompts in consecutive batches of the cell's batch size (one short request is too little
+to time).
 
 Aggregate tokens/s = new tokens of the batch / wall time of the `generate` call (prefill included);
 per-request tokens/s = a request's new tokens / its end-to-end time, p50 over the batch, median over
@@ -202,8 +204,19 @@ def _p50_request_rates(outs) -> tuple[float, float | None]:
     return statistics.median(e2e), (statistics.median(decode) if decode else None)
 
 
-def _measure_cell(llms: dict, prompts: list[list[int]], temperature: float, max_tokens: int, repeats: int, device) -> dict:
+#: Prompts a cell times per configuration and round at least, in consecutive batches of its batch size: a B=1 cell
+#: that timed one 64-token request (about a second on the default model) read 0.89-0.94x plain on a noisy host where
+#: 8 prompts a round read 1.00-1.03x (BENCHMARKS.md, "Editing prompts, adaptive cells...").
+MIN_CELL_PROMPTS = 8
+
+
+def _measure_cell(llms: dict, prompts: list[list[int]], temperature: float, max_tokens: int, repeats: int, device,
+                  batch: int | None = None) -> dict:
+    """Every configuration of `llms` on `prompts`, `repeats` rounds in rotated order; the prompts go in consecutive
+    batches of `batch` (None: all at once), and a round's tokens/s is all their new tokens over all their time."""
     names = list(llms)
+    batch = batch or len(prompts)
+    groups = [range(i, min(len(prompts), i + batch)) for i in range(0, len(prompts), batch)]
     rates = {n: [] for n in names}
     per_request = {n: [] for n in names}
     per_request_decode = {n: [] for n in names}
@@ -215,11 +228,14 @@ def _measure_cell(llms: dict, prompts: list[list[int]], temperature: float, max_
         tokens: dict[str, list[list[int]]] = {}
         for name in order:
             forget_shared(llms[name])
-            sync(device)
-            t0 = time.perf_counter()
-            outs = llms[name].generate(prompts, params)
-            sync(device)
-            wall = time.perf_counter() - t0
+            outs, wall = [], 0.0
+            for group in groups:
+                sync(device)
+                t0 = time.perf_counter()
+                outs += llms[name].generate([prompts[i] for i in group],
+                                            [params[i] for i in group] if isinstance(params, list) else params)
+                sync(device)
+                wall += time.perf_counter() - t0
             rates[name].append(sum(len(o.token_ids) for o in outs) / wall)
             e2e, decode = _p50_request_rates(outs)
             per_request[name].append(e2e)
@@ -319,11 +335,11 @@ def run(args: argparse.Namespace) -> int:
 
     plain, plain_load_s = build(None, "static")
     control, _ = build(None, "static")
-    texts = heldout_prompts(max_batch, args.prompt_chars)
+    texts = heldout_prompts(max(max_batch, MIN_CELL_PROMPTS), args.prompt_chars)
     encoded = [plain.encode(t) for t in texts]
     if args.workload == "editing":
         encoded = editing_prompts(plain, encoded, args.max_tokens)
-    prompts = [encoded[i % len(encoded)] for i in range(max_batch)]
+    prompts = [encoded[i % len(encoded)] for i in range(max(max_batch, MIN_CELL_PROMPTS))]
     window = plain.engine.config.max_model_len
     longest = max(len(p) for p in encoded)
     if longest + args.max_tokens > window:
@@ -390,7 +406,8 @@ def run(args: argparse.Namespace) -> int:
         for b in sizes:
             for t in temps:
                 cell = {"batch": b, "temperature": t}
-                cell |= _measure_cell(llms, prompts[:b], t, args.max_tokens, args.repeats, plain.device)
+                cell |= _measure_cell(llms, prompts[:max(b, MIN_CELL_PROMPTS)], t, args.max_tokens, args.repeats,
+                                      plain.device, batch=b)
                 cells.append(cell)
                 _progress(spec, cell)
                 if cell["outputs_identical"] is False:

@@ -95,16 +95,28 @@ def test_cell_rotates_the_order_and_catches_a_greedy_mismatch():
     assert sampled["outputs_identical"] is None and sampled["mismatched_configs"] == []
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--drafters", "ngram,bogus"], "unknown drafter 'bogus'"),
-    (["--batch-sizes", "0,2"], "--batch-sizes must be integers >= 1"),
-    (["--temperatures", "0,hot"], "--temperatures expects comma-separated numbers"),
-    (["--temperatures", "-1"], "--temperatures must be finite numbers >= 0"),
-    (["--sweep", "ngram=4"], "--sweep expects"),
-    (["--sweep", "eagle=4x4"], "not in --drafters"),
-    (["--repeats", "0"], "--repeats must be >= 1"),
-])
-def test_bench_adaptive_bad_input(llama_dir, capsys, args, message):
-    rc = main(["bench", "adaptive", "--model", str(llama_dir), "--drafters", "ngram", "--device", "cpu", *args])
-    err = capsys.readouterr().err
-    assert rc == 2 and len(err.strip().splitlines()) == 1 and message in err
+class _BatchLog(_FakeLLM):
+    """Records each generate call's prompts and per-request seeds."""
+
+    def generate(self, prompts, params):
+        seeds = [p.seed for p in params] if isinstance(params, list) else None
+        self.log.append((len(prompts), seeds))
+        return _FakeLLM(self.name, [], self.tokens).generate(prompts, params)
+
+
+def test_a_cell_times_its_prompts_in_batches_of_its_size():
+    """A B=1 cell over 3 prompts runs three one-prompt batches per configuration and round, each sampled request
+    with its own seed, and counts every request's tokens."""
+    import torch
+
+    names = ["plain", "static:default", "adaptive"]
+    logs: dict[str, list] = {n: [] for n in names}
+    llms = {n: _BatchLog(n, logs[n], [7, 8, 9]) for n in names}
+    cell = _measure_cell(llms, [[1], [2], [3]], 1.0, 3, 2, torch.device("cpu"), batch=1)
+    for n in names:
+        assert logs[n] == [(1, [0]), (1, [1]), (1, [2]), (1, [1000]), (1, [1001]), (1, [1002])]
+    assert cell["configs"]["plain"]["per_request_p50_tokens_per_s"] == 3 / 0.002  # every request counted
+    for n in names:
+        logs[n].clear()
+    greedy = _measure_cell(llms, [[1], [2], [3]], 0.0, 3, 1, torch.device("cpu"), batch=2)
+    assert logs["plain"] == [(2, None), (1, None)] and greedy["outputs_identical"] is True
