@@ -159,11 +159,12 @@ def paged_attention(q, k_cache, v_cache, slots, seen_counts, scale, out):
     k_cache, v_cache: float32[slots, kv_heads, head_dim], this layer's cache (this step's K/V written).
     slots, seen_counts: the visible keys' cache slots per row (`visible_slots`); scale: 1 / sqrt(head_dim).
 
-    Work items are (block of ROW_BLOCK rows, KV head), or (block, query head) when those are few. The keys every row of the block sees at the same slots (its
-    shared prefix) are read a KEY_TILE at a time by each of the block's (row, query head) pairs in turn; each row's
-    remaining keys alone. A pair's arithmetic is the same whichever rows share its block: a score is one chain
-    (`_key_scores`), the softmax runs 16 keys at a time (`vexp`, the sum in 16 lanes added up in one fixed order),
-    the value sum one FMA chain per lane over the keys in order (`_weighted_values`).
+    Work items are (block of ROW_BLOCK rows, KV head), or (block, query head) when those are few. The keys every row
+    of the block sees at the same slots (its shared prefix) are read a KEY_TILE at a time by each of the block's
+    (row, query head) pairs in turn; each row's remaining keys alone. A pair's arithmetic is the same whichever rows
+    share its block: a score is one chain (`_key_scores`), the softmax runs 16 keys at a time (`vexp`, the sum in 16
+    lanes added up in one fixed order), the value sum one FMA chain per lane over the keys in order
+    (`_weighted_values`).
     """
     num_rows, num_heads, head_dim = q.shape
     num_kv = k_cache.shape[1]
