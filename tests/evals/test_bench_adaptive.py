@@ -120,3 +120,18 @@ def test_a_cell_times_its_prompts_in_batches_of_its_size():
         logs[n].clear()
     greedy = _measure_cell(llms, [[1], [2], [3]], 0.0, 3, 1, torch.device("cpu"), batch=2)
     assert logs["plain"] == [(2, None), (1, None)] and greedy["outputs_identical"] is True
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--drafters", "ngram,bogus"], "unknown drafter 'bogus'"),
+    (["--batch-sizes", "0,2"], "--batch-sizes must be integers >= 1"),
+    (["--temperatures", "0,hot"], "--temperatures expects comma-separated numbers"),
+    (["--temperatures", "-1"], "--temperatures must be finite numbers >= 0"),
+    (["--sweep", "ngram=4"], "--sweep expects"),
+    (["--sweep", "eagle=4x4"], "not in --drafters"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
+])
+def test_bench_adaptive_bad_input(llama_dir, capsys, args, message):
+    rc = main(["bench", "adaptive", "--model", str(llama_dir), "--drafters", "ngram", "--device", "cpu", *args])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and message in err
