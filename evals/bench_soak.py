@@ -128,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
         figures = asyncio.run(soak_run(srv, soak, args, args.clients - hostile, hostile))
     figures["server_errors_logged"] = {"count": errors.count, "first": errors.first}
     figures["machine"] = machine(llm)
-    figures["settings"] = {"model": args.model or "the default model", "drafter": soak.drafter, "speculation": args.speculation,
+    figures["settings"] = {"model": args.model or "the default model", "drafter": soak.drafter,
+                           "speculation": args.speculation,
                            "clients": args.clients, "well_behaved": args.clients - hostile, "hostile": hostile,
                            "duration_s": args.duration, "quiet_share": args.quiet_share, "seed": args.seed,
                            "load_matched": args.load_matched,

@@ -101,10 +101,14 @@ def _dot_loop(w, scales, qx, repeats, parts):
                     i4 = wdot(w, i4, vload_bytes(w, at + 256), b); i5 = wdot(w, i5, vload_bytes(w, at + 320), b)
                     i6 = wdot(w, i6, vload_bytes(w, at + 384), b); i7 = wdot(w, i7, vload_bytes(w, at + 448), b)
                 dx = np.float32(0.01)
-                a0 = run_sum(a0, i0, 3, offset, scales, scales, 0, dx); a1 = run_sum(a1, i1, 3, offset, scales, scales, 0, dx)
-                a2 = run_sum(a2, i2, 3, offset, scales, scales, 0, dx); a3 = run_sum(a3, i3, 3, offset, scales, scales, 0, dx)
-                a4 = run_sum(a4, i4, 3, offset, scales, scales, 0, dx); a5 = run_sum(a5, i5, 3, offset, scales, scales, 0, dx)
-                a6 = run_sum(a6, i6, 3, offset, scales, scales, 0, dx); a7 = run_sum(a7, i7, 3, offset, scales, scales, 0, dx)
+                a0 = run_sum(a0, i0, 3, offset, scales, scales, 0, dx)
+                a1 = run_sum(a1, i1, 3, offset, scales, scales, 0, dx)
+                a2 = run_sum(a2, i2, 3, offset, scales, scales, 0, dx)
+                a3 = run_sum(a3, i3, 3, offset, scales, scales, 0, dx)
+                a4 = run_sum(a4, i4, 3, offset, scales, scales, 0, dx)
+                a5 = run_sum(a5, i5, 3, offset, scales, scales, 0, dx)
+                a6 = run_sum(a6, i6, 3, offset, scales, scales, 0, dx)
+                a7 = run_sum(a7, i7, 3, offset, scales, scales, 0, dx)
         totals[part] = vsum(vadd(vadd(vadd(a0, a1), vadd(a2, a3)), vadd(vadd(a4, a5), vadd(a6, a7))))
     return totals
 
@@ -126,8 +130,10 @@ def _dot_loop4(w, scales, qx, repeats, parts):
                     i0 = wdot(w, i0, vload_bytes(w, at), b); i1 = wdot(w, i1, vload_bytes(w, at + 64), b)
                     i2 = wdot(w, i2, vload_bytes(w, at + 128), b); i3 = wdot(w, i3, vload_bytes(w, at + 192), b)
                 dx = np.float32(0.01)
-                a0 = run_sum(a0, i0, 3, offset, scales, scales, 0, dx); a1 = run_sum(a1, i1, 3, offset, scales, scales, 0, dx)
-                a2 = run_sum(a2, i2, 3, offset, scales, scales, 0, dx); a3 = run_sum(a3, i3, 3, offset, scales, scales, 0, dx)
+                a0 = run_sum(a0, i0, 3, offset, scales, scales, 0, dx)
+                a1 = run_sum(a1, i1, 3, offset, scales, scales, 0, dx)
+                a2 = run_sum(a2, i2, 3, offset, scales, scales, 0, dx)
+                a3 = run_sum(a3, i3, 3, offset, scales, scales, 0, dx)
         totals[part] = vsum(vadd(vadd(a0, a1), vadd(a2, a3)))
     return totals
 
