@@ -1,42 +1,145 @@
-"""`kernels.cache.drop_stale_entries`: numba's cache files of the kernels go when any kernel source changes.
+"""`kernels.cache`: numba caches the kernels in one directory per version of their sources.
 
-numba validates a cached function against its own file only; a kernel that inlines another (the decoder
-layer inlines the product) would keep the old code after the other's file changed. Checked on a scratch
-package: cache files survive while the sources stay the same and are dropped when any one changes.
+numba validates a cached function against its own file only; a kernel that calls another (the decoder layer
+calls the product) would keep the old code after the other's file changed. The end-to-end test runs the race
+that broke the earlier scheme, with real numba processes on a scratch package: a process started on the old
+sources compiles after a newer one has run, and a third run on the new sources must not load its kernel.
 """
 
 from __future__ import annotations
 
-from specserve.kernels.cache import drop_stale_entries, kernel_cache_dirs
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from specserve.kernels.cache import KEEP_VERSIONS, prune_other_versions, source_digest
+
+REPO = Path(__file__).resolve().parents[2]
 
 
-def test_cache_files_are_dropped_when_any_source_changes(tmp_path):
+def test_the_digest_covers_every_source_of_the_package(tmp_path):
     (tmp_path / "layer.py").write_text("def layer(): return product()\n")
     (tmp_path / "linear.py").write_text("def product(): return 1\n")
-    cache = tmp_path / "__pycache__"
-    cache.mkdir()
-
-    def fake_entries():
-        for name in ("layer.layer-1.py311.nbi", "layer.layer-1.py311.1.nbc"):
-            (cache / name).write_bytes(b"compiled")
-
-    fake_entries()
-    assert drop_stale_entries(tmp_path, [cache])  # no stamp yet: whatever is there may be stale
-    assert not list(cache.glob("*.nb*"))
-    fake_entries()
-    assert not drop_stale_entries(tmp_path, [cache])  # same sources: kept
-    assert len(list(cache.glob("*.nb*"))) == 2
+    first = source_digest(tmp_path)
+    assert source_digest(tmp_path) == first
     (tmp_path / "linear.py").write_text("def product(): return 2\n")  # a callee's file, not the layer's
-    assert drop_stale_entries(tmp_path, [cache])
-    assert not list(cache.glob("*.nb*"))
-    fake_entries()
-    assert not drop_stale_entries(tmp_path, [cache])
-    assert (cache / "layer.layer-1.py311.nbi").exists()
+    assert source_digest(tmp_path) != first
 
 
-def test_the_check_covers_where_numba_really_caches_the_kernels():
-    import specserve.kernels  # noqa: F401  (imports every kernel module)
+def test_the_kernels_are_cached_under_their_sources_digest():
+    import specserve.kernels
     from specserve.kernels.layer import decoder_layer
 
-    dirs = kernel_cache_dirs()
-    assert decoder_layer._cache._cache_path in [str(d) for d in dirs]
+    package = Path(specserve.kernels.__file__).resolve().parent
+    assert Path(decoder_layer._cache._cache_path).name == "sources-" + source_digest(package)
+
+
+def test_pruning_keeps_this_version_and_the_most_recently_used_others(tmp_path):
+    base = tmp_path / "__pycache__"
+    versions = []
+    for age in range(6):  # sources-v0 used most recently, sources-v5 longest ago
+        directory = base / f"sources-v{age}"
+        directory.mkdir(parents=True)
+        (directory / "layer.decoder_layer-1.py311.nbi").write_bytes(b"index")
+        stamp = time.time() - 3600 * (age + 1)
+        os.utime(directory, (stamp, stamp))
+        versions.append(directory)
+    legacy = [base / "layer.decoder_layer-1.py311.nbi", base / "layer.decoder_layer-1.py311.1.nbc",
+              base / "kernel-sources.sha1"]
+    for path in legacy:
+        path.write_bytes(b"old scheme")
+    (base / "layer.cpython-311.pyc").write_bytes(b"bytecode")  # Python's own: not numba's to delete
+    current = base / "sources-new"
+
+    deleted = prune_other_versions([current])
+
+    kept = sorted(d.name for d in base.glob("sources-*"))
+    assert kept == sorted(["sources-new"] + [f"sources-v{i}" for i in range(KEEP_VERSIONS - 1)])
+    assert set(deleted) == set(versions[KEEP_VERSIONS - 1:]) | set(legacy)
+    assert (base / "layer.cpython-311.pyc").exists()
+    assert prune_other_versions([current]) == []  # nothing left to delete
+
+
+_KERNELS = {
+    "__init__.py": """
+        from pathlib import Path
+        from specserve.kernels.cache import register_package
+        register_package(Path(__file__).parent)
+        """,
+    "layer.py": """
+        import numba
+        from scratchkernels.linear import product
+
+        @numba.njit(cache=True)
+        def layer(x):
+            return product(x) + 1
+        """,
+}
+_PRODUCT = """
+    import numba
+
+    @numba.njit
+    def product(x):
+        return x * {factor}
+    """
+# Imports the scratch kernels (their sources' digest is taken then), waits for the go file, then compiles.
+_RUNNER = """
+    import sys, time
+    from pathlib import Path
+    import scratchkernels.layer as layer
+    go = Path(sys.argv[1]) if len(sys.argv) > 1 else None
+    if go is not None:
+        Path(str(go) + ".ready").touch()
+        while not go.exists():
+            time.sleep(0.05)
+    print(layer.layer(10))
+    """
+
+
+def _write_product(package: Path, factor: int) -> None:
+    (package / "linear.py").write_text(textwrap.dedent(_PRODUCT.format(factor=factor)))
+
+
+def _env(tmp_path: Path) -> dict:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]),
+            "NUMBA_CACHE_DIR": str(tmp_path / "numba-cache")}
+
+
+def _run(tmp_path: Path) -> int:
+    done = subprocess.run([sys.executable, str(tmp_path / "runner.py")], env=_env(tmp_path), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout.split()[-1])
+
+
+def test_a_process_on_old_sources_never_feeds_a_newer_version_its_kernels(tmp_path):
+    package = tmp_path / "scratchkernels"
+    package.mkdir()
+    for name, source in _KERNELS.items():
+        (package / name).write_text(textwrap.dedent(source))
+    (tmp_path / "runner.py").write_text(textwrap.dedent(_RUNNER))
+    _write_product(package, 2)
+    assert _run(tmp_path) == 21  # compiled and cached: 10 * 2 + 1
+
+    go = tmp_path / "go"
+    old = subprocess.Popen([sys.executable, str(tmp_path / "runner.py"), str(go)], env=_env(tmp_path),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not Path(str(go) + ".ready").exists():  # it has imported the old sources
+            assert old.poll() is None and time.monotonic() < deadline, old.communicate()
+            time.sleep(0.05)
+        # The upgrade lands while it runs: only the callee's file changes, which numba does not check.
+        (tmp_path / "numba-cache").rename(tmp_path / "numba-cache-old")  # the old process gets no cached kernel
+        _write_product(package, 3)
+        assert _run(tmp_path) == 31  # the new sources, compiled and cached
+        go.touch()  # now the old process compiles the old sources and saves them
+        out, err = old.communicate(timeout=300)
+        assert old.returncode == 0, err
+        assert int(out.split()[-1]) == 21
+    finally:
+        old.kill()
+    assert _run(tmp_path) == 31  # still the new kernel: the old one went to its own version's directory
