@@ -1,4 +1,11 @@
 """Drafters: the protocol, the registry and each drafter."""
+
+from pathlib import Path
+
+from specserve.numba_cache import package_dir, register_package
+
+register_package(Path(__file__).parent, package_dir("specserve.verify"))  # Medusa's tree builder calls verify's
+
 from specserve.drafters.base import (CommitInfo, DraftRequest, Drafter, TargetInfo, create_drafter,
                                      parse_drafter_spec, register, registered_drafters)
 from specserve.drafters import ngram as _ngram  # noqa: F401  (registers "ngram")

@@ -1,22 +1,19 @@
 """Compiled CPU kernels (numba): batch-invariant products, paged tree attention, whole decoder layers.
 
 See `linear` (the product and its fixed reduction order), `attention`, `layer`, `model_kernels` (the
-executor a `LlamaModel` uses on the CPU), `threads` (one thread pool for all of them) and `cache` (numba's
-on-disk cache of them, one directory per version of these sources).
+executor a `LlamaModel` uses on the CPU), `threads` (one thread pool for all of them) and `cache` (which
+of them numba has compiled on disk).
 """
 
 from pathlib import Path
 
-from specserve.kernels.cache import register_package
+from specserve.numba_cache import register_package
 
 register_package(Path(__file__).parent)  # before any kernel is defined: numba places a kernel's cache then
 
-from specserve.kernels.cache import kernel_cache_dirs, prune_other_versions
 from specserve.kernels.linear import PackedLinear, linear_rows
 from specserve.kernels.model_kernels import LayerKernels, ModelKernels, kernels_unsupported
 from specserve.kernels.threads import get_threads, set_threads
-
-prune_other_versions(kernel_cache_dirs())  # every kernel module is imported: their directories are known
 
 __all__ = ["LayerKernels", "ModelKernels", "PackedLinear", "get_threads", "kernels_unsupported", "linear_rows",
            "set_threads"]

@@ -8,6 +8,12 @@ drafts — the static policy and the adaptive one.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from specserve.numba_cache import register_package
+
+register_package(Path(__file__).parent)  # before its numba functions are defined: see numba_cache
+
 from specserve.budget import StaticBudget
 from specserve.speculation.adaptive import AdaptiveBudget
 from specserve.speculation.cost_model import DraftCost

@@ -1,4 +1,4 @@
-"""`kernels.cache`: numba caches the kernels in one directory per version of their sources.
+"""`specserve.numba_cache`: numba caches our functions in one directory per version of their sources.
 
 numba validates a cached function against its own file only; a kernel that calls another (the decoder layer
 calls the product) would keep the old code after the other's file changed. The end-to-end test runs the race
@@ -15,7 +15,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from specserve.kernels.cache import KEEP_VERSIONS, prune_other_versions, source_digest
+from specserve.numba_cache import KEEP_VERSIONS, package_dir, prune_other_versions, source_digest
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -37,6 +37,16 @@ def test_the_kernels_are_cached_under_their_sources_digest():
     assert Path(decoder_layer._cache._cache_path).name == "sources-" + source_digest(package)
 
 
+def test_a_package_calling_another_s_functions_is_versioned_by_both_sources():
+    from specserve.drafters import medusa_tree
+
+    cached = [f for f in vars(medusa_tree).values() if getattr(f, "_cache", None) is not None
+              and type(f._cache).__name__ != "NullCache"]
+    assert cached
+    versions = {Path(f._cache._cache_path).name for f in cached}
+    assert versions == {"sources-" + source_digest(package_dir("specserve.drafters"), package_dir("specserve.verify"))}
+
+
 def test_pruning_keeps_this_version_and_the_most_recently_used_others(tmp_path):
     base = tmp_path / "__pycache__"
     versions = []
@@ -54,19 +64,19 @@ def test_pruning_keeps_this_version_and_the_most_recently_used_others(tmp_path):
     (base / "layer.cpython-311.pyc").write_bytes(b"bytecode")  # Python's own: not numba's to delete
     current = base / "sources-new"
 
-    deleted = prune_other_versions([current])
+    deleted = prune_other_versions(current)
 
     kept = sorted(d.name for d in base.glob("sources-*"))
     assert kept == sorted(["sources-new"] + [f"sources-v{i}" for i in range(KEEP_VERSIONS - 1)])
     assert set(deleted) == set(versions[KEEP_VERSIONS - 1:]) | set(legacy)
     assert (base / "layer.cpython-311.pyc").exists()
-    assert prune_other_versions([current]) == []  # nothing left to delete
+    assert prune_other_versions(current) == []  # nothing left to delete
 
 
 _KERNELS = {
     "__init__.py": """
         from pathlib import Path
-        from specserve.kernels.cache import register_package
+        from specserve.numba_cache import register_package
         register_package(Path(__file__).parent)
         """,
     "layer.py": """

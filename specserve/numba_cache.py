@@ -1,0 +1,136 @@
+"""numba's on-disk cache (`cache=True`) kept per version of the sources: each package of ours that defines numba
+functions registers itself (`register_package`) before its modules are imported, and numba then caches its
+functions under ``<where numba would cache them>/sources-<digest>``, the digest taken over the package's sources
+and those of the packages its functions call into.
+
+Why: numba checks a cached function against its own source file only, not the files of the functions it calls
+and inlines. After `kernels/linear.py` changes, `kernels/layer.py`'s cached decoder layer would still run the old
+product (with a new weight layout: wrong numbers, or a crash); after `verify/tree_kernels.py` changes, Medusa's
+cached tree builder would still run the old one. With a directory per version a run on new sources never sees
+an old kernel, and a process still running old code (a server that outlived an upgrade) keeps writing into its
+own version's directory. (An earlier scheme, one shared directory emptied when a stamp of the sources changed,
+let such a process write an old kernel after the check, and the next run loaded it: seen as a segfault of the
+products after a layout change.)
+
+The first time a version's directory is used, the directory above it is pruned (`prune_other_versions`): all but
+the most recently used few versions, and the cache files an unversioned cache left there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+from numba.core import caching
+
+_PREFIX = "sources-"
+#: Source versions whose compiled functions are kept per cache directory (this one and the most recently used
+#: others: switching between branches or installs does not recompile every time).
+KEEP_VERSIONS = 4
+#: Registered package directories -> the digest naming their cache's version directory.
+_DIGESTS: dict[Path, str] = {}
+#: Version directories already pruned around in this process.
+_PRUNED: set[Path] = set()
+
+
+def _numba_class(name: str):
+    """numba.core.caching's class `name` (numba >= 0.60 spells it so; 0.59 with a leading underscore)."""
+    return getattr(caching, name, None) or getattr(caching, "_" + name)
+
+
+def source_digest(*packages: Path) -> str:
+    """A digest of every ``*.py`` source of `packages` (each package's sources by name, packages in the order
+    given)."""
+    digest = hashlib.sha1()
+    for package in packages:
+        for source in sorted(Path(package).glob("*.py")):
+            digest.update(source.name.encode() + b"\0" + source.read_bytes())
+        digest.update(b"\1")
+    return digest.hexdigest()[:16]
+
+
+def register_package(package: Path, *calls_into: Path) -> str:
+    """Cache the numba functions of `package` per version of its sources and of those of `calls_into` (the
+    packages whose numba functions they call). Call it before the package's modules are imported: numba
+    places a function's cache when the function is defined. Returns the version's digest."""
+    package = Path(package).resolve()
+    _DIGESTS[package] = source_digest(package, *(Path(p).resolve() for p in calls_into))
+    locators = _numba_class("CacheImpl")._locator_classes  # the class-wide list every cached function tries
+    if VersionedCacheLocator not in locators:
+        locators.insert(0, VersionedCacheLocator)
+    return _DIGESTS[package]
+
+
+class VersionedCacheLocator(_numba_class("CacheLocator")):
+    """numba's cache locator for the functions of a registered package: the directory numba's own locators
+    would choose (``$NUMBA_CACHE_DIR``, ``__pycache__`` beside the source, or a user-wide directory when that is
+    not writable), then ``sources-<digest>`` inside it (`register_package`). Other functions: numba's own."""
+
+    def __init__(self, inner, digest: str) -> None:
+        self._inner = inner
+        self._py_file = inner._py_file  # numba's cache reads it when it reports a load failure
+        self._cache_path = os.path.join(inner.get_cache_path(), _PREFIX + digest)
+
+    def get_cache_path(self) -> str:
+        return self._cache_path
+
+    def get_source_stamp(self):
+        return self._inner.get_source_stamp()
+
+    def get_disambiguator(self) -> str:
+        return self._inner.get_disambiguator()
+
+    @classmethod
+    def from_function(cls, py_func, py_file):
+        digest = _DIGESTS.get(Path(py_file).resolve().parent)
+        if digest is None:  # another library's function
+            return None
+        for base in ("UserProvidedCacheLocator", "InTreeCacheLocator", "UserWideCacheLocator"):
+            inner = _numba_class(base).from_function(py_func, py_file)
+            if inner is None:
+                continue
+            locator = cls(inner, digest)
+            try:
+                locator.ensure_cache_path()
+            except OSError:
+                continue
+            version = Path(locator.get_cache_path())
+            if version not in _PRUNED:
+                _PRUNED.add(version)
+                prune_other_versions(version)
+            return locator
+        return None
+
+
+def prune_other_versions(version: Path, keep: int = KEEP_VERSIONS) -> list[Path]:
+    """In the directory above `version` (a version's cache directory): mark `version` used, delete the functions
+    of all but the `keep` - 1 most recently used other versions, and the cache files an unversioned cache left
+    there (``*.nbi``, ``*.nbc``, and the stamp of the scheme before this one). Returns what it deleted. Safe
+    beside a running old process: numba re-creates its directory before it writes a function."""
+    parent = version.parent
+    deleted = []
+    try:
+        version.mkdir(parents=True, exist_ok=True)
+        os.utime(version)  # most recently used
+        others = sorted((d for d in parent.glob(_PREFIX + "*") if d.is_dir() and d != version),
+                        key=lambda d: d.stat().st_mtime, reverse=True)
+        legacy = [*parent.glob("*.nbi"), *parent.glob("*.nbc"), *parent.glob("kernel-sources.sha1")]
+        for path in others[keep - 1:] + legacy:
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)  # another process may have deleted it first
+            deleted.append(path)
+    except OSError:  # not writable: numba cannot cache there either
+        pass
+    return deleted
+
+
+def package_dir(name: str) -> Path:
+    """Where the package `name` (dotted) lives, found without importing it: the repository's top-level
+    `drafters/` or `verify/` in a checkout, ``specserve/drafters`` and so on in an installed wheel."""
+    import importlib.util
+
+    return Path(importlib.util.find_spec(name).origin).resolve().parent
