@@ -175,12 +175,22 @@ class BlockAllocator:
         return table[slot_indices // self.block_size].astype(np.int64) * self.block_size + slot_indices % self.block_size
 
 
+#: Where a CPU cache starts: on a cache line, so each key's vector does too (float32 vectors of a multiple of 16
+#: dims). numpy's calloc hands out big blocks 16 bytes past a page boundary, and paged attention's 32-byte loads
+#: then straddle two lines at every other load: measured 1.7-1.9x slower (BENCHMARKS.md, "Paged attention").
+_CACHE_ALIGN = 64
+
+
 def _zeros(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed tensor. On the CPU through numpy's calloc: the OS hands out zeroed pages as they are first
-    touched, so a 2 GiB cache costs nothing until used (torch.zeros wrote every byte at start-up: 1.8 s of
-    the default model's start on 2 cores)."""
+    """A zeroed tensor, on the CPU starting on a cache line (`_CACHE_ALIGN`). On the CPU through numpy's calloc: the
+    OS hands out zeroed pages as they are first touched, so a 2 GiB cache costs nothing until used (torch.zeros
+    wrote every byte at start-up: 1.8 s of the default model's start on 2 cores)."""
     if device.type == "cpu" and dtype in (torch.float32, torch.float16):
-        return torch.from_numpy(np.zeros(shape, dtype=np.float32 if dtype == torch.float32 else np.float16))
+        item = np.dtype(np.float32 if dtype == torch.float32 else np.float16)
+        count = int(np.prod(shape))
+        flat = np.zeros(count + _CACHE_ALIGN // item.itemsize, dtype=item)
+        start = (-flat.ctypes.data % _CACHE_ALIGN) // item.itemsize
+        return torch.from_numpy(flat[start:start + count].reshape(shape))
     return torch.zeros(shape, device=device, dtype=dtype)
 
 

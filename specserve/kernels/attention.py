@@ -7,8 +7,8 @@ arithmetic depends only on the keys it sees and their order: a tree node attends
 token does in plain decoding once its ancestors are committed (they are then the same keys, in the
 same order). Which keys a row sees (their cache slots, in order) is found once per row, block by block
 of its block table; then work is split over (block of rows, KV head) items — (block, query head) when
-those are few, so one decode row's heads still run in parallel when they share one KV head (GQA; the
-embedded model has one).
+there are fewer of those than threads, so one decode row's heads still run in parallel when they share one KV
+head (GQA; the embedded model has one).
 
 Per (row, head): scores of the visible keys, then the softmax 16 keys at a time (`vexp`; the sum
 kept in 16 lanes and added up in one fixed order), then the weighted sum of values key by key, in
@@ -96,10 +96,13 @@ KEY_TILE = 64
 @numba.njit(inline="always")
 def _key_scores(q_flat, q0, k_flat, starts, lo, hi, head_dim, scale, scores):
     """scores[j] = (q . K_j) * scale for keys lo .. hi - 1 (starts: each key's offset in the flat cache), four keys
-    at a time where four remain: each score is one FMA chain over the dims then `vsum`, however keys are grouped."""
+    at a time where four remain: each score is one FMA chain over the dims then `vsum`, however keys are grouped.
+    (Indices are cast to unsigned where numba cannot see they are not negative: a negative index would wrap
+    around, and checking for it cost more instructions than the key's arithmetic.)"""
     j = lo
     while j + 4 <= hi:  # four keys at once: four independent dot products in flight
-        k0, k1, k2, k3 = starts[j], starts[j + 1], starts[j + 2], starts[j + 3]
+        at = np.uint64(j)
+        k0, k1, k2, k3 = starts[at], starts[at + 1], starts[at + 2], starts[at + 3]
         c0 = vzero(); c1 = vzero(); c2 = vzero(); c3 = vzero()
         for d in range(0, head_dim, LANES):
             qd = vload(q_flat, q0 + d)
@@ -108,47 +111,50 @@ def _key_scores(q_flat, q0, k_flat, starts, lo, hi, head_dim, scale, scores):
             c2 = vfma(qd, vload(k_flat, k2 + d), c2)
             c3 = vfma(qd, vload(k_flat, k3 + d), c3)
         sums = vsum4(c0, c1, c2, c3)  # each exactly vsum(c_i): the same order as a lone key's
-        scores[j] = vlane(sums, 0) * scale
-        scores[j + 1] = vlane(sums, 1) * scale
-        scores[j + 2] = vlane(sums, 2) * scale
-        scores[j + 3] = vlane(sums, 3) * scale
+        scores[at] = vlane(sums, 0) * scale
+        scores[at + 1] = vlane(sums, 1) * scale
+        scores[at + 2] = vlane(sums, 2) * scale
+        scores[at + 3] = vlane(sums, 3) * scale
         j += 4
     while j < hi:
-        k0 = starts[j]
+        at = np.uint64(j)
+        k0 = starts[at]
         acc = vzero()
         for d in range(0, head_dim, LANES):
             acc = vfma(vload(q_flat, q0 + d), vload(k_flat, k0 + d), acc)
-        scores[j] = vsum(acc) * scale
+        scores[at] = vsum(acc) * scale
         j += 1
 
 
 @numba.njit(inline="always")
 def _weighted_values(v_flat, starts, probs, lo, hi, head_dim, acc):
     """acc[:] += Σ probs[j] · V_j over keys lo .. hi - 1 in key order, 64 dims (four 16-lane chunks) at a time in
-    registers: each output lane is one FMA chain over the keys (acc round-trips memory between calls exactly)."""
-    for d0 in range(0, head_dim, 4 * LANES):
-        chunks = min(4, (head_dim - d0) // LANES)
-        a0 = vload(acc, d0)
-        a1 = vload(acc, d0 + LANES) if chunks > 1 else a0
-        a2 = vload(acc, d0 + 2 * LANES) if chunks > 2 else a0
-        a3 = vload(acc, d0 + 3 * LANES) if chunks > 3 else a0
+    registers, then 16 at a time: each output lane is one FMA chain over the keys (acc round-trips memory between
+    calls exactly). The key loop has no branch and no negative-index check: it is the whole cost of a value."""
+    d0 = 0
+    while d0 + 4 * LANES <= head_dim:
+        a0, a1 = vload(acc, d0), vload(acc, d0 + LANES)
+        a2, a3 = vload(acc, d0 + 2 * LANES), vload(acc, d0 + 3 * LANES)
         for j in range(lo, hi):
-            v0 = starts[j] + d0
-            pv = vbroadcast(probs[j])
+            at = np.uint64(j)
+            v0 = starts[at] + d0
+            pv = vbroadcast(probs[at])
             a0 = vfma(pv, vload(v_flat, v0), a0)
-            if chunks > 1:
-                a1 = vfma(pv, vload(v_flat, v0 + LANES), a1)
-            if chunks > 2:
-                a2 = vfma(pv, vload(v_flat, v0 + 2 * LANES), a2)
-            if chunks > 3:
-                a3 = vfma(pv, vload(v_flat, v0 + 3 * LANES), a3)
+            a1 = vfma(pv, vload(v_flat, v0 + LANES), a1)
+            a2 = vfma(pv, vload(v_flat, v0 + 2 * LANES), a2)
+            a3 = vfma(pv, vload(v_flat, v0 + 3 * LANES), a3)
         vstore(acc, d0, a0)
-        if chunks > 1:
-            vstore(acc, d0 + LANES, a1)
-        if chunks > 2:
-            vstore(acc, d0 + 2 * LANES, a2)
-        if chunks > 3:
-            vstore(acc, d0 + 3 * LANES, a3)
+        vstore(acc, d0 + LANES, a1)
+        vstore(acc, d0 + 2 * LANES, a2)
+        vstore(acc, d0 + 3 * LANES, a3)
+        d0 += 4 * LANES
+    while d0 < head_dim:
+        a0 = vload(acc, d0)
+        for j in range(lo, hi):
+            at = np.uint64(j)
+            a0 = vfma(vbroadcast(probs[at]), vload(v_flat, starts[at] + d0), a0)
+        vstore(acc, d0, a0)
+        d0 += LANES
 
 
 @numba.njit(parallel=True, boundscheck=False, cache=True)
@@ -159,12 +165,12 @@ def paged_attention(q, k_cache, v_cache, slots, seen_counts, scale, out):
     k_cache, v_cache: float32[slots, kv_heads, head_dim], this layer's cache (this step's K/V written).
     slots, seen_counts: the visible keys' cache slots per row (`visible_slots`); scale: 1 / sqrt(head_dim).
 
-    Work items are (block of ROW_BLOCK rows, KV head), or (block, query head) when those are few. The keys every row
-    of the block sees at the same slots (its shared prefix) are read a KEY_TILE at a time by each of the block's
-    (row, query head) pairs in turn; each row's remaining keys alone. A pair's arithmetic is the same whichever rows
-    share its block: a score is one chain (`_key_scores`), the softmax runs 16 keys at a time (`vexp`, the sum in 16
-    lanes added up in one fixed order), the value sum one FMA chain per lane over the keys in order
-    (`_weighted_values`).
+    Work items are (block of ROW_BLOCK rows, KV head), or (block, query head) when those are fewer than the threads.
+    The keys every row of the block sees at the same slots (its shared prefix) are read a KEY_TILE at a time by each
+    of the block's (row, query head) pairs in turn; each row's remaining keys alone. A pair's arithmetic is the same
+    whichever rows and heads share its item: a score is one chain (`_key_scores`), the softmax runs 16 keys at a time
+    (`vexp`, the sum in 16 lanes added up in one fixed order), the value sum one FMA chain per lane over the keys in
+    order (`_weighted_values`).
     """
     num_rows, num_heads, head_dim = q.shape
     num_kv = k_cache.shape[1]
@@ -172,8 +178,10 @@ def paged_attention(q, k_cache, v_cache, slots, seen_counts, scale, out):
     q_flat, out_flat = q.reshape(-1), out.reshape(-1)
     k_flat, v_flat = k_cache.reshape(-1), v_cache.reshape(-1)
     num_blocks = (num_rows + ROW_BLOCK - 1) // ROW_BLOCK
-    # Few items (a decode row, a model with one KV head): each query head its own item, so they run in parallel.
-    splits = group if num_blocks * num_kv < 4 else 1
+    # Fewer items than threads (a decode row of a model with one KV head): each query head its own item, so they run
+    # in parallel. Only then: the heads of a split group each stream the group's keys and values on their own (three
+    # times the traffic on SmolLM2, where a long context's decode step was mostly that stream).
+    splits = group if num_blocks * num_kv < numba.get_num_threads() else 1
     per_item = group // splits  # query heads per item
     for item in prange(num_blocks * num_kv * splits):
         r0 = (item // (num_kv * splits)) * ROW_BLOCK

@@ -162,3 +162,20 @@ def test_a_burst_leaves_the_newcomer_slots_free(small_vocab_dir):
         engine.add_request([1, 2, 3], long, request_id=f"n{i}")
     engine.step()
     assert len(engine.scheduler.running) == 8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_cpu_cache_starts_every_key_vector_on_a_cache_line(dtype):
+    """numpy's calloc returns big blocks 16 bytes past a page boundary; the kernels' 32-byte loads of such a cache
+    straddle two cache lines at every other load (1.7-1.9x slower attention, BENCHMARKS.md)."""
+    from specserve.kv_cache import PagedKVCache
+
+    cache = PagedKVCache(BlockAllocator(num_blocks=64, block_size=16), num_layers=3, num_kv_heads=3, head_dim=64,
+                         device=torch.device("cpu"), dtype=dtype)
+    for tensor in (cache.k, cache.v):
+        assert tensor.shape == (3, 64 * 16, 3, 64) and tensor.is_contiguous()
+        assert tensor.data_ptr() % 64 == 0
+        assert not tensor.any()  # zeroed
+    if dtype == torch.float32:
+        for k, v in cache.layer_arrays():
+            assert k.ctypes.data % 64 == 0 and v.ctypes.data % 64 == 0
