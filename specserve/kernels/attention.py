@@ -25,7 +25,9 @@ import numba
 import numpy as np
 from numba import prange
 
-from specserve.kernels.simd import LANES, vadd, vbroadcast, vexp, vfma, vlane, vload, vmul, vstore, vsub, vsum, vsum4, vzero
+from specserve.kernels.simd import (
+    LANES, prefetch, vadd, vbroadcast, vexp, vfma, vlane, vload, vmul, vstore, vsub, vsum, vsum4, vzero,
+)
 
 
 @numba.njit(inline="always")
@@ -94,13 +96,26 @@ KEY_TILE = 64
 
 
 @numba.njit(inline="always")
-def _key_scores(q_flat, q0, k_flat, starts, lo, hi, head_dim, scale, scores):
+def _fetch_vectors(flat, starts, lo, hi, head_dim):
+    """`prefetch` every cache line (16 floats) of the vectors of keys lo .. hi - 1 (none when hi <= lo)."""
+    for f in range(lo, hi):
+        start = starts[np.uint64(f)]
+        for d in range(0, head_dim, LANES):
+            prefetch(flat, start + d)
+
+
+@numba.njit(inline="always")
+def _key_scores(q_flat, q0, k_flat, starts, lo, hi, head_dim, scale, scores, ahead, fetch_end):
     """scores[j] = (q . K_j) * scale for keys lo .. hi - 1 (starts: each key's offset in the flat cache), four keys
     at a time where four remain: each score is one FMA chain over the dims then `vsum`, however keys are grouped.
+    Beside key j it prefetches key j + ahead's vector, below fetch_end (0: none): the next tile, from memory while
+    this one computes (a long context's keys do not fit the caches, and the hardware prefetchers do not run ahead
+    of a strided walk far enough: a decode row at 4,000 keys waited on memory most of its time).
     (Indices are cast to unsigned where numba cannot see they are not negative: a negative index would wrap
     around, and checking for it cost more instructions than the key's arithmetic.)"""
     j = lo
     while j + 4 <= hi:  # four keys at once: four independent dot products in flight
+        _fetch_vectors(k_flat, starts, j + ahead, min(j + ahead + 4, fetch_end), head_dim)
         at = np.uint64(j)
         k0, k1, k2, k3 = starts[at], starts[at + 1], starts[at + 2], starts[at + 3]
         c0 = vzero(); c1 = vzero(); c2 = vzero(); c3 = vzero()
@@ -117,6 +132,7 @@ def _key_scores(q_flat, q0, k_flat, starts, lo, hi, head_dim, scale, scores):
         scores[at + 3] = vlane(sums, 3) * scale
         j += 4
     while j < hi:
+        _fetch_vectors(k_flat, starts, j + ahead, min(j + ahead + 1, fetch_end), head_dim)
         at = np.uint64(j)
         k0 = starts[at]
         acc = vzero()
@@ -127,10 +143,12 @@ def _key_scores(q_flat, q0, k_flat, starts, lo, hi, head_dim, scale, scores):
 
 
 @numba.njit(inline="always")
-def _weighted_values(v_flat, starts, probs, lo, hi, head_dim, acc):
+def _weighted_values(v_flat, starts, probs, lo, hi, head_dim, acc, ahead, fetch_end):
     """acc[:] += Σ probs[j] · V_j over keys lo .. hi - 1 in key order, 64 dims (four 16-lane chunks) at a time in
     registers, then 16 at a time: each output lane is one FMA chain over the keys (acc round-trips memory between
-    calls exactly). The key loop has no branch and no negative-index check: it is the whole cost of a value."""
+    calls exactly). The key loop has no branch and no negative-index check: it is the whole cost of a value. The
+    vectors of keys lo + ahead .. hi + ahead - 1 below fetch_end are prefetched first (`_key_scores`)."""
+    _fetch_vectors(v_flat, starts, lo + ahead, min(hi + ahead, fetch_end), head_dim)
     d0 = 0
     while d0 + 4 * LANES <= head_dim:
         a0, a1 = vload(acc, d0), vload(acc, d0 + LANES)
@@ -209,12 +227,13 @@ def paged_attention(q, k_cache, v_cache, slots, seen_counts, scale, out):
             hi = min(shared, lo + KEY_TILE)
             for p in range(pairs):
                 r, h = p // per_item, h0 + p % per_item
+                # The item's first pair fetches the next tile (the shared keys: the same slots for every row).
                 _key_scores(q_flat, ((r0 + r) * num_heads + h) * head_dim, k_flat, starts[r], lo, hi, head_dim,
-                            scale, scores[p])
+                            scale, scores[p], KEY_TILE, min(shared, hi + KEY_TILE) if p == 0 else 0)
         for p in range(pairs):
             r, h = p // per_item, h0 + p % per_item
             _key_scores(q_flat, ((r0 + r) * num_heads + h) * head_dim, k_flat, starts[r], shared,
-                        seen_counts[r0 + r], head_dim, scale, scores[p])
+                        seen_counts[r0 + r], head_dim, scale, scores[p], 0, 0)
         inv = np.empty(pairs, dtype=np.float32)
         for p in range(pairs):
             seen = seen_counts[r0 + p // per_item]
@@ -230,10 +249,11 @@ def paged_attention(q, k_cache, v_cache, slots, seen_counts, scale, out):
         for lo in range(0, shared, KEY_TILE):
             hi = min(shared, lo + KEY_TILE)
             for p in range(pairs):
-                _weighted_values(v_flat, starts[p // per_item], scores[p], lo, hi, head_dim, acc[p])
+                _weighted_values(v_flat, starts[p // per_item], scores[p], lo, hi, head_dim, acc[p], KEY_TILE,
+                                 min(shared, hi + KEY_TILE) if p == 0 else 0)
         for p in range(pairs):
             r, h = p // per_item, h0 + p % per_item
-            _weighted_values(v_flat, starts[r], scores[p], shared, seen_counts[r0 + r], head_dim, acc[p])
+            _weighted_values(v_flat, starts[r], scores[p], shared, seen_counts[r0 + r], head_dim, acc[p], 0, 0)
             scale_inv = vbroadcast(inv[p])
             o0 = ((r0 + r) * num_heads + h) * head_dim
             for d in range(0, head_dim, LANES):
