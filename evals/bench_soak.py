@@ -34,8 +34,9 @@ Invariants (any broken one: exit status 1, after the table and the JSON):
 - the engine thread stays alive throughout (sampled every 0.2 s); there is no restart to hide a death;
 - nothing is logged at ERROR or above while the server runs (an exception the server did not handle).
 
-Goals, reported: resident memory growth per 10k requests — the process's RSS (clients included) after the
-warm-up vs the end, and, the figure the goal is judged on, the steady state: over the second half of the
+Goals, reported: growth per 10k requests of the memory held — the process's RSS (clients included) less the
+pages of the KV cache the OS has mapped in so far (`held_mib`: reserved untouched, they are not a leak) — after
+the warm-up vs the end, and, the figure the goal is judged on, the steady state: over the second half of the
 last phase, sampled every 5 s against the server's count of requests (the first minutes' allocator growth
 levels off, a leak does not); an invariant too once that half has served 10k requests, below which it is
 an extrapolation. And the well-behaved clients' TTFT and inter-token latency p50/p99, quiet vs hostile,
@@ -57,6 +58,7 @@ import time
 import numpy as np
 
 from specserve.evals.common import machine, set_threads, write_json
+from specserve.evals.resident_memory import resident_mib
 from specserve.evals.soak_clients import Tally
 from specserve.evals.soak_scripts import GOOD, HOSTILE, Reference, Soak, client
 from specserve.cli import MODEL_HELP
@@ -125,7 +127,8 @@ def run(args: argparse.Namespace) -> int:
                     context_length=server.context_length, max_message_bytes=config.max_message_bytes,
                     max_responses_per_connection=config.max_responses_per_connection,
                     vocab_size=llm.engine.model.config.vocab_size)
-        figures = asyncio.run(soak_run(srv, soak, args, args.clients - hostile, hostile))
+        kv_cache = (llm.engine.cache.k, llm.engine.cache.v)
+        figures = asyncio.run(soak_run(srv, soak, args, args.clients - hostile, hostile, kv_cache))
     figures["server_errors_logged"] = {"count": errors.count, "first": errors.first}
     figures["machine"] = machine(llm)
     figures["settings"] = {"model": args.model or "the default model", "drafter": soak.drafter,
@@ -192,13 +195,15 @@ def references(llm) -> tuple[list[Reference], list[Reference]]:
 # ---- the run -------------------------------------------------------------------------------------------
 
 
-async def soak_run(srv, soak: Soak, args, good: int, hostile: int) -> dict:
+async def soak_run(srv, soak: Soak, args, good: int, hostile: int, kv_cache: tuple) -> dict:
+    """The warm-up, then the quiet and hostile phases; kv_cache: the engine's K and V tensors, whose pages the OS maps
+    in as blocks are first written (`held_mib`)."""
     import aiohttp
 
     tally = soak.tally
     alive = {"samples": 0, "dead": 0, "rss": []}
     async with aiohttp.ClientSession() as http:
-        watcher = asyncio.create_task(watch_engine(srv, alive, tally, http, soak.http_url))
+        watcher = asyncio.create_task(watch_engine(srv, alive, tally, http, soak.http_url, kv_cache))
         # Warm-up: every action once (one well-behaved and one hostile client), unmeasured.
         await asyncio.gather(client(soak, "warm-good", GOOD, args.seed, once=True),
                              client(soak, "warm-bad", HOSTILE, args.seed + 1, once=True))
@@ -207,7 +212,7 @@ async def soak_run(srv, soak: Soak, args, good: int, hostile: int) -> dict:
         tally.kinds.clear()
         tally.terminals.clear()
         tally.checks.clear()
-        rss_start, served_start = rss_mib(), idle["warmup"]["requests_served"]
+        (rss_start, kv_start), served_start = held_mib(kv_cache), idle["warmup"]["requests_served"]
         phases = {}
         quiet_s = args.duration * args.quiet_share
         for phase, seconds, bad in (("quiet", quiet_s, 0), ("hostile", args.duration - quiet_s, hostile)):
@@ -224,9 +229,9 @@ async def soak_run(srv, soak: Soak, args, good: int, hostile: int) -> dict:
             clients += [client(soak, f"bad{i}", HOSTILE, args.seed * 1000 + 500 + i) for i in range(bad)]
             await asyncio.gather(*clients)
             phases[phase] = {"seconds": round(time.perf_counter() - start, 2), "clients": n_good + bad}
-            rss_phase_end = rss_mib(collect=False)  # as the timeline reads it (no collection)
+            rss_phase_end, kv_phase_end = held_mib(kv_cache, collect=False)  # as the timeline reads it
             idle[phase] = await wait_idle(srv, http, soak.http_url)
-        rss_end = rss_mib()
+        rss_end, kv_end = held_mib(kv_cache)
         watcher.cancel()
     end = idle[list(idle)[-1]]
     served = end["requests_served"] - served_start
@@ -243,9 +248,12 @@ async def soak_run(srv, soak: Soak, args, good: int, hostile: int) -> dict:
         "idle": idle,
         "engine": {"samples": alive["samples"], "dead_samples": alive["dead"]},
         "rss_timeline": alive["rss"],
-        "memory": {"rss_start_mib": round(rss_start, 1), "rss_end_mib": round(rss_end, 1), "requests": served,
-                   "growth_mib_per_10k": round((rss_end - rss_start) / served * 1e4, 2) if served else None,
-                   **steady_growth(alive["rss"], rss_phase_end, end["requests_served"])},
+        "memory": {"rss_start_mib": round(rss_start, 1), "rss_end_mib": round(rss_end, 1),
+                   "kv_resident_start_mib": round(kv_start, 1), "kv_resident_end_mib": round(kv_end, 1),
+                   "requests": served,
+                   "growth_mib_per_10k": (round(((rss_end - kv_end) - (rss_start - kv_start)) / served * 1e4, 2)
+                                          if served else None),
+                   **steady_growth(alive["rss"], rss_phase_end - kv_phase_end, end["requests_served"])},
         "latency": {phase: {"ttft_ms": pct(tally.ttft_ms[phase]), "itl_ms": pct(tally.itl_ms[phase]),
                             "ttft_ms_by_action": {a: pct(v) for a, v in sorted(tally.ttft_by_action[phase].items())},
                             "server_ms": {k: pct(v) for k, v in sorted(tally.server_ms[phase].items())}}
@@ -253,19 +261,20 @@ async def soak_run(srv, soak: Soak, args, good: int, hostile: int) -> dict:
     }
 
 
-def steady_growth(timeline: list[dict], rss_end: float, served_end: int) -> dict:
-    """RSS growth per 10k requests over the second half of the last phase: the steady state. The first
-    minutes' growth (allocator arenas, buffers sized by the peak of connections) levels off; a leak does not."""
+def steady_growth(timeline: list[dict], held_end: float, served_end: int) -> dict:
+    """Growth of the memory held (`held_mib`: RSS less the KV cache's resident pages) per 10k requests over the
+    second half of the last phase: the steady state. The first minutes' growth (allocator arenas, buffers sized
+    by the peak of connections) levels off; a leak does not."""
     last = [r for r in timeline if r["phase"] == timeline[-1]["phase"]] if timeline else []
     if len(last) < 4:
         return {"steady_growth_mib_per_10k": None, "steady_requests": 0}
     mid = last[len(last) // 2]
     requests = served_end - mid["served"]
-    growth = round((rss_end - mid["rss_mib"]) / requests * 1e4, 2) if requests > 0 else None
+    growth = round((held_end - mid["held_mib"]) / requests * 1e4, 2) if requests > 0 else None
     return {"steady_growth_mib_per_10k": growth, "steady_requests": requests, "steady_from_s": mid["s"]}
 
 
-async def watch_engine(srv, alive: dict, tally: Tally, http, base: str) -> None:
+async def watch_engine(srv, alive: dict, tally: Tally, http, base: str, kv_cache: tuple) -> None:
     """Sample the engine thread's liveness until cancelled, and every 5 s the RSS against the actions run
     (a leak grows with the work done; allocator warm-up levels off)."""
     start = time.perf_counter()
@@ -274,8 +283,10 @@ async def watch_engine(srv, alive: dict, tally: Tally, http, base: str) -> None:
         alive["dead"] += not srv.server.worker.alive
         if alive["samples"] % 25 == 1:
             served = sum(v for k, v in (await scrape(http, base)).items() if k.startswith("specserve_requests_total{"))
-            alive["rss"].append({"s": round(time.perf_counter() - start, 1), "rss_mib": round(rss_mib(collect=False), 1),
-                                 "phase": tally.phase, "served": int(served)})
+            rss, kv = held_mib(kv_cache, collect=False)
+            alive["rss"].append({"s": round(time.perf_counter() - start, 1), "rss_mib": round(rss, 1),
+                                 "kv_mib": round(kv, 1), "held_mib": round(rss - kv, 1), "phase": tally.phase,
+                                 "served": int(served)})
         await asyncio.sleep(0.2)
 
 
@@ -329,6 +340,14 @@ async def scrape(http, base: str) -> dict[str, float]:
     async with http.get(base + "/metrics") as resp:
         text = await resp.text()
     return {m.group(1): float(m.group(2)) for line in text.splitlines() if (m := _SAMPLE.match(line))}
+
+
+def held_mib(kv_cache: tuple, collect: bool = True) -> tuple[float, float]:
+    """(RSS, the KV cache's resident part of it) in MiB. The cache is reserved zeroed and untouched, and its pages
+    count toward RSS only once a block is first written: RSS climbs in steps as longer prompts or more clients
+    reach new blocks, up to the cache's size. What a leak check judges is the difference, the memory held."""
+    rss = rss_mib(collect)
+    return rss, resident_mib(kv_cache)
 
 
 def rss_mib(collect: bool = True) -> float:
@@ -407,7 +426,11 @@ def _per_10k(growth: float | None) -> str:
 
 
 def _memory(mem: dict) -> str:
-    return f"{mem['rss_start_mib']:.1f} -> {mem['rss_end_mib']:.1f} MiB: {_per_10k(mem['growth_mib_per_10k'])}"
+    held_start = mem["rss_start_mib"] - mem["kv_resident_start_mib"]
+    held_end = mem["rss_end_mib"] - mem["kv_resident_end_mib"]
+    return (f"{mem['rss_start_mib']:.1f} -> {mem['rss_end_mib']:.1f} MiB, of which the KV cache's first-touched "
+            f"pages {mem['kv_resident_start_mib']:.1f} -> {mem['kv_resident_end_mib']:.1f}; held {held_start:.1f} -> "
+            f"{held_end:.1f}: {_per_10k(mem['growth_mib_per_10k'])}")
 
 
 def _steady(mem: dict, goals: dict) -> str:
@@ -438,7 +461,7 @@ def print_report(f: dict) -> None:
         ("server errors logged", inv["server_errors_logged"]),
         ("engine deaths / restarts", f"{inv['engine_deaths']} / 0 ({f['engine']['samples']} liveness samples)"),
         ("RSS after warm-up -> end", _memory(mem)),
-        ("RSS growth, steady state", _steady(mem, goals)),
+        ("held memory growth, steady state", _steady(mem, goals)),
     ]
     for phase, lat in f["latency"].items():
         rows.append((f"well-behaved TTFT ms, {phase}", f"{_lat(lat['ttft_ms'])} (p50 / p99, {lat['ttft_ms']['n']} responses)"))
