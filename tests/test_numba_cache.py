@@ -153,3 +153,16 @@ def test_a_process_on_old_sources_never_feeds_a_newer_version_its_kernels(tmp_pa
     finally:
         old.kill()
     assert _run(tmp_path) == 31  # still the new kernel: the old one went to its own version's directory
+
+
+def test_the_kernels_a_forward_runs_are_cached_on_disk(small_vocab_dir):
+    """numba refuses to cache a kernel that reads a ctypes pointer (numba.get_num_threads() inside a kernel did
+    that to paged attention and the decoder layer: every start compiled them again, minutes on 2 cores). A kernel
+    it refused has no index on disk after it ran."""
+    from specserve import LLM, SamplingParams
+    from specserve.kernels.cache import missing_from_cache
+
+    LLM(small_vocab_dir, device="cpu").generate([[3, 1, 4]], SamplingParams(max_tokens=2, temperature=0.0))
+    missing = missing_from_cache(quantized=False)
+    for kernel in ("decoder_layer", "paged_attention", "visible_slots", "rms_norm"):
+        assert kernel not in missing

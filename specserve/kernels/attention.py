@@ -176,12 +176,14 @@ def _weighted_values(v_flat, starts, probs, lo, hi, head_dim, acc, ahead, fetch_
 
 
 @numba.njit(parallel=True, boundscheck=False, cache=True)
-def paged_attention(q, k_cache, v_cache, slots, seen_counts, scale, out):
+def paged_attention(q, k_cache, v_cache, slots, seen_counts, scale, out, threads):
     """out[t, h] = softmax(q[t, h] . K / sqrt(d)) V over row t's visible keys.
 
     q:        float32[T, heads, head_dim] (rotary applied); out: float32[T, heads, head_dim].
     k_cache, v_cache: float32[slots, kv_heads, head_dim], this layer's cache (this step's K/V written).
     slots, seen_counts: the visible keys' cache slots per row (`visible_slots`); scale: 1 / sqrt(head_dim).
+    threads:  the kernel threads (`threads.get_threads`): how many items are worth making (numba's own count is not
+              read here: a kernel that calls it cannot be cached on disk).
 
     Work items are (block of ROW_BLOCK rows, KV head), or (block, query head) when those are fewer than the threads.
     The keys every row of the block sees at the same slots (its shared prefix) are read a KEY_TILE at a time by each
@@ -199,7 +201,7 @@ def paged_attention(q, k_cache, v_cache, slots, seen_counts, scale, out):
     # Fewer items than threads (a decode row of a model with one KV head): each query head its own item, so they run
     # in parallel. Only then: the heads of a split group each stream the group's keys and values on their own (three
     # times the traffic on SmolLM2, where a long context's decode step was mostly that stream).
-    splits = group if num_blocks * num_kv < numba.get_num_threads() else 1
+    splits = group if num_blocks * num_kv < threads else 1
     per_item = group // splits  # query heads per item
     for item in prange(num_blocks * num_kv * splits):
         r0 = (item // (num_kv * splits)) * ROW_BLOCK

@@ -98,7 +98,8 @@ def silu_mul(gate_up, out):
 @numba.njit(boundscheck=False, cache=True)
 def decoder_layer(x, attn_input, input_norm, post_norm, q_norm, k_norm, eps,
                   qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, gate_up_w, gate_up_s, gate_up_b, down_w, down_s, down_b, inter,
-                  num_heads, num_kv, head_dim, cos, sin, k_cache, v_cache, positions, slot_mapping, slots, seen_counts):
+                  num_heads, num_kv, head_dim, cos, sin, k_cache, v_cache, positions, slot_mapping, slots, seen_counts,
+                  threads):
     """One decoder layer over a StepBatch, updating the residual stream x float32[T, hidden] in place.
 
     attn_input: float32[T, in] what attention reads; pass an empty [0, 0] array to use
@@ -107,6 +108,7 @@ def decoder_layer(x, attn_input, input_norm, post_norm, q_norm, k_norm, eps,
     *_w, *_s:   `PackedLinear.weight`s and `.scales`; *_b their float32 biases; inter: intermediate size.
     cos, sin:   float32[max_positions, head_dim] rotary tables; k_cache, v_cache: this layer's cache.
     positions, slot_mapping: the StepBatch arrays; slots, seen_counts: its visible keys (`attention.visible_keys`).
+    threads:    the kernel threads (`threads.get_threads`), for how attention splits its work.
     """
     rows, hidden = x.shape
     if attn_input.shape[0] == 0:
@@ -120,7 +122,7 @@ def decoder_layer(x, attn_input, input_norm, post_norm, q_norm, k_norm, eps,
     rope_and_write_cache(qkv, cos, sin, positions, slot_mapping, num_heads, num_kv, head_dim, q, k_cache, v_cache)
     attn = np.empty((rows, num_heads, head_dim), dtype=np.float32)
     scale = np.float32(1.0 / math.sqrt(head_dim))
-    paged_attention(q, k_cache, v_cache, slots, seen_counts, scale, attn)
+    paged_attention(q, k_cache, v_cache, slots, seen_counts, scale, attn, threads)
     linear_rows(attn.reshape(rows, num_heads * head_dim), o_w, o_s, o_b, x, True)
     normed = np.empty((rows, hidden), dtype=np.float32)
     rms_norm_rows(x, post_norm, eps, normed)

@@ -20,7 +20,7 @@ from specserve.kernels.attention import visible_keys
 from specserve.kernels.layer import decoder_layer, rms_norm
 from specserve.kernels.linear import PackedLinear, linear_rows
 from specserve.kernels.simd import LANES
-from specserve.kernels.threads import apply_threads
+from specserve.kernels.threads import apply_threads, get_threads
 from specserve.kv_cache import PagedKVCache
 from specserve.rope import RotaryTable
 from specserve.step_batch import StepBatch
@@ -107,7 +107,7 @@ class LayerKernels:
             self.gate_up.weight, self.gate_up.scales, self.gate_up.bias, self.down.weight, self.down.scales,
             self.down.bias, self.inter,
             self.num_heads, self.num_kv, self.head_dim, cos, sin, k_cache, v_cache, batch.positions,
-            batch.slot_mapping, *visible,
+            batch.slot_mapping, *visible, get_threads(),
         )
 
 

@@ -29,6 +29,7 @@ import torch
 from random_step_batches import CONFIGS, random_batch, reference
 from specserve.attention.sdpa import SdpaBackend
 from specserve.kernels.attention import paged_attention, visible_keys
+from specserve.kernels.threads import get_threads
 from specserve.kv_cache import BlockAllocator, PagedKVCache
 
 ATOL, RTOL = 2e-5, 1e-5
@@ -36,7 +37,8 @@ ATOL, RTOL = 2e-5, 1e-5
 
 def run_kernel(batch, q, k_cache, v_cache, window) -> np.ndarray:
     out = np.full(q.shape, np.nan, dtype=np.float32)
-    paged_attention(q, k_cache, v_cache, *visible_keys(batch, window or 0), np.float32(1.0 / math.sqrt(q.shape[2])), out)
+    paged_attention(q, k_cache, v_cache, *visible_keys(batch, window or 0), np.float32(1.0 / math.sqrt(q.shape[2])), out,
+                    get_threads())
     return out
 
 

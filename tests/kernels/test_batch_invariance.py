@@ -153,7 +153,7 @@ def test_near_tie_in_attention_needs_keys_in_slot_order(use_threads):
     for threads in (1, 2):
         use_threads(threads)
         out = np.full_like(q, np.nan)
-        paged_attention(q, k_cache, v_cache, *visible_keys(batch, 0), np.float32(head_dim ** -0.5), out)
+        paged_attention(q, k_cache, v_cache, *visible_keys(batch, 0), np.float32(head_dim ** -0.5), out, threads)
         assert (out[..., 0] == out[..., 1]).all() and (out[..., 0] > 0).all(), out[..., :2]
     # The inputs discriminate: the same weighted sum with the keys in reversed order breaks the tie.
     acc = np.float32(0)
