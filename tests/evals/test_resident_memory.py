@@ -30,8 +30,10 @@ def test_untouched_zeroed_memory_is_not_resident_and_written_memory_is():
 
 
 def test_the_kv_cache_tensors_are_measured_as_the_soak_passes_them():
-    k = torch.from_numpy(np.zeros((8, 1024, 1024), dtype=np.float32))  # 32 MiB, untouched
-    v = torch.from_numpy(np.zeros((8, 1024, 1024), dtype=np.float32))
+    # 48 MiB each: above glibc's largest mmap threshold (32 MiB), so calloc maps fresh pages as for a real cache
+    # (smaller blocks can come from a heap that earlier tests already wrote).
+    k = torch.from_numpy(np.zeros((12, 1024, 1024), dtype=np.float32))
+    v = torch.from_numpy(np.zeros((12, 1024, 1024), dtype=np.float32))
     before = resident_mib([k, v])
     k[0] = 1.0  # one layer's 4 MiB
     after = resident_mib([k, v])
