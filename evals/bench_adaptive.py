@@ -335,11 +335,12 @@ def run(args: argparse.Namespace) -> int:
 
     plain, plain_load_s = build(None, "static")
     control, _ = build(None, "static")
-    texts = heldout_prompts(max(max_batch, MIN_CELL_PROMPTS), args.prompt_chars)
+    num_prompts = max(max_batch, MIN_CELL_PROMPTS)
+    texts = heldout_prompts(num_prompts, args.prompt_chars)
     encoded = [plain.encode(t) for t in texts]
     if args.workload == "editing":
         encoded = editing_prompts(plain, encoded, args.max_tokens)
-    prompts = [encoded[i % len(encoded)] for i in range(max(max_batch, MIN_CELL_PROMPTS))]
+    prompts = [encoded[i % len(encoded)] for i in range(num_prompts)]
     window = plain.engine.config.max_model_len
     longest = max(len(p) for p in encoded)
     if longest + args.max_tokens > window:

@@ -35,7 +35,7 @@ Invariants (any broken one: exit status 1, after the table and the JSON):
 - nothing is logged at ERROR or above while the server runs (an exception the server did not handle).
 
 Goals, reported: growth per 10k requests of the memory held — the process's RSS (clients included) less the
-pages of the KV cache the OS has mapped in so far (`held_mib`: reserved untouched, they are not a leak) — after
+pages of the KV cache the OS has mapped in so far (`rss_and_kv_mib`: reserved untouched, they are not a leak) — after
 the warm-up vs the end, and, the figure the goal is judged on, the steady state: over the second half of the
 last phase, sampled every 5 s against the server's count of requests (the first minutes' allocator growth
 levels off, a leak does not); an invariant too once that half has served 10k requests, below which it is
@@ -197,7 +197,7 @@ def references(llm) -> tuple[list[Reference], list[Reference]]:
 
 async def soak_run(srv, soak: Soak, args, good: int, hostile: int, kv_cache: tuple) -> dict:
     """The warm-up, then the quiet and hostile phases; kv_cache: the engine's K and V tensors, whose pages the OS maps
-    in as blocks are first written (`held_mib`)."""
+    in as blocks are first written (`rss_and_kv_mib`)."""
     import aiohttp
 
     tally = soak.tally
@@ -212,7 +212,7 @@ async def soak_run(srv, soak: Soak, args, good: int, hostile: int, kv_cache: tup
         tally.kinds.clear()
         tally.terminals.clear()
         tally.checks.clear()
-        (rss_start, kv_start), served_start = held_mib(kv_cache), idle["warmup"]["requests_served"]
+        (rss_start, kv_start), served_start = rss_and_kv_mib(kv_cache), idle["warmup"]["requests_served"]
         phases = {}
         quiet_s = args.duration * args.quiet_share
         for phase, seconds, bad in (("quiet", quiet_s, 0), ("hostile", args.duration - quiet_s, hostile)):
@@ -229,9 +229,9 @@ async def soak_run(srv, soak: Soak, args, good: int, hostile: int, kv_cache: tup
             clients += [client(soak, f"bad{i}", HOSTILE, args.seed * 1000 + 500 + i) for i in range(bad)]
             await asyncio.gather(*clients)
             phases[phase] = {"seconds": round(time.perf_counter() - start, 2), "clients": n_good + bad}
-            rss_phase_end, kv_phase_end = held_mib(kv_cache, collect=False)  # as the timeline reads it
+            rss_phase_end, kv_phase_end = rss_and_kv_mib(kv_cache, collect=False)  # as the timeline reads it
             idle[phase] = await wait_idle(srv, http, soak.http_url)
-        rss_end, kv_end = held_mib(kv_cache)
+        rss_end, kv_end = rss_and_kv_mib(kv_cache)
         watcher.cancel()
     end = idle[list(idle)[-1]]
     served = end["requests_served"] - served_start
@@ -262,7 +262,7 @@ async def soak_run(srv, soak: Soak, args, good: int, hostile: int, kv_cache: tup
 
 
 def steady_growth(timeline: list[dict], held_end: float, served_end: int) -> dict:
-    """Growth of the memory held (`held_mib`: RSS less the KV cache's resident pages) per 10k requests over the
+    """Growth of the memory held (RSS less the KV cache's resident pages: `rss_and_kv_mib`) per 10k requests over the
     second half of the last phase: the steady state. The first minutes' growth (allocator arenas, buffers sized
     by the peak of connections) levels off; a leak does not."""
     last = [r for r in timeline if r["phase"] == timeline[-1]["phase"]] if timeline else []
@@ -283,7 +283,7 @@ async def watch_engine(srv, alive: dict, tally: Tally, http, base: str, kv_cache
         alive["dead"] += not srv.server.worker.alive
         if alive["samples"] % 25 == 1:
             served = sum(v for k, v in (await scrape(http, base)).items() if k.startswith("specserve_requests_total{"))
-            rss, kv = held_mib(kv_cache, collect=False)
+            rss, kv = rss_and_kv_mib(kv_cache, collect=False)
             alive["rss"].append({"s": round(time.perf_counter() - start, 1), "rss_mib": round(rss, 1),
                                  "kv_mib": round(kv, 1), "held_mib": round(rss - kv, 1), "phase": tally.phase,
                                  "served": int(served)})
@@ -342,7 +342,7 @@ async def scrape(http, base: str) -> dict[str, float]:
     return {m.group(1): float(m.group(2)) for line in text.splitlines() if (m := _SAMPLE.match(line))}
 
 
-def held_mib(kv_cache: tuple, collect: bool = True) -> tuple[float, float]:
+def rss_and_kv_mib(kv_cache: tuple, collect: bool = True) -> tuple[float, float]:
     """(RSS, the KV cache's resident part of it) in MiB. The cache is reserved zeroed and untouched, and its pages
     count toward RSS only once a block is first written: RSS climbs in steps as longer prompts or more clients
     reach new blocks, up to the cache's size. What a leak check judges is the difference, the memory held."""

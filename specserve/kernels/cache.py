@@ -1,4 +1,4 @@
-"""Which of the compiled kernels numba has on disk (`missing_from_cache`) and where (`kernel_cache_dirs`).
+"""Which of the compiled kernels numba has on disk (`missing_from_cache`).
 
 A first run on a fresh install compiles every kernel (the decoder layer, the products, paged attention: about
 4 minutes on 2 cores, README); numba writes them to its cache (one directory per version of the sources:
@@ -9,7 +9,6 @@ say which it will be before they start the engine, so a first run's wait is expl
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 
 def cached_dispatchers(prefix: str = "specserve.kernels.") -> list:
@@ -48,14 +47,3 @@ def missing_from_cache(prefix: str = "specserve.kernels.", quantized: bool = Tru
         if not index:
             missing.append(dispatcher.py_func.__qualname__)
     return missing
-
-
-def kernel_cache_dirs(prefix: str = "specserve.kernels.") -> list[Path]:
-    """Where numba keeps the cached kernels of the imported modules under `prefix` (this version's directories)."""
-    dirs = set()
-    for dispatcher in cached_dispatchers(prefix):
-        try:
-            dirs.add(Path(dispatcher._cache._cache_path))
-        except Exception:  # numba internals moved: nothing to report
-            continue
-    return sorted(dirs)
