@@ -117,7 +117,8 @@ class Drafter(ABC):
     wants_row_argmax: ClassVar[bool] = False
     # Learns from earlier requests (the suffix drafter's index of finished outputs): a request's trees then
     # depend on what else the server ran, so a seeded sampled request no longer reproduces its output.
-    learns_across_requests: ClassVar[bool] = False
+    # An instance may say False where its options turn the learning off (`learns_across_requests_with`).
+    learns_across_requests: bool = False
     max_budget: int = 0
     depth: int = 1
     part_names: tuple[str, ...] = ()
@@ -127,6 +128,12 @@ class Drafter(ABC):
     # Prefix caching (specserve/prefix_cache.py): tokens past a slot that the drafter's own KV entry at that
     # slot depends on (EAGLE: 1, its pair at slot i is (feature i, token i+1)); 0 for the draft model.
     kv_lookahead: int = 0
+
+    @classmethod
+    def learns_across_requests_with(cls, options: dict[str, Any]) -> bool:
+        """Whether a drafter of this class built with ``options`` learns across requests (known before building
+        one: `specserve train default-drafter` rules such drafters out of the default)."""
+        return cls.learns_across_requests
 
     def kv_bytes_per_slot(self) -> int:
         """Bytes of the drafter's own KV cache per cache slot (0: it keeps none), to size the pool."""

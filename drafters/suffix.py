@@ -103,6 +103,9 @@ class _RequestState:
     tail: list[int] = field(default_factory=list)
 
 
+SHARED_TOKENS = 32768  # the shared index's default cap, in tokens
+
+
 @register("suffix")
 class SuffixDrafter(Drafter):
     """Suffix-decoding drafter (one-hot drafts; per-request and shared frequency indexes).
@@ -118,8 +121,12 @@ class SuffixDrafter(Drafter):
     """
 
     needs_hidden_states = False
-    learns_across_requests = True
+    learns_across_requests = True  # with the default shared index; per instance: shared_tokens > 0
     gives_probs = False
+
+    @classmethod
+    def learns_across_requests_with(cls, options: dict) -> bool:
+        return options.get("shared_tokens", SHARED_TOKENS) != 0  # 0: per-request matching only
 
     def __init__(
         self,
@@ -130,7 +137,7 @@ class SuffixDrafter(Drafter):
         max_match: int = 8,
         depth: int = 8,
         max_budget: int = 24,
-        shared_tokens: int = 32768,
+        shared_tokens: int = SHARED_TOKENS,
         spec_factor: int = 1,
         min_prob: float = 0.1,
     ) -> None:
@@ -142,6 +149,7 @@ class SuffixDrafter(Drafter):
         self.depth = _check("depth", depth, 1)
         self.max_budget = _check("max_budget", max_budget, 1)
         self.shared_tokens = _check("shared_tokens", shared_tokens, 0)
+        self.learns_across_requests = self.shared_tokens > 0
         self.spec_factor = _check("spec_factor", spec_factor, 0)
         ok = isinstance(min_prob, (int, float, np.floating)) and not isinstance(min_prob, bool)
         if not ok or not 0.0 <= float(min_prob) <= 1.0:

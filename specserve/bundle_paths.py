@@ -104,6 +104,21 @@ def default_drafter(model_dir: str | Path | None) -> str | None:
     return spec if isinstance(spec, str) and runs_on_bundle(spec) else None
 
 
+def default_drafter_options(model_dir: str | Path | None) -> dict:
+    """The options `default_drafter`'s drafter is built with for ``model_dir`` (recorded beside the choice)."""
+    from specserve.loading.default_model import is_default_model_file
+
+    if is_default_model_file(model_dir):
+        from specserve.default_model_drafters import default_drafter_options as shipped_options
+
+        return shipped_options()
+    manifest = bundle_manifest()
+    options = (manifest or {}).get("default_drafter_options")
+    if default_drafter(model_dir) is None or not isinstance(options, dict):
+        return {}
+    return dict(options)
+
+
 def runs_on_bundle(spec: str) -> bool:
     """Whether drafter ``spec`` runs on the embedded model with no path: a bundled drafter, a file-less
     one, or ``hybrid:A+B`` of those."""

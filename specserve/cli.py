@@ -567,7 +567,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     import specserve
     from specserve.attention import BACKENDS, default_attention
     from specserve.drafters import registered_drafters
-    from specserve.bundle_paths import default_drafter, default_drafters, default_model_dir
+    from specserve.bundle_paths import default_drafter, default_drafter_options, default_drafters, default_model_dir
     from specserve.loading.default_model import default_model_file
 
     info = {
@@ -583,6 +583,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         "tiny_model": str(default_model_dir()) if default_model_dir() else None,
         "default_drafters": default_drafters(),
         "default_drafter": default_drafter(default_model_file()),  # what --drafter auto picks
+        "default_drafter_options": default_drafter_options(default_model_file()),
         "speculation_modes": ["adaptive", "static"],
         "default_speculation": "adaptive",
     }

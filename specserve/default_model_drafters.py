@@ -4,8 +4,9 @@ Cheap to import (no torch).
 ``specserve/default_model_drafters/``::
 
     MANIFEST.json   "target": the GGUF file they were trained for (name, sha256); "drafters": {name: subdir};
-                    "default_drafter": what ``drafter="auto"`` runs on the default model (chosen by measurement,
-                    BENCHMARKS.md); "training": how each was made (command, data, time)
+                    "default_drafter": what ``drafter="auto"`` runs on the default model, with its
+                    "default_drafter_options" (chosen by measurement: `specserve train default-drafter`, its table
+                    in "default_drafter_eval"); "training": how each was made (command, data, time)
     eagle/          an EAGLE-3 head (`specserve train feature-data` + `specserve train eagle`)
 
 A bare drafter name (``--drafter eagle``) resolves here when the target is the default model's file. The heads
@@ -41,6 +42,14 @@ def manifest() -> dict | None:
     return record
 
 
+def empty_manifest() -> dict:
+    """The manifest of no shipped drafter, for the default model's file (what `train default-drafter` starts from)."""
+    from specserve.loading.default_model import FILE_NAME, PACKAGE, SHA256, VERSION
+
+    return {"format": 1, "target": {"file": FILE_NAME, "sha256": SHA256, "package": f"{PACKAGE}=={VERSION}"},
+            "drafters": {}}
+
+
 def shipped_drafters() -> dict[str, str]:
     """Drafter name → directory of each shipped drafter for the default model (``{"eagle": ...}``)."""
     record = manifest() or {}
@@ -66,3 +75,13 @@ def default_drafter_spec() -> str:
     if all(part.strip().partition(":")[0] in known and not part.strip().partition(":")[2] for part in parts):
         return spec
     return FALLBACK_DRAFTER
+
+
+def default_drafter_options() -> dict:
+    """The options ``drafter="auto"`` builds `default_drafter_spec`'s drafter with (``{"shared_tokens": 0}`` for a
+    per-request suffix drafter); none when the manifest's choice cannot run."""
+    record = manifest() or {}
+    options = record.get("default_drafter_options")
+    if default_drafter_spec() != record.get("default_drafter") or not isinstance(options, dict):
+        return {}
+    return dict(options)

@@ -140,9 +140,11 @@ class LLM:
         if max_model_len < 2 or (limit is not None and max_model_len > limit):
             raise ValueError(f"max_model_len must be in [2, {limit if limit is not None else 'memory'}], got {max_model_len}")
         if drafter == "auto":
-            from specserve.bundle_paths import default_drafter
+            from specserve.bundle_paths import default_drafter, default_drafter_options
 
             drafter = default_drafter(model_dir)
+            # The options measured with it (a per-request suffix drafter: shared_tokens=0); the caller's win.
+            drafter_options = {**default_drafter_options(model_dir), **(drafter_options or {})} or None
         if drafter == "none":
             drafter = None
         self.drafter_spec = drafter

@@ -118,7 +118,7 @@ def test_default_drafter_is_chosen_by_measurement(tmp_path, monkeypatch):
     monkeypatch.setenv(bundle_paths.ENV_VAR, str(copy))
     # Two eligible candidates (ngram, lookahead), so the choice between them is the measurement's.
     record = pick_default_drafter(["ngram", "lookahead", "hybrid:suffix+medusa", "eagle:/elsewhere"], str(tmp_path / "run"),
-                                  max_prompts=1, max_tokens=8, repeats=1)
+                                  model="tiny", max_prompts=1, max_tokens=8, repeats=1)
     assert set(record["candidates"]) == {"ngram", "lookahead", "hybrid:suffix+medusa"}
     assert record["not_run"] == ["eagle:/elsewhere"]
     table = record["candidates"]
@@ -170,7 +170,7 @@ def test_default_drafter_rule_on_recorded_figures(tmp_path, monkeypatch, figures
                 "settings": {"num_prompts": 1}, "plain": {"tokens_per_s": 100.0}, "machine": {}}
 
     monkeypatch.setattr(suite, "run_eval", fake_eval)
-    record = pick_default_drafter(list(figures), str(tmp_path / "run"))
+    record = pick_default_drafter(list(figures), str(tmp_path / "run"), model="tiny")
     assert record["default_drafter"] == expected
     assert _documented_choice(record["candidates"], ["ngram", "lookahead", "draft"]) == {expected}  # the cases are right
     assert json.loads((copy / "MANIFEST.json").read_text())["default_drafter"] == expected
