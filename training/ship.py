@@ -21,8 +21,8 @@ SIZE_LIMIT_MB = 25.0
 def ship(runs: dict[str, str | Path], default_drafter: str, *, out: str | Path | None = None,
          size_limit_mb: float = SIZE_LIMIT_MB) -> dict:
     """Ship ``runs`` ({drafter name: run directory}); return the manifest written."""
-    from specserve.default_model_drafters import MANIFEST, drafters_dir
-    from specserve.loading.default_model import FILE_NAME, PACKAGE, SHA256, VERSION
+    from specserve.default_model_drafters import MANIFEST, drafters_dir, empty_manifest
+    from specserve.loading.default_model import FILE_NAME, SHA256
 
     out_dir = Path(out) if out is not None else drafters_dir()
     if not runs:
@@ -54,9 +54,7 @@ def ship(runs: dict[str, str | Path], default_drafter: str, *, out: str | Path |
         dest.mkdir()
         for f in SERVING_FILES[name]:
             shutil.copy2(Path(run).expanduser() / f, dest / f)
-    manifest = {
-        "format": 1,
-        "target": {"file": FILE_NAME, "sha256": SHA256, "package": f"{PACKAGE}=={VERSION}"},
+    manifest = empty_manifest() | {
         "drafters": {name: name for name in runs},
         "default_drafter": default_drafter,
         "bytes": total,
