@@ -70,8 +70,8 @@ FALLBACK_SWEEP = ((1, 1), (2, 2), (4, 4))  # a drafter without an entry above
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--drafters", default=None,
-                   help=f"comma-separated drafter specs, NAME or NAME:PATH (default {DEFAULT_DRAFTERS}; "
-                        f"{EDITING_DRAFTERS} with --workload editing)")
+                   help=f"comma-separated drafter specs, NAME or NAME:PATH, or auto (the model's default drafter) "
+                        f"(default {DEFAULT_DRAFTERS}; {EDITING_DRAFTERS} with --workload editing)")
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64", help="comma-separated batch sizes (default %(default)s)")
     p.add_argument("--temperatures", default="0,1", help="comma-separated temperatures, 0 = greedy (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (default %(default)s)")
@@ -121,8 +121,9 @@ def parse_drafters(text: str) -> list[tuple[str, str]]:
     for spec in (s.strip() for s in text.split(",")):
         if not spec:
             continue
-        name, _ = parse_drafter_spec(spec)
-        if name not in registered_drafters():
+        # auto: the model's measured default drafter with its recorded options, which `LLM` resolves
+        name = "auto" if spec == "auto" else parse_drafter_spec(spec)[0]
+        if name != "auto" and name not in registered_drafters():
             raise ValueError(f"--drafters: unknown drafter {name!r}; registered drafters: {', '.join(registered_drafters())}")
         if spec not in [s for s, _ in out]:
             out.append((spec, name))
@@ -382,6 +383,8 @@ def run(args: argparse.Namespace) -> int:
         def add(label: str, speculation: str, options: dict | None) -> None:
             llm, load_s = build(spec, speculation, options)
             d = llm.engine.drafter
+            if d is None:
+                raise ValueError(f"--drafters {spec}: this model has no default drafter ({spec} decodes it plainly)")
             key = (speculation, int(d.max_budget), getattr(d, "depth", None))
             same = next((c for c, v in configs.items() if (v["speculation"], v["max_budget"], v["depth"]) == key), None)
             if same is not None:  # e.g. a sweep setting the drafter capped to its default

@@ -61,6 +61,12 @@ def test_bench_adaptive_smoke(llama_dir, tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_auto_is_a_drafter_spec_of_its_own():
+    from specserve.evals.bench_adaptive import parse_drafters
+
+    assert parse_drafters("auto,ngram,auto") == [("auto", "auto"), ("ngram", "ngram")]
+
+
 def test_default_sweep_and_overrides():
     assert parse_sweep(None, ["ngram", "eagle"]) == {"ngram": list(DEFAULT_SWEEP["ngram"]), "eagle": list(DEFAULT_SWEEP["eagle"])}
     assert parse_sweep(["4x4", "eagle=1x1,2X2", "ngram="], ["ngram", "eagle", "draft"]) == {
@@ -130,6 +136,7 @@ def test_a_cell_times_its_prompts_in_batches_of_its_size():
     (["--sweep", "ngram=4"], "--sweep expects"),
     (["--sweep", "eagle=4x4"], "not in --drafters"),
     (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--drafters", "auto"], "has no default drafter"),  # a model of no measured default: nothing to compare
 ])
 def test_bench_adaptive_bad_input(llama_dir, capsys, args, message):
     rc = main(["bench", "adaptive", "--model", str(llama_dir), "--drafters", "ngram", "--device", "cpu", *args])
