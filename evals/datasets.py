@@ -279,9 +279,11 @@ def humaneval_problems() -> list[dict]:
 
 
 def _humaneval(limit: int | None) -> list[Record]:
-    problems = humaneval_problems()[:limit]
-    return [Record(p["task_id"], "humaneval", (f"{HUMANEVAL_INSTRUCTION}```python\n{p['prompt'].strip(chr(10))}\n```",))
-            for p in problems]
+    records = []
+    for problem in humaneval_problems()[:limit]:
+        code = problem["prompt"].strip("\n")
+        records.append(Record(problem["task_id"], "humaneval", (f"{HUMANEVAL_INSTRUCTION}```python\n{code}\n```",)))
+    return records
 
 
 def _structured_code(limit: int | None) -> list[Record]:

@@ -64,16 +64,10 @@ def target_named(name: str) -> Target:
         return Target("tiny", "tiny", "builtin:heldout-code", runs_on_bundle, bundle_dir() / MANIFEST, manifest)
     if name == "default":
         from specserve import default_model_drafters as shipped
-        from specserve.bundle_paths import FILELESS_DRAFTERS
         from specserve.loading import default_model
 
         model = default_model.default_model_path()  # fetched the first time (not $SPECSERVE_MODEL: this file)
-        names = set(FILELESS_DRAFTERS) | set(shipped.shipped_drafters())
-
-        def runs_without_path(spec: str) -> bool:
-            return all(part in names and not path for part, path in _parts(spec))
-
-        return Target("default", str(model), "builtin:heldout-chat", runs_without_path,
+        return Target("default", str(model), "builtin:heldout-chat", shipped.runs_without_path,
                       shipped.drafters_dir() / shipped.MANIFEST, shipped.manifest() or shipped.empty_manifest())
     raise ValueError(f"--model is 'default' (the default model) or 'tiny' (the embedded code model), got {name!r}")
 
@@ -90,7 +84,7 @@ def pick_default_drafter(candidates: dict[str, dict[str, Any]] | list[str], out:
     target = target_named(model)
     options = dict(candidates) if isinstance(candidates, dict) else {c: {} for c in candidates}
     known = registered_drafters()
-    usable = [c for c in options if target.runs_without_path(_spec(c)) and all(n in known for n, _ in _parts(_spec(c)))]
+    usable = [c for c in options if target.runs_without_path(_spec(c)) and all(n in known for n in _drafter_names(_spec(c)))]
     dropped = sorted(set(options) - set(usable))
     if not usable:
         raise ValueError(f"none of the candidates {list(options)} can run on the {target.name} model")
@@ -131,21 +125,20 @@ def _spec(candidate: str) -> str:
     return candidate.partition("#")[0]
 
 
-def _parts(spec: str) -> list[tuple[str, str]]:
-    """(name, path) of each drafter a spec runs: a hybrid's parts, else its own."""
+def _drafter_names(spec: str) -> list[str]:
+    """The drafters a spec runs: a hybrid's parts (``hybrid:suffix+eagle`` → suffix, eagle), else its own."""
     name, _, path = spec.partition(":")
-    if name == "hybrid":
-        return [(p.strip().partition(":")[0], p.strip().partition(":")[2]) for p in path.split("+")]
-    return [(name, path)]
+    return [p.strip().partition(":")[0] for p in path.split("+")] if name == "hybrid" else [name]
 
 
 def _learns_across_requests(spec: str, options: dict[str, Any]) -> bool:
+    """Whether ``spec`` built with ``options`` learns across requests (a hybrid's parts get their defaults)."""
     from specserve.drafters.base import drafter_class
 
-    parts = _parts(spec)
-    if len(parts) == 1:
-        return drafter_class(parts[0][0]).learns_across_requests_with(options)
-    return any(drafter_class(name).learns_across_requests_with({}) for name, _ in parts)  # parts get their defaults
+    names = _drafter_names(spec)
+    if len(names) == 1:
+        return drafter_class(names[0]).learns_across_requests_with(options)
+    return any(drafter_class(name).learns_across_requests_with({}) for name in names)
 
 
 def table_markdown(record: dict) -> str:

@@ -61,20 +61,22 @@ def shipped_drafters() -> dict[str, str]:
     return out
 
 
+def runs_without_path(spec: str) -> bool:
+    """Whether drafter ``spec`` runs on the default model with no path: a shipped drafter, a file-less one, or
+    ``hybrid:A+B`` of those (the default model's counterpart of `bundle_paths.runs_on_bundle`)."""
+    from specserve.bundle_paths import FILELESS_DRAFTERS
+
+    name, _, path = spec.partition(":")
+    if name == "hybrid":
+        return bool(path) and all(runs_without_path(part.strip()) for part in path.split("+"))
+    return not path and (name in FILELESS_DRAFTERS or name in shipped_drafters())
+
+
 def default_drafter_spec() -> str:
     """What ``drafter="auto"`` runs on the default model: the manifest's choice when every drafter it names ships
     (or needs no files), else `FALLBACK_DRAFTER`."""
-    from specserve.bundle_paths import FILELESS_DRAFTERS
-
     spec = (manifest() or {}).get("default_drafter")
-    if not isinstance(spec, str):
-        return FALLBACK_DRAFTER
-    name, _, rest = spec.partition(":")
-    parts = rest.split("+") if name == "hybrid" else [spec]
-    known = set(shipped_drafters()) | set(FILELESS_DRAFTERS)
-    if all(part.strip().partition(":")[0] in known and not part.strip().partition(":")[2] for part in parts):
-        return spec
-    return FALLBACK_DRAFTER
+    return spec if isinstance(spec, str) and runs_without_path(spec) else FALLBACK_DRAFTER
 
 
 def default_drafter_options() -> dict:
