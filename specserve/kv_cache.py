@@ -20,6 +20,7 @@ draft node i at committed_len + 1 + i; commit moves the accepted nodes down next
 from __future__ import annotations
 
 import math
+import mmap
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
@@ -175,22 +176,23 @@ class BlockAllocator:
         return table[slot_indices // self.block_size].astype(np.int64) * self.block_size + slot_indices % self.block_size
 
 
-#: Where a CPU cache starts: on a cache line, so each key's vector does too (float32 vectors of a multiple of 16
-#: dims). numpy's calloc hands out big blocks 16 bytes past a page boundary, and paged attention's 32-byte loads
-#: then straddle two lines at every other load: measured 1.7-1.9x slower (BENCHMARKS.md, "Paged attention").
-_CACHE_ALIGN = 64
-
-
 def _zeros(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed tensor, on the CPU starting on a cache line (`_CACHE_ALIGN`). On the CPU through numpy's calloc: the
-    OS hands out zeroed pages as they are first touched, so a 2 GiB cache costs nothing until used (torch.zeros
-    wrote every byte at start-up: 1.8 s of the default model's start on 2 cores)."""
+    """A zeroed tensor; on the CPU a fresh anonymous mapping of its own.
+
+    Why a mapping rather than numpy's calloc: the OS hands out a mapping's zeroed pages as they are first written,
+    so a 2 GiB cache costs nothing until used (torch.zeros wrote every byte at start-up: 1.8 s of the default
+    model's start on 2 cores), and `bench soak` can subtract the pages reached so far (`evals.resident_memory`).
+    calloc only promises that while malloc serves the block by a fresh mmap; a block it serves from memory that
+    earlier allocations left behind is written whole (CI saw a 48 MiB one arrive resident). A mapping also starts
+    on a page boundary, so each key's vector starts on a cache line: paged attention's 32-byte loads straddled two
+    lines at every other load from calloc's 16-bytes-past-a-page start, 1.7-1.9x slower (BENCHMARKS.md, "Paged
+    attention")."""
     if device.type == "cpu" and dtype in (torch.float32, torch.float16):
         item = np.dtype(np.float32 if dtype == torch.float32 else np.float16)
         count = int(np.prod(shape))
-        flat = np.zeros(count + _CACHE_ALIGN // item.itemsize, dtype=item)
-        start = (-flat.ctypes.data % _CACHE_ALIGN) // item.itemsize
-        return torch.from_numpy(flat[start:start + count].reshape(shape))
+        pages = mmap.mmap(-1, max(count * item.itemsize, 1))  # anonymous, private, zero-filled on first touch
+        # The array holds the mapping (its buffer base), and the tensor holds the array: unmapped when both go.
+        return torch.from_numpy(np.frombuffer(pages, dtype=item, count=count).reshape(shape))
     return torch.zeros(shape, device=device, dtype=dtype)
 
 
