@@ -193,7 +193,7 @@ def logits_to_probs(
     """
     # Shift by the row max first: the top logit becomes 0, so a tiny temperature sends the others
     # to -inf (probability 0) instead of overflowing to inf - inf = NaN.
-    shifted = logits - logits.max(dim=-1, keepdim=True).values
+    shifted = logits - logits.amax(dim=-1, keepdim=True)
     temperature = temperature.clamp_min(torch.finfo(logits.dtype).tiny)  # 1e-308 is 0 in fp32
     probs = torch.softmax(shifted / temperature[:, None], dim=-1)
     needs_sort = bool((top_k > 0).any() or (top_p < 1).any())
@@ -210,6 +210,6 @@ def logits_to_probs(
         keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
         probs = probs * keep
     if bool((min_p > 0).any()):
-        peak = probs.max(dim=-1, keepdim=True).values
+        peak = probs.amax(dim=-1, keepdim=True)
         probs = probs * (probs >= min_p[:, None] * peak)
     return probs / probs.sum(dim=-1, keepdim=True)
