@@ -33,20 +33,27 @@ class VerifyCost:
         self.seconds = np.maximum.accumulate(np.maximum(np.asarray(seconds, dtype=np.float64), 1e-7))
 
     def __call__(self, rows):
-        """Predicted seconds for `rows` (a number, or an array of them). Called several times a step:
-        kept to one interpolation."""
+        """Predicted seconds for `rows` (a number, or an array of them). Called several times a step: a number
+        is interpolated in plain Python (numpy's per-call overhead was most of its cost), an array by np.interp."""
+        knots, y = self._knot_list, self.seconds
+        if isinstance(rows, (int, float, np.integer, np.floating)):
+            r = float(rows)
+            if r >= knots[-1]:
+                slope = (y[-1] - y[-2]) / (knots[-1] - knots[-2]) if len(knots) > 1 else 0.0
+                return float(y[-1] + slope * (r - knots[-1]))
+            i = bisect.bisect_right(knots, r)
+            if i == 0:
+                return float(y[0])
+            w = (r - knots[i - 1]) / (knots[i] - knots[i - 1])
+            return float(y[i - 1] + w * (y[i] - y[i - 1]))
         last = self.knots[-1]
-        slope = (self.seconds[-1] - self.seconds[-2]) / (last - self.knots[-2]) if len(self.knots) > 1 else 0.0
-        if np.ndim(rows) == 0:
-            if rows > last:
-                return float(self.seconds[-1] + slope * (rows - last))
-            return float(np.interp(rows, self.knots, self.seconds))
+        slope = (y[-1] - y[-2]) / (last - self.knots[-2]) if len(knots) > 1 else 0.0
         x = np.asarray(rows, dtype=np.float64)
-        y = np.interp(x, self.knots, self.seconds)
+        out = np.interp(x, self.knots, y)
         over = x > last
         if over.any():
-            y[over] = self.seconds[-1] + slope * (x[over] - last)
-        return y
+            out[over] = y[-1] + slope * (x[over] - last)
+        return out
 
     def observe(self, rows: int, seconds: float) -> None:
         """Move the two knots around `rows` towards a measured step, in proportion to their weight
@@ -111,6 +118,8 @@ class DraftCost:
 
     FORGET = 0.98  # weight of older steps per new step (~50 steps of memory)
 
+    # Three parameters, updated every drafting step: plain Python floats (numpy's 3x3 products cost ~40 us a
+    # step in call overhead alone, most of the policy's bookkeeping).
     def __init__(self, levels: bool = True, backlog: bool = True) -> None:
         # backlog=False (drafters without a catch-up: n-gram, suffix, Medusa): the term is left out —
         # with the few drafting steps a mostly-plain request gives, least squares otherwise pinned
@@ -118,19 +127,20 @@ class DraftCost:
         # which priced every probe out.
         self.backlog = backlog
         self.levels = levels
-        self.theta = np.zeros(3)
-        self.cov = np.eye(3) * 1e4
+        self.theta = [0.0, 0.0, 0.0]
+        self.cov = [[1e4 if i == j else 0.0 for j in range(3)] for i in range(3)]
         self.seen = 0
         self.warmed = False  # the first drafting step (first calls, compiling) teaches nothing
 
-    def _features(self, levels: int, requests: int, backlog: int) -> np.ndarray:
+    def _features(self, levels: int, requests: int, backlog: int) -> tuple[float, float, float]:
         levels = levels if self.levels else 1
-        return np.array([levels, levels * requests, backlog if self.backlog else 0], dtype=np.float64)
+        return float(levels), float(levels * requests), float(backlog if self.backlog else 0)
 
     def __call__(self, levels: int, requests: int, backlog: int = 0) -> float:
         if levels <= 0 or requests <= 0 or not self.seen:
             return 0.0
-        return max(float(self._features(levels, requests, backlog) @ self.theta), 0.0)
+        x, t = self._features(levels, requests, backlog), self.theta
+        return max(x[0] * t[0] + x[1] * t[1] + x[2] * t[2], 0.0)
 
     def observe(self, levels: int, requests: int, backlog: int, seconds: float) -> None:
         if levels <= 0 or requests <= 0:
@@ -141,11 +151,14 @@ class DraftCost:
         x = self._features(levels, requests, backlog)
         if self.seen:
             seconds = min(seconds, max(self(levels, requests, backlog), 1e-5) * OUTLIER)
-        px = self.cov @ x
-        gain = px / (self.FORGET + x @ px)
-        self.theta = np.maximum(self.theta + gain * (seconds - x @ self.theta), 0.0)
-        self.cov = (self.cov - np.outer(gain, px)) / self.FORGET
-        trace = np.trace(self.cov)
+        cov, theta = self.cov, self.theta
+        px = [row[0] * x[0] + row[1] * x[1] + row[2] * x[2] for row in cov]
+        denom = self.FORGET + x[0] * px[0] + x[1] * px[1] + x[2] * px[2]
+        gain = [p / denom for p in px]
+        error = seconds - (x[0] * theta[0] + x[1] * theta[1] + x[2] * theta[2])
+        self.theta = [max(theta[i] + gain[i] * error, 0.0) for i in range(3)]
+        self.cov = [[(cov[i][j] - gain[i] * px[j]) / self.FORGET for j in range(3)] for i in range(3)]
+        trace = self.cov[0][0] + self.cov[1][1] + self.cov[2][2]
         if trace > 1e8:  # directions no step excites grow without bound under forgetting: cap them
-            self.cov *= 1e8 / trace
+            self.cov = [[c * 1e8 / trace for c in row] for row in self.cov]
         self.seen += 1
