@@ -87,6 +87,38 @@ def test_draft_cost_learns_levels_and_backlog():
     assert cost(4, 2, 10) == pytest.approx(4e-3 + 1.6e-3 + 5e-4, rel=0.05)
 
 
+def test_draft_cost_is_recursive_least_squares_with_forgetting():
+    # The reference: textbook RLS with forgetting factor λ, in numpy float64 (P ← (P - g pᵀ) / λ, g = P x / (λ + xᵀ P x),
+    # θ ← max(θ + g (y - xᵀ θ), 0)), on a noisy random history; the policy's own is plain Python floats.
+    lam, rng = DraftCost.FORGET, np.random.default_rng(1)
+    theta, P = np.zeros(3), np.eye(3) * 1e4
+    cost = DraftCost()
+    cost.observe(1, 1, 0, 1.0)  # the first drafting step warms up and teaches nothing
+    for step in range(400):
+        levels, requests, backlog = int(rng.integers(1, 6)), int(rng.integers(1, 9)), int(rng.integers(0, 50))
+        seconds = (1e-3 * levels + 2e-4 * levels * requests + 5e-5 * backlog) * float(rng.uniform(0.8, 1.2))
+        x = np.array([levels, levels * requests, backlog], dtype=np.float64)
+        if step:
+            seconds = min(seconds, max(float(np.maximum(x @ theta, 0.0)), 1e-5) * 3.0)  # outliers clipped at 3x
+        px = P @ x
+        gain = px / (lam + x @ px)
+        theta = np.maximum(theta + gain * (seconds - x @ theta), 0.0)
+        P = (P - np.outer(gain, px)) / lam
+        if np.trace(P) > 1e8:
+            P *= 1e8 / np.trace(P)
+        cost.observe(levels, requests, backlog, seconds)
+        assert cost(levels, requests, backlog) == pytest.approx(max(float(x @ theta), 0.0), rel=1e-6, abs=1e-12)
+
+
+def test_verify_cost_of_a_number_is_the_interpolation_of_an_array():
+    cost = VerifyCost([1, 2, 4, 8, 16], [0.018, 0.022, 0.027, 0.04, 0.07])
+    points = np.concatenate([np.linspace(0, 30, 301), [1, 2, 4, 8, 16]])
+    expected = np.where(points > 16, 0.07 + (0.07 - 0.04) / 8 * (points - 16), np.interp(points, cost.knots, cost.seconds))
+    assert np.allclose([cost(float(p)) for p in points], expected, rtol=1e-12, atol=0)
+    assert np.allclose([cost(int(p)) for p in points if p == int(p)], expected[points == points.astype(int)], rtol=1e-12)
+    assert np.allclose(cost(points), expected, rtol=1e-12, atol=0)
+
+
 def test_node_values_are_calibrated_conditionally_and_monotone():
     model = NodeValueModel()
     terms, parents = np.array([-0.1, -0.1, -3.0]), np.array([-1, 0, -1])  # a chain of two, and a sibling
