@@ -36,23 +36,21 @@ class VerifyCost:
         """Predicted seconds for `rows` (a number, or an array of them). Called several times a step: a number
         is interpolated in plain Python (numpy's per-call overhead was most of its cost), an array by np.interp."""
         knots, y = self._knot_list, self.seconds
+        slope = (y[-1] - y[-2]) / (knots[-1] - knots[-2]) if len(knots) > 1 else 0.0  # past the last knot
         if isinstance(rows, (int, float, np.integer, np.floating)):
             r = float(rows)
             if r >= knots[-1]:
-                slope = (y[-1] - y[-2]) / (knots[-1] - knots[-2]) if len(knots) > 1 else 0.0
                 return float(y[-1] + slope * (r - knots[-1]))
             i = bisect.bisect_right(knots, r)
             if i == 0:
                 return float(y[0])
             w = (r - knots[i - 1]) / (knots[i] - knots[i - 1])
             return float(y[i - 1] + w * (y[i] - y[i - 1]))
-        last = self.knots[-1]
-        slope = (y[-1] - y[-2]) / (last - self.knots[-2]) if len(knots) > 1 else 0.0
         x = np.asarray(rows, dtype=np.float64)
         out = np.interp(x, self.knots, y)
-        over = x > last
+        over = x > knots[-1]
         if over.any():
-            out[over] = y[-1] + slope * (x[over] - last)
+            out[over] = y[-1] + slope * (x[over] - knots[-1])
         return out
 
     def observe(self, rows: int, seconds: float) -> None:
@@ -139,8 +137,7 @@ class DraftCost:
     def __call__(self, levels: int, requests: int, backlog: int = 0) -> float:
         if levels <= 0 or requests <= 0 or not self.seen:
             return 0.0
-        x, t = self._features(levels, requests, backlog), self.theta
-        return max(x[0] * t[0] + x[1] * t[1] + x[2] * t[2], 0.0)
+        return max(_dot3(self._features(levels, requests, backlog), self.theta), 0.0)
 
     def observe(self, levels: int, requests: int, backlog: int, seconds: float) -> None:
         if levels <= 0 or requests <= 0:
@@ -148,17 +145,22 @@ class DraftCost:
         if not self.warmed:
             self.warmed = True
             return
-        x = self._features(levels, requests, backlog)
+        x, cov, theta = self._features(levels, requests, backlog), self.cov, self.theta
+        predicted = _dot3(x, theta)
         if self.seen:
-            seconds = min(seconds, max(self(levels, requests, backlog), 1e-5) * OUTLIER)
-        cov, theta = self.cov, self.theta
-        px = [row[0] * x[0] + row[1] * x[1] + row[2] * x[2] for row in cov]
-        denom = self.FORGET + x[0] * px[0] + x[1] * px[1] + x[2] * px[2]
+            seconds = min(seconds, max(predicted, 1e-5) * OUTLIER)
+        px = [_dot3(row, x) for row in cov]
+        denom = self.FORGET + _dot3(x, px)
         gain = [p / denom for p in px]
-        error = seconds - (x[0] * theta[0] + x[1] * theta[1] + x[2] * theta[2])
+        error = seconds - predicted
         self.theta = [max(theta[i] + gain[i] * error, 0.0) for i in range(3)]
         self.cov = [[(cov[i][j] - gain[i] * px[j]) / self.FORGET for j in range(3)] for i in range(3)]
         trace = self.cov[0][0] + self.cov[1][1] + self.cov[2][2]
         if trace > 1e8:  # directions no step excites grow without bound under forgetting: cap them
             self.cov = [[c * 1e8 / trace for c in row] for row in self.cov]
         self.seen += 1
+
+
+def _dot3(a, b) -> float:
+    """a · b of two 3-sequences of floats (the drafting cost's features, parameters and covariance rows)."""
+    return a[0] * b[0] + a[1] * b[1] + a[2] * b[2]

@@ -13,8 +13,8 @@ import sys
 import numpy as np
 import pytest
 import torch
-from specserve.evals.resident_memory import resident_bytes, resident_mib
 
+from specserve.evals.resident_memory import resident_bytes, resident_mib
 from specserve.kv_cache import BlockAllocator, PagedKVCache
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore residency: Linux")

@@ -462,6 +462,6 @@ def test_int8_int4_and_q4_1_on_every_dot_product_path_compute_the_same_bits(tmp_
     fastest = here["products"](_STORAGES)
     for storage in _STORAGES:
         slower = np.load(tmp_path / f"{storage}.npz")
-        assert len(slower.files) == 18
+        assert set(slower.files) == {name for name in fastest if name.startswith(f"{storage}-")}  # every shape and row count
         for name in slower.files:
             np.testing.assert_array_equal(slower[name].view(np.uint32), fastest[name].view(np.uint32), err_msg=name)
