@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.attention import default_attention, make_backend
-from specserve.config import ModelConfig, config_from_hf
+from specserve.config import ModelConfig, config_from_hf, llama_config
 from specserve.kernels.attention import visible_keys
 from specserve.kernels.linear import as_numpy
 from specserve.kv_cache import BlockAllocator, PagedKVCache
@@ -109,13 +109,11 @@ class EagleHeadConfig:
 
     @cached_property
     def model_config(self) -> ModelConfig:
-        from transformers import LlamaConfig
-
         raw = {k: v for k, v in self.layer.items() if k not in ("architectures", "auto_map")}
         raw.update(model_type="llama", num_hidden_layers=self.num_layers, vocab_size=self.vocab_size,
                    hidden_act="silu", attention_bias=False, mlp_bias=False, tie_word_embeddings=False)
         try:
-            mc = config_from_hf(LlamaConfig(**raw))
+            mc = config_from_hf(llama_config(raw))
         except (TypeError, ValueError) as exc:
             raise ValueError(f"invalid EAGLE head layer config: {exc}") from exc
         # The one DecoderLayer reads these switches: set them from the head's own fields (the layer

@@ -1,12 +1,15 @@
 """The target model's architecture, read from a Hugging Face `config.json` through transformers.
 
 We own the forward pass (tree attention, paged KV), but not config parsing: transformers knows every
-field spelling of Llama, Mistral, Qwen2 and Qwen3 configs, including RoPE scaling variants.
+field spelling of Llama, Mistral, Qwen2 and Qwen3 configs, including RoPE scaling variants. The one
+exception is the commonest and simplest case, a fully spelled-out Llama config with plain rope, read as
+a plain record to spare start-up transformers' config classes (`plain_llama_record`).
 """
 
 from __future__ import annotations
 
 import json
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,7 +43,7 @@ class ModelConfig:
     sliding_window: int | None  # Mistral: a query sees keys at most `sliding_window - 1` positions back
     hidden_act: str
     qk_norm: bool  # Qwen3: per-head RMSNorm (weights [head_dim]) on q and k after projection, before rotary
-    hf_config: Any  # the transformers config object, for RoPE parameter functions
+    hf_config: Any  # the transformers config object (RoPE parameter functions), or a plain record of its fields
 
     @property
     def num_params(self) -> int:
@@ -84,13 +87,73 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{key}={value!r} in {str(path)!r} must be a positive integer")
 
-    from transformers import AutoConfig
+    hf = plain_llama_record(raw)
+    if hf is None:  # anything but a fully spelled-out plain-rope Llama config: transformers reads it
+        from transformers import AutoConfig
 
-    try:
-        hf = AutoConfig.from_pretrained(str(model_dir))
-    except Exception as exc:  # transformers raises many types for a bad config; name the file
-        raise ValueError(f"cannot parse {str(path)!r} as a {model_type} config: {exc}") from exc
+        try:
+            hf = AutoConfig.from_pretrained(str(model_dir))
+        except Exception as exc:  # transformers raises many types for a bad config; name the file
+            raise ValueError(f"cannot parse {str(path)!r} as a {model_type} config: {exc}") from exc
     return config_from_hf(hf)
+
+
+# What transformers' LlamaConfig fills in for a field config.json leaves out (the fields `config_from_hf`,
+# `device.checkpoint_dtype` and the EOS lookup read); fields without a default here must be spelled out.
+_LLAMA_DEFAULTS = {"num_key_value_heads": None, "head_dim": None, "hidden_act": "silu", "tie_word_embeddings": False,
+                   "attention_bias": False, "mlp_bias": False, "bos_token_id": 1, "eos_token_id": 2}
+_LLAMA_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                   "rms_norm_eps", "max_position_embeddings")
+
+
+def plain_llama_record(raw: dict) -> types.SimpleNamespace | None:
+    """A Llama config.json with plain rope as the record `config_from_hf` reads, or None when transformers must
+    read it (another architecture, scaled rope, a field missing or of an unexpected type).
+
+    Why: importing transformers' config classes costs ~2 s of every process start on 2 cores (they pull in
+    torch.distributed), and plain rope needs none of transformers' rope functions. GGUF files build the same
+    record from their metadata. tests/loading/test_plain_config.py checks it against transformers' own reading."""
+    if raw.get("model_type") != "llama" or any(key not in raw for key in _LLAMA_REQUIRED):
+        return None
+    rope = raw.get("rope_parameters")
+    if raw.get("rope_scaling") is not None or (rope is not None and (not isinstance(rope, dict)
+                                                                     or set(rope) - {"rope_type", "rope_theta"})):
+        return None
+    theta = (rope or {}).get("rope_theta", raw.get("rope_theta", 10000.0))
+    if (rope or {}).get("rope_type", "default") != "default" or not _is_number(theta):
+        return None
+    fields = {**_LLAMA_DEFAULTS, **{k: raw[k] for k in (*_LLAMA_DEFAULTS, *_LLAMA_REQUIRED) if k in raw}}
+    ints = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "max_position_embeddings", "num_key_value_heads", "head_dim")
+    if (not all(fields[k] is None or (isinstance(fields[k], int) and not isinstance(fields[k], bool)) for k in ints)
+            or not isinstance(fields["rms_norm_eps"], float) or not isinstance(fields["hidden_act"], str)
+            or not all(_is_token_ids(fields[k]) for k in ("bos_token_id", "eos_token_id"))
+            or not all(isinstance(fields[k], bool) for k in ("tie_word_embeddings", "attention_bias", "mlp_bias"))):
+        return None
+    dtype = raw.get("dtype") or raw.get("torch_dtype")
+    return types.SimpleNamespace(model_type="llama", rope_parameters={"rope_type": "default", "rope_theta": theta},
+                                 dtype=dtype if isinstance(dtype, str) else None, **fields)
+
+
+def llama_config(fields: dict) -> Any:
+    """Llama config fields (config.json's spelling) as the record `config_from_hf` reads: the plain record where
+    it applies, else transformers' LlamaConfig (whose errors, TypeError or ValueError, pass through)."""
+    record = plain_llama_record(fields)
+    if record is not None:
+        return record
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**fields)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_token_ids(value) -> bool:
+    """None, an id or a list of ids (what transformers accepts for `eos_token_id`)."""
+    values = value if isinstance(value, list) else [value]
+    return value is None or all(isinstance(v, int) and not isinstance(v, bool) for v in values)
 
 
 def config_from_hf(hf: Any) -> ModelConfig:

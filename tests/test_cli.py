@@ -1,4 +1,9 @@
-"""The `specserve` CLI: real subprocesses; bad input exits 2 with one line and no traceback."""
+"""The `specserve` CLI: bad input exits 2 with one line and no traceback.
+
+Tests about the process itself (what a pipe gets, argument errors before torch loads, README's command as
+written) start a real `python -m specserve`; the rest call the same `main()` in this process (`cli`), where
+torch, the tiny model and its kernels are already loaded: ~1 s a command instead of a process start's ~6 s.
+"""
 
 from __future__ import annotations
 
@@ -12,12 +17,26 @@ from tiny_models import cli_env
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
+    """`specserve ARGS` in a process of its own."""
     return subprocess.run([sys.executable, "-m", "specserve", *args], capture_output=True, text=True, timeout=120,
                           env=cli_env())
 
 
-def test_generate_json(llama_dir):
-    res = run("generate", "--model", str(llama_dir), "--drafter", "ngram", "--prompt", "def f(x):",
+def cli(capsys, *args: str) -> subprocess.CompletedProcess:
+    """`specserve ARGS` through the console script's `main()` in this process: its exit status and what it printed."""
+    from specserve.cli import main
+
+    capsys.readouterr()  # what earlier steps printed is not this command's
+    try:
+        status = main(list(args))
+    except SystemExit as exc:  # argparse's own errors
+        status = exc.code
+    printed = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), status, printed.out, printed.err)
+
+
+def test_generate_json(capsys, llama_dir):
+    res = cli(capsys, "generate", "--model", str(llama_dir), "--drafter", "ngram", "--prompt", "def f(x):",
               "--max-tokens", "12", "--ignore-eos", "--json")
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
@@ -42,20 +61,21 @@ def test_generate_streams_text(llama_dir):
     assert quiet.returncode == 0 and quiet.stderr == "" and quiet.stdout == res.stdout
 
 
-def test_generate_compare_reports_plain_speed_and_identical_greedy_output(llama_dir):
+def test_generate_compare_reports_plain_speed_and_identical_greedy_output(capsys, llama_dir):
     args = ["generate", "--model", str(llama_dir), "--drafter", "ngram", "--prompt", "x = [1, 2, 3]\n" * 4,
             "--max-tokens", "12", "--ignore-eos", "--temperature", "0", "--threads", "1", "--compare"]
-    res = run(*args)
+    res = cli(capsys, *args)
     assert res.returncode == 0, res.stderr
     summary = res.stderr.strip().splitlines()[-1]
     for field in ("12 tokens (length)", "TTFT", "drafter ngram (adaptive speculation)", "τ", "tokens/s vs plain decoding",
                   "x (median of 5 runs each)", "greedy outputs identical"):
         assert field in summary, summary
-    out = json.loads(run(*args, "--json").stdout)
+    out = json.loads(cli(capsys, *args, "--json").stdout)
     compare = out["compare"]
     assert compare["identical"] is True and compare["runs"] == 5
     assert compare["speedup"] == pytest.approx(compare["tokens_per_s"] / compare["plain_tokens_per_s"])
-    plain = run("generate", "--model", str(llama_dir), "--drafter", "none", "--prompt", "x", "--max-tokens", "4", "--compare")
+    plain = cli(capsys, "generate", "--model", str(llama_dir), "--drafter", "none", "--prompt", "x", "--max-tokens", "4",
+                "--compare")
     assert res.returncode == 0 and "plain decoding already" in plain.stderr
 
 
@@ -96,20 +116,20 @@ def test_every_eval_and_bench_argument_error_answers_without_torch():
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]
 
 
-def test_a_multi_line_error_is_shown_whole_on_one_line(tmp_path):
+def test_a_multi_line_error_is_shown_whole_on_one_line(capsys, tmp_path):
     from tiny_models import build_model
 
     model = build_model(tmp_path / "m", "llama")
     (model / "tokenizer.json").write_text("{ this is not a tokenizer")
-    res = run("generate", "--model", str(model), "--prompt", "x")
+    res = cli(capsys, "generate", "--model", str(model), "--prompt", "x")
     assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
     line = res.stderr.strip()
     assert "cannot load the tokenizer" in line and not line.rstrip().endswith(":")
     assert len(line.split("cannot load the tokenizer", 1)[1]) > len(str(model)) + 10  # the cause is there
 
 
-def test_info_json():
-    res = run("info", "--json")
+def test_info_json(capsys):
+    res = cli(capsys, "info", "--json")
     assert res.returncode == 0
     info = json.loads(res.stdout)
     assert "ngram" in info["drafters"] and info["version"]
@@ -138,11 +158,11 @@ def test_bad_input_exits_2_with_one_line(llama_dir, args, message):
     assert "Traceback" not in res.stderr
 
 
-def test_prompt_past_context_exits_2(tmp_path):
+def test_prompt_past_context_exits_2(capsys, tmp_path):
     from tiny_models import build_model
 
     model = build_model(tmp_path / "m", "llama", max_positions=16)
-    res = run("generate", "--model", str(model), "--prompt", "def f(x): return x + 1 " * 10)
+    res = cli(capsys, "generate", "--model", str(model), "--prompt", "def f(x): return x + 1 " * 10)
     assert res.returncode == 2 and "context window" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
 
@@ -192,26 +212,26 @@ def test_readme_main_command_shows_a_greedy_answer_and_its_summary():
         assert field in summary, summary
 
 
-def test_the_tiny_model_runs_with_its_measured_default_drafter():
+def test_the_tiny_model_runs_with_its_measured_default_drafter(capsys):
     """`--model tiny`: the bundled 9M code model with its default drafter (the one the bundle's MANIFEST records
     as measured fastest); --raw completes code as it is."""
-    res = run("generate", "--model", "tiny", "--raw", "--prompt", "def fibonacci(n):", "--max-tokens", "16",
+    res = cli(capsys, "generate", "--model", "tiny", "--raw", "--prompt", "def fibonacci(n):", "--max-tokens", "16",
               "--ignore-eos", "--temperature", "0", "--json")
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert len(out["token_ids"]) == 16 and out["spec"]["num_steps"] >= 1 and out["chat"] is False
-    info = json.loads(run("info", "--json").stdout)
+    info = json.loads(cli(capsys, "info", "--json").stdout)
     assert info["tiny_model"] and {"draft", "medusa", "eagle"} <= set(info["default_drafters"])
     assert info["default_model"].endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
     from specserve.bundle_paths import bundle_manifest
 
     assert out["drafter"] == bundle_manifest()["default_drafter"]
-    plain = json.loads(run("generate", "--model", "tiny", "--raw", "--drafter", "none", "--prompt", "def fibonacci(n):",
-                           "--max-tokens", "16", "--ignore-eos", "--temperature", "0", "--json").stdout)
+    plain = json.loads(cli(capsys, "generate", "--model", "tiny", "--raw", "--drafter", "none", "--prompt",
+                           "def fibonacci(n):", "--max-tokens", "16", "--ignore-eos", "--temperature", "0", "--json").stdout)
     assert plain["drafter"] is None and plain["token_ids"] == out["token_ids"]
 
 
-def test_generate_wraps_the_prompt_in_the_chat_template_and_keeps_stdout_the_completion(tmp_path):
+def test_generate_wraps_the_prompt_in_the_chat_template_and_keeps_stdout_the_completion(capsys, tmp_path):
     """A model with a chat template: --prompt is one user turn (after --system), as transformers' template renders
     it; --raw completes the bare text. stdout is the completion alone (not a terminal), and with a constraint
     it parses: `generate --json-schema ... > out.json` gives a JSON file."""
@@ -222,18 +242,18 @@ def test_generate_wraps_the_prompt_in_the_chat_template_and_keeps_stdout_the_com
     tok = AutoTokenizer.from_pretrained(str(default_model_dir()))
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def f(x):"}]
     expected = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    chat = json.loads(run("generate", "--model", "tiny", "--system", "Be brief.", "--prompt", "def f(x):",
+    chat = json.loads(cli(capsys, "generate", "--model", "tiny", "--system", "Be brief.", "--prompt", "def f(x):",
                           "--max-tokens", "4", "--temperature", "0", "--json").stdout)
     assert chat["chat"] is True and chat["prompt_token_ids"] == tok(expected, add_special_tokens=False)["input_ids"]
-    raw = json.loads(run("generate", "--model", "tiny", "--raw", "--prompt", "def f(x):", "--max-tokens", "4",
+    raw = json.loads(cli(capsys, "generate", "--model", "tiny", "--raw", "--prompt", "def f(x):", "--max-tokens", "4",
                          "--temperature", "0", "--json").stdout)
     assert raw["prompt_token_ids"] == tok("def f(x):")["input_ids"]
     schema = '{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": false}'
-    res = run("generate", "--model", "tiny", "--raw", "--prompt", "# config: ", "--json-schema", schema, "--max-tokens", "32",
-              "--temperature", "0")
+    res = cli(capsys, "generate", "--model", "tiny", "--raw", "--prompt", "# config: ", "--json-schema", schema,
+              "--max-tokens", "32", "--temperature", "0")
     assert res.returncode == 0, res.stderr
     assert set(json.loads(res.stdout)) == {"n"}
-    bad = run("generate", "--model", "tiny", "--raw", "--system", "x", "--prompt", "y")
+    bad = cli(capsys, "generate", "--model", "tiny", "--raw", "--system", "x", "--prompt", "y")
     assert bad.returncode == 2 and "--system" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
 
 
@@ -250,8 +270,8 @@ def test_bench_startup_prints_its_figures(tmp_path):
 
 
 @pytest.mark.parametrize("quantization", [None, "int4"])
-def test_bench_drafters_smoke(tmp_path, quantization):
-    res = run("bench", "drafters", "--prompts", "1", "--max-tokens", "8", "--repeats", "1", "--drafter", "ngram",
+def test_bench_drafters_smoke(capsys, tmp_path, quantization):
+    res = cli(capsys, "bench", "drafters", "--prompts", "1", "--max-tokens", "8", "--repeats", "1", "--drafter", "ngram",
               "--json", str(tmp_path / "r.json"), *(["--quantization", quantization] if quantization else []))
     assert res.returncode == 0, res.stderr
     result = json.loads((tmp_path / "r.json").read_text())
@@ -389,29 +409,29 @@ def test_grammar_drafting_reaches_serve_and_generate():
         assert build_parser(command).parse_args(command).grammar_drafting == "forced"
 
 
-def test_info_drafter_prints_what_was_detected():
+def test_info_drafter_prints_what_was_detected(capsys):
     """`specserve info --drafter KIND[:PATH]`: the target's architecture and context, and what the drafter's
     files are (format, version, heads, LM head, feature layers); a hybrid lists its parts."""
-    medusa = json.loads(run("info", "--drafter", "medusa", "--json").stdout)
+    medusa = json.loads(cli(capsys, "info", "--drafter", "medusa", "--json").stdout)
     assert medusa["model_type"] == "llama" and medusa["rope"] == "default" and medusa["max_model_len"] == 512
     d = medusa["drafter"]
     assert d["drafter"] == "medusa" and d["heads"] == "3" and d["lm head"] == "shared: the target's"
     assert d["fits the target"] == "yes"
-    hybrid = json.loads(run("info", "--drafter", "hybrid:suffix+eagle", "--json").stdout)["drafter"]
+    hybrid = json.loads(cli(capsys, "info", "--drafter", "hybrid:suffix+eagle", "--json").stdout)["drafter"]
     assert set(hybrid["parts"]) == {"suffix", "eagle"} and hybrid["parts"]["eagle"]["needs_target_features"] == [1, 3, 5]
-    text = run("info", "--drafter", "eagle")
+    text = cli(capsys, "info", "--drafter", "eagle")
     assert text.returncode == 0 and "drafter:" in text.stdout and "path:" in text.stdout
-    bad = run("info", "--drafter", "eagle:/nonexistent")
+    bad = cli(capsys, "info", "--drafter", "eagle:/nonexistent")
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "/nonexistent" in bad.stderr
 
 
-def test_convert_writes_a_public_layout_and_refuses_bad_input(tmp_path):
-    res = run("convert", "--drafter", "eagle", "--to", "eagle3-speculators", "--out", str(tmp_path / "spec"))
+def test_convert_writes_a_public_layout_and_refuses_bad_input(capsys, tmp_path):
+    res = cli(capsys, "convert", "--drafter", "eagle", "--to", "eagle3-speculators", "--out", str(tmp_path / "spec"))
     assert res.returncode == 0, res.stderr
     assert json.loads((tmp_path / "spec" / "config.json").read_text())["speculators_model_type"] == "eagle3"
-    info = json.loads(run("info", "--drafter", f"eagle:{tmp_path / 'spec'}", "--json").stdout)
+    info = json.loads(cli(capsys, "info", "--drafter", f"eagle:{tmp_path / 'spec'}", "--json").stdout)
     assert info["drafter"]["format"] == "speculators eagle3"
-    bad = run("convert", "--drafter", "ngram", "--to", "specserve", "--out", str(tmp_path / "x"))
+    bad = cli(capsys, "convert", "--drafter", "ngram", "--to", "specserve", "--out", str(tmp_path / "x"))
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "no weights" in bad.stderr
 
 

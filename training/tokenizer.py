@@ -71,10 +71,10 @@ def load_tokenizer(model_dir: str | Path, what: str = "directory"):
         raise ValueError(f"{what} {str(model_dir)!r} does not exist")
     if not (model_dir / "tokenizer.json").is_file():
         raise ValueError(f"{what} {str(model_dir)!r} has no tokenizer (tokenizer.json is missing)")
-    from transformers import AutoTokenizer
+    from specserve.loading.tokenizer_files import load_tokenizer as read_tokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
+        return read_tokenizer(model_dir)
     except Exception as exc:  # transformers raises many types for a broken tokenizer
         raise ValueError(f"cannot load the tokenizer in {str(model_dir)!r}: {exc}") from exc
 

@@ -19,7 +19,6 @@ import functools
 import hashlib
 import shutil
 import struct
-import types
 import json
 import logging
 from dataclasses import dataclass
@@ -174,8 +173,8 @@ class GGUFFile:
         return self.metadata.get(f"{self.arch}.{key}", default)
 
     def _hf_config(self):
-        """The config `config.config_from_hf` reads, built from the metadata: a transformers LlamaConfig when rope is
-        scaled (its rope functions read it), else a plain record of the same fields."""
+        """The config `config.config_from_hf` reads, built from the metadata (`config.llama_config`: a plain record
+        unless rope is scaled)."""
         if "rope_freqs.weight" in self.tensors:
             raise ValueError(f"{self.path.name}: per-frequency rope factors (rope_freqs.weight, Llama 3.1-style "
                              "rope scaling) are not supported yet")
@@ -202,14 +201,10 @@ class GGUFFile:
             eos_token_id=self.metadata.get("tokenizer.ggml.eos_token_id"),
             dtype=self._storage_dtype(),
         )
-        if rope["rope_type"] == "default":
-            # Plain rope needs none of transformers' rope functions: a plain record of the fields spares start-up
-            # the import of transformers' config classes (~1 s on 2 cores).
-            return types.SimpleNamespace(model_type="llama", hidden_act="silu", attention_bias=False, mlp_bias=False,
-                                         **fields)
-        from transformers import LlamaConfig
+        from specserve.config import llama_config
 
-        return LlamaConfig(**fields)
+        fields.update(model_type="llama", hidden_act="silu", attention_bias=False, mlp_bias=False)
+        return llama_config(fields)
 
     def _storage_dtype(self) -> str:
         """What the products are stored as, for `device.checkpoint_dtype`: float16 / bfloat16 when every matrix is."""
@@ -219,15 +214,15 @@ class GGUFFile:
     def tokenizer(self):
         """The file's tokenizer with its special tokens and chat template (transformers' GGUF conversion, done
         once and saved in the cache)."""
-        from transformers import AutoTokenizer
+        from specserve.loading.tokenizer_files import load_tokenizer
 
         saved = self.cache / "tokenizer"
         if (saved / "tokenizer.json").is_file():
-            return AutoTokenizer.from_pretrained(str(saved))
+            return load_tokenizer(saved)
         if "tokenizer.ggml.model" not in self.metadata:
             return None
         try:
-            tok = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
+            tok = load_tokenizer(self.path.parent, gguf_file=self.path.name)
         except Exception as exc:  # transformers raises many types for a tokenizer it cannot convert
             raise ValueError(f"{self.path.name}: cannot convert its tokenizer: {exc}") from exc
         tmp = self.cache / "tokenizer.tmp"
@@ -236,7 +231,7 @@ class GGUFFile:
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             tmp.replace(saved)
-        return AutoTokenizer.from_pretrained(str(saved))
+        return load_tokenizer(saved)
 
     def tokenizer_dir(self) -> Path | None:
         """The converted tokenizer's directory (tokenizer.json), once `tokenizer()` has run."""

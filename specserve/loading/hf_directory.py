@@ -38,10 +38,10 @@ class HFDirectory:
         names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
         if not any((self.path / n).exists() for n in names):
             return None
-        from transformers import AutoTokenizer
+        from specserve.loading.tokenizer_files import load_tokenizer
 
         try:
-            return AutoTokenizer.from_pretrained(str(self.path))
+            return load_tokenizer(self.path)
         except Exception as exc:
             raise ValueError(f"cannot load the tokenizer in {str(self.path)!r}: {exc}") from exc
 
