@@ -17,17 +17,24 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import shutil
-import struct
 import json
 import logging
+import shutil
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from specserve.loading.gguf_blocks import FLOAT_TYPES, NATIVE_FORMATS, QuantBlocks, float_weights, native_blocks, rope_rows
+from specserve.loading.gguf_blocks import (
+    FLOAT_TYPES,
+    NATIVE_FORMATS,
+    QuantBlocks,
+    float_weights,
+    native_blocks,
+    rope_rows,
+)
 from specserve.loading.user_cache import cache_dir
 
 log = logging.getLogger("specserve")

@@ -9,7 +9,12 @@ import json
 
 import pytest
 
-from specserve.config import _rope_parameters, config_from_hf, load_config, plain_llama_record
+from specserve.config import (
+    _rope_parameters,
+    config_from_hf,
+    load_config,
+    plain_llama_record,
+)
 from specserve.device import checkpoint_dtype
 
 BASE = {"model_type": "llama", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
@@ -73,9 +78,9 @@ def test_anything_else_is_left_to_transformers(raw):
 def test_the_bundled_eagle_heads_layer_reads_plainly_and_as_transformers_reads_it():
     """The EAGLE head's decoder-layer config takes the same reader: a plain record, equal to transformers' reading
     of the same fields."""
+    from specserve.drafters.eagle_checkpoint import read_head
     from transformers import LlamaConfig
 
-    from specserve.drafters.eagle_checkpoint import read_head
     from specserve.bundle_paths import bundle_dir
 
     head, _ = read_head(bundle_dir() / "eagle", target_num_layers=6)
