@@ -1,9 +1,5 @@
-"""The `specserve` CLI: bad input exits 2 with one line and no traceback.
-
-Tests about the process itself (what a pipe gets, argument errors before torch loads, README's command as
-written) start a real `python -m specserve`; the rest call the same `main()` in this process (`cli`), where
-torch, the tiny model and its kernels are already loaded: ~1 s a command instead of a process start's ~6 s.
-"""
+"""The `specserve` CLI: bad input exits 2 with one line and no traceback. `run` starts a real process, `cli` calls
+the same `main()` in this one (tests/cli_runner.py)."""
 
 from __future__ import annotations
 
@@ -13,26 +9,8 @@ import sys
 import time
 
 import pytest
+from cli_runner import cli, run
 from tiny_models import cli_env
-
-
-def run(*args: str) -> subprocess.CompletedProcess:
-    """`specserve ARGS` in a process of its own."""
-    return subprocess.run([sys.executable, "-m", "specserve", *args], capture_output=True, text=True, timeout=120,
-                          env=cli_env())
-
-
-def cli(capsys, *args: str) -> subprocess.CompletedProcess:
-    """`specserve ARGS` through the console script's `main()` in this process: its exit status and what it printed."""
-    from specserve.cli import main
-
-    capsys.readouterr()  # what earlier steps printed is not this command's
-    try:
-        status = main(list(args))
-    except SystemExit as exc:  # argparse's own errors
-        status = exc.code
-    printed = capsys.readouterr()
-    return subprocess.CompletedProcess(list(args), status, printed.out, printed.err)
 
 
 def test_generate_json(capsys, llama_dir):
@@ -286,8 +264,9 @@ def test_bench_drafters_smoke(capsys, tmp_path, quantization):
 
 def test_kernel_clock_counts_the_target_and_drafter_forwards(small_vocab_dir, near_draft_dir):
     """bench drafters' roofline: the clock sees every target and draft-model forward, and only those."""
-    from specserve import LLM, SamplingParams
     from specserve.evals.bench_drafters import KernelClock
+
+    from specserve import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     llm = LLM(small_vocab_dir, drafter=f"draft:{near_draft_dir}", device="cpu", speculation="static")

@@ -4,11 +4,9 @@ interrupts keep finished results, the CLI with transformers peers, bad input exi
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
-from tiny_models import cli_env
+from cli_runner import cli, run
 
 import scripted_drafter  # noqa: F401  (registers "scripted")
 from specserve import LLM, SamplingParams
@@ -105,17 +103,12 @@ def test_interrupt_keeps_finished_results_and_exits_130(llama_dir, dataset, tmp_
     assert (out / "report.md").exists()
 
 
-def cli(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "specserve", *args], capture_output=True, text=True, timeout=timeout,
-                          env=cli_env())
-
-
-def test_cli_with_transformers_peers(llama_dir, dataset, tmp_path):
+def test_cli_with_transformers_peers(capsys, llama_dir, dataset, tmp_path):
     from tiny_models import build_model
 
     draft = build_model(tmp_path / "draft", "llama", layers=1, hidden_size=32, heads=2, kv_heads=1, seed=1, init_std=0.2)
     out = tmp_path / "out"
-    res = cli("eval", "--model", str(llama_dir), "--drafter", "ngram", "--drafter-option", "ngram:depth=3",
+    res = cli(capsys, "eval", "--model", str(llama_dir), "--drafter", "ngram", "--drafter-option", "ngram:depth=3",
               "--dataset", str(dataset), "--max-prompts", "2", "--max-tokens", "8", "--repeats", "1",
               "--peers", "transformers,transformers-prompt-lookup,transformers-assisted", "--peer-draft", str(draft),
               "--out", str(out))
@@ -133,7 +126,8 @@ def test_cli_with_transformers_peers(llama_dir, dataset, tmp_path):
 
 
 def test_cli_bad_input_exits_2_with_one_line(llama_dir, dataset, tmp_path):
-    res = cli("eval", "--model", str(llama_dir), "--drafter", "ngram", "--dataset", "builtin:nope", "--out", str(tmp_path))
+    """In a process of its own: the exit status and stderr a shell sees."""
+    res = run("eval", "--model", str(llama_dir), "--drafter", "ngram", "--dataset", "builtin:nope", "--out", str(tmp_path))
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert res.stderr.strip().splitlines() == [res.stderr.strip()] and "unknown dataset builtin" in res.stderr
 

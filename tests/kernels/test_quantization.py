@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
+from cli_runner import cli
 from safetensors.torch import load_file, save_file
 
 from specserve import LLM, SamplingParams
@@ -134,9 +133,8 @@ def test_what_cannot_be_quantized_is_refused(llama_dir, kwargs, message):
         LLM(llama_dir, drafter=None, device="cpu", **kwargs)
 
 
-def test_cli_refuses_a_bad_quantization_in_one_line(llama_dir):
+def test_cli_refuses_a_bad_quantization_in_one_line(capsys, llama_dir):
     for extra in (["--quantization", "int2"], ["--quantization", "int8", "--attention", "sdpa"]):
-        res = subprocess.run([sys.executable, "-m", "specserve", "generate", "--model", str(llama_dir), "--prompt", "hi",
-                              "--max-tokens", "4", *extra], capture_output=True, text=True, timeout=300)
+        res = cli(capsys, "generate", "--model", str(llama_dir), "--prompt", "hi", "--max-tokens", "4", *extra)
         assert res.returncode == 2, res.stderr
         assert len(res.stderr.strip().splitlines()) == 1 and "quantization" in res.stderr, res.stderr

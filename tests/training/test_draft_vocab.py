@@ -4,18 +4,17 @@ beside a draft model; the drafter then drafts over them only and stays lossless.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections import Counter
 
 import pytest
-from tokenizers import Tokenizer
-
-from specserve import LLM, SamplingParams
+from cli_runner import cli
 from specserve.drafters.draft_vocab import load_draft_vocab
 from specserve.training.corpus import build_corpus
 from specserve.training.draft_vocab import write_draft_vocab
 from tiny_models import build_model
+from tokenizers import Tokenizer
+
+from specserve import LLM, SamplingParams
 
 TEXTS = {
     "alpha.py": "def add(x, y):\n    return x + y\n\n" * 30 + "class Point:\n    pass\n",
@@ -54,9 +53,8 @@ def test_the_draft_vocabulary_is_the_most_frequent_train_tokens(draft_dir, corpu
     assert 0 < summary["heldout_coverage"] <= 1
 
 
-def test_a_draft_vocabulary_from_the_cli_stays_lossless(llama_dir, draft_dir, corpus_dir):
-    out = subprocess.run([sys.executable, "-m", "specserve", "train", "draft-vocab", "--draft", str(draft_dir),
-                          "--size", "64", "--corpus", str(corpus_dir)], capture_output=True, text=True, timeout=300)
+def test_a_draft_vocabulary_from_the_cli_stays_lossless(capsys, llama_dir, draft_dir, corpus_dir):
+    out = cli(capsys, "train", "draft-vocab", "--draft", str(draft_dir), "--size", "64", "--corpus", str(corpus_dir))
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["size"] == 64
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
@@ -70,8 +68,7 @@ def test_a_draft_vocabulary_from_the_cli_stays_lossless(llama_dir, draft_dir, co
 
 
 @pytest.mark.parametrize("size", ["0", "100000"])
-def test_a_bad_size_is_one_line_and_exit_2(draft_dir, corpus_dir, size):
-    out = subprocess.run([sys.executable, "-m", "specserve", "train", "draft-vocab", "--draft", str(draft_dir),
-                          "--size", size, "--corpus", str(corpus_dir)], capture_output=True, text=True, timeout=300)
+def test_a_bad_size_is_one_line_and_exit_2(capsys, draft_dir, corpus_dir, size):
+    out = cli(capsys, "train", "draft-vocab", "--draft", str(draft_dir), "--size", size, "--corpus", str(corpus_dir))
     assert out.returncode == 2 and "--size must be in [1," in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1

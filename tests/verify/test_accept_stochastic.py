@@ -1,11 +1,13 @@
 """Stochastic acceptance is lossless: the emitted tokens follow the target distribution exactly.
 
 The statistical check: a synthetic target model p(next | prefix) over a small vocabulary, a draft
-tree per trial (fixed, or drawn from a draft model q), `stochastic_accept`, and a chi-square test of
-the joint distribution of the first K emitted tokens against prod_k p(t_k | t_<k). When a trial emits
-fewer than K tokens, the rest are sampled directly from the target, so the K-token joint is exactly
-the target's whenever the verifier is. The same check rejects deliberately broken verifiers
-(`test_check_has_power`), so a pass means something.
+tree per trial (fixed, or drawn from a draft model q), `accept_trees` on a thousand trials' trees at
+once (as the engine accepts a step's requests; `test_accept_trees_mixed_equals_per_tree_calls` ties it
+to `stochastic_accept` on one tree), and a chi-square test of the joint distribution of the first K
+emitted tokens against prod_k p(t_k | t_<k). When a trial emits fewer than K tokens, the rest are
+sampled directly from the target, so the K-token joint is exactly the target's whenever the verifier
+is. The same check rejects deliberately broken verifiers (`test_check_has_power`), so a pass means
+something.
 """
 
 from __future__ import annotations
@@ -17,11 +19,9 @@ import zlib
 from collections import Counter
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
-
-import numpy as np
-
 from specserve.verify import (
     DraftTree,
     VerifyResult,
@@ -133,38 +133,57 @@ def sample_tree(
 # ---- the statistical check -----------------------------------------------------------------------
 
 AcceptFn = Callable[[DraftTree, torch.Tensor, torch.Generator], VerifyResult]
+# Many trees at once: (trees, each tree's target rows float[N+1, V], generator) -> their results.
+BatchAcceptFn = Callable[[list[DraftTree], list[torch.Tensor], torch.Generator], list[VerifyResult]]
+BATCH = 1_000  # trials accepted in one call
+
+
+def accept_batch(trees: list[DraftTree], rows: list[torch.Tensor], generator: torch.Generator) -> list[VerifyResult]:
+    """Every tree in one `accept_trees` call, as the engine accepts a step's requests (each tree a sampled
+    request with its own uniforms, drawn here from one generator in turn)."""
+    packed = pack_trees(trees)
+    uniforms = draw_uniforms(packed, [False] * len(trees), [generator] * len(trees))
+    probs = torch.cat(rows).float().contiguous()
+    return accept_trees(trees, packed, np.zeros(len(trees), dtype=bool), torch.zeros(len(probs), dtype=torch.int64),
+                        probs, np.arange(len(probs), dtype=np.int64), uniforms)
+
+
+def one_at_a_time(accept: AcceptFn) -> BatchAcceptFn:
+    return lambda trees, rows, generator: [accept(t, r, generator) for t, r in zip(trees, rows)]
 
 
 def emitted_counts(
     make_tree: Callable[[random.Random], DraftTree],
     target: TableModel,
-    accept: AcceptFn,
+    accept: BatchAcceptFn,
     k: int,
     trials: int = TRIALS,
     seed: int = 0,
     ctx: tuple[int, ...] = CTX,
 ) -> tuple[Counter, Counter]:
-    """(counts of the first k emitted tokens, counts of num_accepted) over `trials` verify steps."""
+    """(counts of the first k emitted tokens, counts of num_accepted) over `trials` verify steps, accepted
+    BATCH at a time."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     counts: Counter = Counter()
     accepted: Counter = Counter()
-    rows_cache: dict[int, torch.Tensor] = {}
-    for _ in range(trials):
-        tree = make_tree(rng)
-        if id(tree) not in rows_cache:  # fixed trees are reused; drawn trees are fresh objects
-            rows_cache.clear()
-            rows_cache[id(tree)] = target_rows(tree, target, ctx)
-        r = accept(tree, rows_cache[id(tree)], gen)
-        # the accepted nodes are a root→node path and carry the tree's tokens
-        nodes = list(r.accepted_nodes)
-        assert tree.parents[nodes].tolist() == [-1, *nodes][: len(nodes)]
-        assert list(r.accepted_tokens) == [int(tree.tokens[n]) for n in r.accepted_nodes]
-        out = r.emitted_tokens[:k]
-        while len(out) < k:
-            out.append(int(torch.multinomial(target(ctx + tuple(out)), 1, generator=gen)))
-        counts[tuple(out)] += 1
-        accepted[r.num_accepted] += 1
+    fixed_rows: dict[int, torch.Tensor] = {}  # a fixed tree's rows, computed once (drawn trees are fresh objects)
+    for start in range(0, trials, BATCH):
+        trees = [make_tree(rng) for _ in range(min(BATCH, trials - start))]
+        fixed = len({id(t) for t in trees}) == 1
+        if fixed and id(trees[0]) not in fixed_rows:
+            fixed_rows[id(trees[0])] = target_rows(trees[0], target, ctx)
+        rows = [fixed_rows[id(t)] if fixed else target_rows(t, target, ctx) for t in trees]
+        for tree, r in zip(trees, accept(trees, rows, gen)):
+            # the accepted nodes are a root→node path and carry the tree's tokens
+            nodes = list(r.accepted_nodes)
+            assert tree.parents[nodes].tolist() == [-1, *nodes][: len(nodes)]
+            assert list(r.accepted_tokens) == [int(tree.tokens[n]) for n in r.accepted_nodes]
+            out = r.emitted_tokens[:k]
+            while len(out) < k:
+                out.append(int(torch.multinomial(target(ctx + tuple(out)), 1, generator=gen)))
+            counts[tuple(out)] += 1
+            accepted[r.num_accepted] += 1
     return counts, accepted
 
 
@@ -221,7 +240,7 @@ def test_chi_square_pvalue_matches_closed_form():
         chi_square_pvalue(Counter({(0,): 999, (4,): 1}), joint)
 
 
-def check_lossless(make_tree, target: TableModel, accept: AcceptFn = stochastic_accept, k: int = 2, **kw) -> Counter:
+def check_lossless(make_tree, target: TableModel, accept: BatchAcceptFn = accept_batch, k: int = 2, **kw) -> Counter:
     counts, accepted = emitted_counts(make_tree, target, accept, k, **kw)
     pvalue = chi_square_pvalue(counts, target_joint(target, k))
     assert pvalue > ALPHA, f"emitted tokens do not follow the target (chi-square p = {pvalue:.3g})"
@@ -387,7 +406,8 @@ def test_check_has_power(variant):
     mistakes are caught in the ordinary case, not only in a contrived one.
     """
     target, draft = TableModel(seed=7, vocab=V), TableModel(seed=70, vocab=V, zeros=0)
-    counts, _ = emitted_counts(drawn(TREE, draft), target, broken_accept(variant), k=2, trials=POWER_TRIALS)
+    counts, _ = emitted_counts(drawn(TREE, draft), target, one_at_a_time(broken_accept(variant)), k=2,
+                               trials=POWER_TRIALS)
     assert chi_square_pvalue(counts, target_joint(target, 2)) < ALPHA
 
 
