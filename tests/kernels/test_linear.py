@@ -426,6 +426,22 @@ if __name__ == "__main__":  # a child: this CPU less VNNI (or less AVX2 too), on
 """
 
 
+def _child_cache(tmp_path, name: str):
+    """A numba cache directory for a child compiling for another CPU: where numba caches this process's kernels
+    (the kernels' __pycache__, or $NUMBA_CACHE_DIR) when writable, else the test's own tmp_path."""
+    import os
+    from pathlib import Path
+
+    from specserve.kernels import simd
+
+    root = Path(os.environ.get("NUMBA_CACHE_DIR") or Path(simd.__file__).parent / "__pycache__")
+    try:
+        (root / name).mkdir(parents=True, exist_ok=True)
+        return root / name if os.access(root / name, os.W_OK) else tmp_path / name
+    except OSError:
+        return tmp_path / name
+
+
 @pytest.mark.parametrize("without", ["avx512vnni", "avx2"])
 def test_int8_int4_and_q4_1_on_every_dot_product_path_compute_the_same_bits(tmp_path, without):
     # `vdot4` is one VNNI instruction, or on AVX2 vpmaddubsw pair sums (4-bit weights) and signed vpmaddubsw /
@@ -446,12 +462,14 @@ def test_int8_int4_and_q4_1_on_every_dot_product_path_compute_the_same_bits(tmp_
     features = llvm.get_host_cpu_features().flatten()
     for feature in (["avx512vnni"] if without == "avx512vnni" else ["avx512vnni", "avx2"]):
         features = features.replace(f"+{feature}", f"-{feature}")
-    # One child per storage, at once: each compiles `linear_rows` for its weight type from nothing (~60 s each
-    # for the generic path on a 2-core host; one child compiling all three took 4 minutes of the suite).
+    # One child per storage, at once: each compiles `linear_rows` for its weight type (~60 s each for the generic
+    # path on a 2-core host; one child compiling all three took 4 minutes of the suite). Each keeps its kernels
+    # beside this process's own, in a cache of its own (two processes writing one function's cache index can
+    # lose entries): later runs load them, and numba's cache is per version of the sources and CPU features.
     children = {}
     for storage in _STORAGES:
         env = dict(os.environ, NUMBA_CPU_NAME="host", NUMBA_CPU_FEATURES=features,
-                   NUMBA_CACHE_DIR=str(tmp_path / f"cache-{storage}"))
+                   NUMBA_CACHE_DIR=str(_child_cache(tmp_path, f"cpu-without-{without}-{storage}")))
         children[storage] = subprocess.Popen([sys.executable, "-c", _QUANTIZED_PRODUCTS, str(tmp_path / f"{storage}.npz"),
                                               storage], env=env, stderr=subprocess.PIPE, text=True)
     for storage, child in children.items():
