@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
-from tiny_models import cli_env
+from cli_runner import cli, run
 
 
 def _write_config(model, **patch):
@@ -56,30 +54,16 @@ def checkpoints(tmp_path_factory):
     return root
 
 
-def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "specserve", *args], check=False, capture_output=True, text=True,
-                          timeout=120,
-                          env=cli_env())
-
-
 def assert_one_line(returncode: int, stderr: str, needle: str) -> None:
     lines = stderr.strip().splitlines()
     assert returncode == 2 and len(lines) == 1, (returncode, stderr)
     assert needle in lines[0] and "Traceback" not in stderr, stderr
 
 
-def in_process(capsys, *args: str) -> tuple[int, str]:
-    """The same main() the console script runs, without a subprocess's few seconds of start-up."""
-    from specserve.cli import main
-
-    code = main(list(args))
-    return code, capsys.readouterr().err
-
-
 @pytest.mark.parametrize("name", list(BROKEN))
 def test_generate_refuses_a_broken_checkpoint(capsys, checkpoints, name):
-    code, err = in_process(capsys, "generate", "--model", str(checkpoints / name), "--prompt", "x", "--max-tokens", "2")
-    assert_one_line(code, err, NEEDLES[name])
+    res = cli(capsys, "generate", "--model", str(checkpoints / name), "--prompt", "x", "--max-tokens", "2")
+    assert_one_line(res.returncode, res.stderr, NEEDLES[name])
 
 
 @pytest.mark.parametrize("name", ["config_is_a_list", "negative_vocab", "truncated_weights"])
@@ -92,13 +76,13 @@ def test_a_real_process_prints_only_that_line(checkpoints, name):
 
 @pytest.mark.parametrize("name", ["config_is_a_list", "negative_vocab", "truncated_weights"])
 def test_generate_refuses_a_broken_draft_checkpoint(capsys, checkpoints, name):
-    code, err = in_process(capsys, "generate", "--model", str(checkpoints / "good"), "--drafter",
-                           f"draft:{checkpoints / name}", "--prompt", "x", "--max-tokens", "2")
-    assert_one_line(code, err, NEEDLES[name])
+    res = cli(capsys, "generate", "--model", str(checkpoints / "good"), "--drafter", f"draft:{checkpoints / name}",
+              "--prompt", "x", "--max-tokens", "2")
+    assert_one_line(res.returncode, res.stderr, NEEDLES[name])
 
 
-def test_generate_refuses_a_drafter_that_does_not_fit_the_target(checkpoints):
-    res = run("generate", "--model", str(checkpoints / "good"), "--drafter", f"draft:{checkpoints / 'other_vocab'}",
+def test_generate_refuses_a_drafter_that_does_not_fit_the_target(capsys, checkpoints):
+    res = cli(capsys, "generate", "--model", str(checkpoints / "good"), "--drafter", f"draft:{checkpoints / 'other_vocab'}",
               "--prompt", "x", "--max-tokens", "2")
     assert_one_line(res.returncode, res.stderr, "vocab_size 200")
 
@@ -111,5 +95,5 @@ def test_generate_refuses_a_drafter_that_does_not_fit_the_target(checkpoints):
     (["--model", "{root}/good", "--drafter", "draft:{root}/no_such_drafter"], "no_such_drafter"),
 ])
 def test_serve_refuses_at_start_with_one_line(capsys, checkpoints, args, needle):
-    code, err = in_process(capsys, "serve", "--port", "0", *[a.replace("{root}", str(checkpoints)) for a in args])
-    assert_one_line(code, err, needle)
+    res = cli(capsys, "serve", "--port", "0", *[a.replace("{root}", str(checkpoints)) for a in args])
+    assert_one_line(res.returncode, res.stderr, needle)

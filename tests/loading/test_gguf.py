@@ -25,8 +25,6 @@ weight decoded wrongly (scale, offset, nibble order, row permutation, tied head)
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -477,11 +475,8 @@ def test_the_load_line_says_the_k_quant_was_dequantized(gguf_path, hf_dir, tmp_p
 # ---- refusals through the CLI: one line, exit 2 ----------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def refusals(hf_dir, gguf_path, tmp_path_factory):
-    """Every bad file's `specserve generate` run, started together (each is mostly interpreter start-up): name ->
-    (returncode, stderr)."""
-    from tiny_models import cli_env
-
+def bad_files(hf_dir, gguf_path, tmp_path_factory) -> dict[str, Path]:
+    """A file of each kind of bad GGUF: name -> path."""
     root = tmp_path_factory.mktemp("bad")
     good = gguf_path("F32").read_bytes()
     files = {
@@ -494,15 +489,7 @@ def refusals(hf_dir, gguf_path, tmp_path_factory):
     files["truncated"].write_bytes(good[:len(good) // 2])
     files["corrupt"].write_bytes(b"GGUF" + np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())
     files["not gguf"].write_bytes(b"PK\x03\x04 this is a zip, not a model" * 10)
-    command = [sys.executable, "-m", "specserve", "generate", "--prompt", "x", "--raw", "--max-tokens", "2", "--model"]
-    runs = {name: subprocess.Popen([*command, str(path)], env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   text=True)
-            for name, path in files.items()}
-    out = {}
-    for name, proc in runs.items():
-        _, err = proc.communicate(timeout=300)
-        out[name] = (proc.returncode, err)
-    return out
+    return files
 
 
 @pytest.mark.parametrize("case, words", [
@@ -512,10 +499,14 @@ def refusals(hf_dir, gguf_path, tmp_path_factory):
     ("corrupt", ["corrupt.gguf", "corrupt"]),
     ("not gguf", ["not-gguf.gguf", "not a GGUF file"]),
 ])
-def test_bad_files_are_refused_in_one_line(refusals, case, words):
-    code, err = refusals[case]
-    lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1, (code, err)
+def test_bad_files_are_refused_in_one_line(capsys, bad_files, case, words):
+    """`specserve generate --model BAD.gguf` (through the CLI's main(); tests/test_startup_refusals.py checks that a
+    real process prints only that line)."""
+    from cli_runner import cli
+
+    res = cli(capsys, "generate", "--prompt", "x", "--raw", "--max-tokens", "2", "--model", str(bad_files[case]))
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1, (res.returncode, res.stderr)
     assert lines[0].startswith("specserve: error:") and all(w in lines[0] for w in words), lines[0]
 
 
