@@ -14,14 +14,28 @@ products after a layout change.)
 
 The first time a version's directory is used, the directory above it is pruned (`prune_other_versions`): all but
 the most recently used few versions, and the cache files an unversioned cache left there.
+
+Processes share a version's directory, and numba's cache index is not safe for that: saving a function reads
+its index, picks the first free data-file number, writes the index, then the data file. Two processes saving
+two signatures of one function at once (a first start compiling while another process compiles: replicas, a
+tensor-parallel worker, a second command) can both pick number 1; the index then names one signature and the
+data file holds the other's machine code, which the next run loads for it. `lock_cache_index` makes a save
+(read, pick, write both) one step under an exclusive lock per function, and a load a reader under a shared one.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import os
 import shutil
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: numba's own unlocked cache files
+    fcntl = None
 
 from numba.core import caching
 
@@ -60,7 +74,48 @@ def register_package(package: Path, *calls_into: Path) -> str:
     locators = _numba_class("CacheImpl")._locator_classes  # the class-wide list every cached function tries
     if VersionedCacheLocator not in locators:
         locators.insert(0, VersionedCacheLocator)
+    lock_cache_index()
     return _DIGESTS[package]
+
+
+def lock_cache_index() -> None:
+    """Make numba's cache-file `save` and `load` hold a lock on the function's index while they run, for the
+    functions cached in a version's directory (class-wide, as the locator is; other libraries' caches are left
+    as numba keeps them). Idempotent."""
+    cache_file = _numba_class("IndexDataCacheFile")
+    if fcntl is None or getattr(cache_file.save, "_specserve_locked", False):
+        return
+    for name, exclusive in (("save", True), ("load", False)):
+        setattr(cache_file, name, _locked(getattr(cache_file, name), exclusive))
+
+
+def _locked(method, exclusive: bool):
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        if not os.path.basename(os.path.normpath(self._cache_path)).startswith(_PREFIX):
+            return method(self, *args, **kwargs)
+        with _index_lock(self._index_path, exclusive):
+            return method(self, *args, **kwargs)
+
+    locked._specserve_locked = True
+    return locked
+
+
+@contextlib.contextmanager
+def _index_lock(index_path: str, exclusive: bool):
+    """flock on ``<index>.lock`` beside the index (created on first use, never deleted: deleting it would let
+    two processes lock two different files). A directory that cannot be written cannot be saved into either:
+    then no lock."""
+    try:
+        fd = os.open(index_path + ".lock", os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 class VersionedCacheLocator(_numba_class("CacheLocator")):

@@ -3,7 +3,8 @@
 numba validates a cached function against its own file only; a kernel that calls another (the decoder layer
 calls the product) would keep the old code after the other's file changed. The end-to-end test runs the race
 that broke the earlier scheme, with real numba processes on a scratch package: a process started on the old
-sources compiles after a newer one has run, and a third run on the new sources must not load its kernel.
+sources compiles after a newer one has run, and a third run on the new sources must not load its kernel. And
+two processes saving one function's signatures at once each keep their own machine code (`lock_cache_index`).
 """
 
 from __future__ import annotations
@@ -166,3 +167,66 @@ def test_the_kernels_a_forward_runs_are_cached_on_disk(small_vocab_dir):
     missing = missing_from_cache(quantized=False)
     for kernel in ("decoder_layer", "paged_attention", "visible_slots", "rms_norm"):
         assert kernel not in missing
+
+
+_SAVER = """
+import json, sys, time
+import specserve.numba_cache as numba_cache
+
+locked, cache_dir, key, start, delays = sys.argv[1] == "locked", sys.argv[2], sys.argv[3], float(sys.argv[4]), json.loads(sys.argv[5])
+if locked:
+    numba_cache.lock_cache_index()
+cache_file_class = numba_cache._numba_class("IndexDataCacheFile")
+
+# Pauses inside numba's own steps of a save (read the index, write it, write the data file): what a slow disk or a
+# busy core does, placed to reach the interleaving that breaks an unlocked save.
+load_index, save_data = cache_file_class._load_index, cache_file_class._save_data
+def slow_load_index(self):
+    overloads = load_index(self)
+    time.sleep(delays.get("after_reading_the_index", 0))
+    return overloads
+def slow_save_data(self, name, data):
+    time.sleep(delays.get("before_writing_the_data", 0))
+    save_data(self, name, data)
+cache_file_class._load_index, cache_file_class._save_data = slow_load_index, slow_save_data
+
+cache_file = cache_file_class(cache_path=cache_dir, filename_base="scratch.kernel-1.py3", source_stamp=(1.0, 2))
+time.sleep(max(start - time.time(), 0))
+cache_file.save(key, "machine code of " + key)
+"""
+
+
+def _save_at_once(tmp_path, locked: bool) -> dict:
+    """Two processes save two signatures of one function into one version's directory at once; what each key
+    then loads."""
+    import json
+
+    from specserve.numba_cache import _numba_class
+
+    cache_dir = tmp_path / ("locked" if locked else "unlocked") / "sources-0123456789abcdef"
+    cache_dir.mkdir(parents=True)
+    start = time.time() + 4  # both have imported numba by then
+    # A reads the empty index, then B does; A writes its index, then B (B's wins: B's signature -> data file 1);
+    # B writes data file 1, then A overwrites it with its own code.
+    plans = {"signature A": {"after_reading_the_index": 0.6, "before_writing_the_data": 2.0},
+             "signature B": {"after_reading_the_index": 1.0}}
+    children = [subprocess.Popen([sys.executable, "-c", _SAVER, "locked" if locked else "unlocked", str(cache_dir), key,
+                                  str(start + (0.2 if key == "signature B" else 0)), json.dumps(plan)],
+                                 env={**os.environ, "PYTHONPATH": str(REPO)}, stderr=subprocess.PIPE, text=True)
+                 for key, plan in plans.items()]
+    for child in children:
+        _, err = child.communicate(timeout=120)
+        assert child.returncode == 0, err
+    cache_file = _numba_class("IndexDataCacheFile")(cache_path=str(cache_dir), filename_base="scratch.kernel-1.py3",
+                                                    source_stamp=(1.0, 2))
+    return {key: cache_file.load(key) for key in plans}
+
+
+def test_two_processes_saving_one_function_at_once_keep_each_signature_s_own_code(tmp_path):
+    """numba's save is read-index, pick-a-number, write-index, write-data: unlocked, the interleaving above leaves
+    signature B's entry naming A's machine code (a kernel that would run on B's arguments). Under
+    `lock_cache_index` the second save waits for the first and takes the next number."""
+    unlocked = _save_at_once(tmp_path, locked=False)
+    assert unlocked["signature B"] == "machine code of signature A"  # the race is real, and this reaches it
+    assert _save_at_once(tmp_path, locked=True) == {"signature A": "machine code of signature A",
+                                                    "signature B": "machine code of signature B"}
