@@ -19,6 +19,7 @@ from specserve.kernels.arena import pack_into_arena
 from specserve.kernels.attention import visible_keys
 from specserve.kernels.layer import decoder_layer, rms_norm
 from specserve.kernels.linear import PackedLinear, linear_rows
+from specserve.kernels.precompile import compile_elsewhere
 from specserve.kernels.simd import LANES
 from specserve.kernels.threads import apply_threads, get_threads
 from specserve.kv_cache import PagedKVCache
@@ -141,6 +142,10 @@ class ModelKernels:
         self.window = int(cfg.sliding_window or 0)
         self.eps = np.float32(cfg.rms_norm_eps)
         self._arena = move_to_arena([self.lm_head, *(p for layer in self.layers for p in layer.products())])
+        # A first start: the head's product compiles in a second process while the first forward compiles the
+        # layers here (`precompile`); the head waits for it before its first call.
+        self._head_compile = compile_elsewhere(linear_rows, self._head_arguments(np.zeros((1, cfg.hidden_size),
+                                                                                          dtype=np.float32)))
 
     @property
     def quantized(self) -> bool:
@@ -188,8 +193,15 @@ class ModelKernels:
     def head(self, normed: np.ndarray) -> np.ndarray:
         """float32[R, H] final-normed states -> logits float32[R, head rows] (the vocabulary, or a draft
         model's draft vocabulary: `LlamaModel.restrict_lm_head`)."""
-        out = np.empty((normed.shape[0], self.lm_head.out_features), dtype=np.float32)
+        if self._head_compile is not None:
+            self._head_compile.wait()
+            self._head_compile = None
+        arguments = self._head_arguments(np.ascontiguousarray(normed))
         if normed.shape[0]:
-            linear_rows(np.ascontiguousarray(normed), self.lm_head.weight, self.lm_head.scales, self.lm_head.bias, out,
-                        False)
-        return out
+            linear_rows(*arguments)
+        return arguments[4]
+
+    def _head_arguments(self, normed: np.ndarray) -> tuple:
+        """`linear_rows`'s arguments for the LM head on float32[R, H] C-contiguous rows (the output allocated)."""
+        out = np.empty((normed.shape[0], self.lm_head.out_features), dtype=np.float32)
+        return normed, self.lm_head.weight, self.lm_head.scales, self.lm_head.bias, out, False
