@@ -16,9 +16,9 @@ import textwrap
 import time
 from pathlib import Path
 
-from specserve.numba_cache import KEEP_VERSIONS, package_dir, prune_other_versions, source_digest
+from scratch_numba import REPO, scratch_env, write_scratch_package
 
-REPO = Path(__file__).resolve().parents[2]
+from specserve.numba_cache import KEEP_VERSIONS, package_dir, prune_other_versions, source_digest
 
 
 def test_the_digest_covers_every_source_of_the_package(tmp_path):
@@ -75,11 +75,6 @@ def test_pruning_keeps_this_version_and_the_most_recently_used_others(tmp_path):
 
 
 _KERNELS = {
-    "__init__.py": """
-        from pathlib import Path
-        from specserve.numba_cache import register_package
-        register_package(Path(__file__).parent)
-        """,
     "layer.py": """
         import numba
         from scratchkernels.linear import product
@@ -114,29 +109,21 @@ def _write_product(package: Path, factor: int) -> None:
     (package / "linear.py").write_text(textwrap.dedent(_PRODUCT.format(factor=factor)))
 
 
-def _env(tmp_path: Path) -> dict:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]),
-            "NUMBA_CACHE_DIR": str(tmp_path / "numba-cache")}
-
-
 def _run(tmp_path: Path) -> int:
-    done = subprocess.run([sys.executable, str(tmp_path / "runner.py")], env=_env(tmp_path), capture_output=True,
+    done = subprocess.run([sys.executable, str(tmp_path / "runner.py")], env=scratch_env(tmp_path), capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     return int(done.stdout.split()[-1])
 
 
 def test_a_process_on_old_sources_never_feeds_a_newer_version_its_kernels(tmp_path):
-    package = tmp_path / "scratchkernels"
-    package.mkdir()
-    for name, source in _KERNELS.items():
-        (package / name).write_text(textwrap.dedent(source))
+    package = write_scratch_package(tmp_path, "scratchkernels", _KERNELS)
     (tmp_path / "runner.py").write_text(textwrap.dedent(_RUNNER))
     _write_product(package, 2)
     assert _run(tmp_path) == 21  # compiled and cached: 10 * 2 + 1
 
     go = tmp_path / "go"
-    old = subprocess.Popen([sys.executable, str(tmp_path / "runner.py"), str(go)], env=_env(tmp_path),
+    old = subprocess.Popen([sys.executable, str(tmp_path / "runner.py"), str(go)], env=scratch_env(tmp_path),
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120

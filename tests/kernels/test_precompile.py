@@ -3,20 +3,13 @@ then loads it from there instead of compiling it; a cached signature starts no c
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from scratch_numba import scratch_env, write_scratch_package
 
-_PACKAGE = {
-    "__init__.py": """
-        from pathlib import Path
-        from specserve.numba_cache import register_package
-        register_package(Path(__file__).parent)
-        """,
+_MODULES = {
     "product.py": """
         import numba
 
@@ -51,15 +44,10 @@ _DRIVER = """
 
 
 def test_a_signature_compiled_in_a_child_is_loaded_from_the_cache(tmp_path):
-    package = tmp_path / "scratchprecompile"
-    package.mkdir()
-    for name, source in _PACKAGE.items():
-        (package / name).write_text(textwrap.dedent(source))
+    write_scratch_package(tmp_path, "scratchprecompile", _MODULES)
     (tmp_path / "driver.py").write_text(textwrap.dedent(_DRIVER))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]),
-           "NUMBA_CACHE_DIR": str(tmp_path / "numba-cache")}
-    done = subprocess.run([sys.executable, str(tmp_path / "driver.py")], env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run([sys.executable, str(tmp_path / "driver.py")], env=scratch_env(tmp_path), capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["loaded from the cache: True", "another child for a cached signature: False",
                                         "float64 cached: False"], done.stdout
