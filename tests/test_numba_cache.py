@@ -157,10 +157,10 @@ def test_the_kernels_a_forward_runs_are_cached_on_disk(small_vocab_dir):
 
 
 _SAVER = """
-import json, sys, time
+import json, os, sys, time
 import specserve.numba_cache as numba_cache
 
-locked, cache_dir, key, start, delays = sys.argv[1] == "locked", sys.argv[2], sys.argv[3], float(sys.argv[4]), json.loads(sys.argv[5])
+locked, cache_dir, key, go, delays = sys.argv[1] == "locked", sys.argv[2], sys.argv[3], sys.argv[4], json.loads(sys.argv[5])
 if locked:
     numba_cache.lock_cache_index()
 cache_file_class = numba_cache._numba_class("IndexDataCacheFile")
@@ -178,6 +178,11 @@ def slow_save_data(self, name, data):
 cache_file_class._load_index, cache_file_class._save_data = slow_load_index, slow_save_data
 
 cache_file = cache_file_class(cache_path=cache_dir, filename_base="scratch.kernel-1.py3", source_stamp=(1.0, 2))
+open(go + "." + key + ".ready", "w").close()  # imported: the parent then names the moment both start
+while not os.path.exists(go):
+    time.sleep(0.01)
+with open(go) as f:
+    start = float(f.read()) + delays.get("start_after", 0)
 time.sleep(max(start - time.time(), 0))
 cache_file.save(key, "machine code of " + key)
 """
@@ -192,15 +197,22 @@ def _save_at_once(tmp_path, locked: bool) -> dict:
 
     cache_dir = tmp_path / ("locked" if locked else "unlocked") / "sources-0123456789abcdef"
     cache_dir.mkdir(parents=True)
-    start = time.time() + 4  # both have imported numba by then
-    # A reads the empty index, then B does; A writes its index, then B (B's wins: B's signature -> data file 1);
-    # B writes data file 1, then A overwrites it with its own code.
-    plans = {"signature A": {"after_reading_the_index": 0.6, "before_writing_the_data": 2.0},
-             "signature B": {"after_reading_the_index": 1.0}}
+    go = cache_dir.parent / "go"
+    # A reads the empty index (t = 0), then B does (0.2 s); A writes its index (1.5 s), then B (2.2 s: B's wins, B's
+    # signature -> data file 1); B writes data file 1 (2.2 s), then A overwrites it with its own code (4.5 s).
+    # Every step is at least 0.7 s from the one it must follow or precede.
+    plans = {"signature A": {"after_reading_the_index": 1.5, "before_writing_the_data": 3.0},
+             "signature B": {"start_after": 0.2, "after_reading_the_index": 2.0}}
     children = [subprocess.Popen([sys.executable, "-c", _SAVER, "locked" if locked else "unlocked", str(cache_dir), key,
-                                  str(start + (0.2 if key == "signature B" else 0)), json.dumps(plan)],
+                                  str(go), json.dumps(plan)],
                                  env={**os.environ, "PYTHONPATH": str(REPO)}, stderr=subprocess.PIPE, text=True)
                  for key, plan in plans.items()]
+    deadline = time.monotonic() + 120
+    while not all(Path(f"{go}.{key}.ready").exists() for key in plans):  # both have imported numba
+        assert all(c.poll() is None for c in children) and time.monotonic() < deadline, [c.communicate() for c in children]
+        time.sleep(0.01)
+    Path(f"{go}.tmp").write_text(str(time.time() + 0.3))
+    Path(f"{go}.tmp").rename(go)  # whole when it appears
     for child in children:
         _, err = child.communicate(timeout=120)
         assert child.returncode == 0, err
