@@ -3,10 +3,12 @@ then loads it from there instead of compiling it; a cached signature starts no c
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
 
+import pytest
 from scratch_numba import scratch_env, write_scratch_package
 
 _MODULES = {
@@ -44,6 +46,8 @@ _DRIVER = """
 
 
 def test_a_signature_compiled_in_a_child_is_loaded_from_the_cache(tmp_path):
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: compile_elsewhere starts no child there")
     write_scratch_package(tmp_path, "scratchprecompile", _MODULES)
     (tmp_path / "driver.py").write_text(textwrap.dedent(_DRIVER))
     done = subprocess.run([sys.executable, str(tmp_path / "driver.py")], env=scratch_env(tmp_path), capture_output=True,
