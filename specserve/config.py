@@ -106,6 +106,28 @@ _LLAMA_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden
                    "rms_norm_eps", "max_position_embeddings")
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_token_ids(value) -> bool:
+    """None, an id or a list of ids (what transformers accepts for `eos_token_id`)."""
+    return value is None or all(_is_int(v) for v in (value if isinstance(value, list) else [value]))
+
+
+# Each field of the record and the values LlamaConfig accepts for it (it refuses the rest, so those configs are
+# left to it: its error names the field).
+_LLAMA_FIELD_TYPES = {
+    **dict.fromkeys(("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "max_position_embeddings"), _is_int),
+    **dict.fromkeys(("num_key_value_heads", "head_dim"), lambda v: v is None or _is_int(v)),
+    "rms_norm_eps": lambda v: isinstance(v, float),
+    "hidden_act": lambda v: isinstance(v, str),
+    **dict.fromkeys(("tie_word_embeddings", "attention_bias", "mlp_bias"), lambda v: isinstance(v, bool)),
+    **dict.fromkeys(("bos_token_id", "eos_token_id"), _is_token_ids),
+}
+
+
 def plain_llama_record(raw: dict) -> types.SimpleNamespace | None:
     """A Llama config.json with plain rope as the record `config_from_hf` reads, or None when transformers must
     read it (another architecture, scaled rope, a field missing or of an unexpected type).
@@ -116,19 +138,14 @@ def plain_llama_record(raw: dict) -> types.SimpleNamespace | None:
     if raw.get("model_type") != "llama" or any(key not in raw for key in _LLAMA_REQUIRED):
         return None
     rope = raw.get("rope_parameters")
-    if raw.get("rope_scaling") is not None or (rope is not None and (not isinstance(rope, dict)
-                                                                     or set(rope) - {"rope_type", "rope_theta"})):
+    rope = {} if rope is None else rope
+    if (raw.get("rope_scaling") is not None or not isinstance(rope, dict) or set(rope) - {"rope_type", "rope_theta"}
+            or rope.get("rope_type", "default") != "default"):
         return None
-    theta = (rope or {}).get("rope_theta", raw.get("rope_theta", 10000.0))
-    if (rope or {}).get("rope_type", "default") != "default" or not _is_number(theta):
-        return None
-    fields = {**_LLAMA_DEFAULTS, **{k: raw[k] for k in (*_LLAMA_DEFAULTS, *_LLAMA_REQUIRED) if k in raw}}
-    ints = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "max_position_embeddings", "num_key_value_heads", "head_dim")
-    if (not all(fields[k] is None or (isinstance(fields[k], int) and not isinstance(fields[k], bool)) for k in ints)
-            or not isinstance(fields["rms_norm_eps"], float) or not isinstance(fields["hidden_act"], str)
-            or not all(_is_token_ids(fields[k]) for k in ("bos_token_id", "eos_token_id"))
-            or not all(isinstance(fields[k], bool) for k in ("tie_word_embeddings", "attention_bias", "mlp_bias"))):
+    theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
+    fields = {**_LLAMA_DEFAULTS, **{k: raw[k] for k in _LLAMA_FIELD_TYPES if k in raw}}
+    if not (isinstance(theta, (int, float)) and not isinstance(theta, bool)) or not all(
+            accepts(fields[name]) for name, accepts in _LLAMA_FIELD_TYPES.items()):
         return None
     dtype = raw.get("dtype") or raw.get("torch_dtype")
     return types.SimpleNamespace(model_type="llama", rope_parameters={"rope_type": "default", "rope_theta": theta},
@@ -144,16 +161,6 @@ def llama_config(fields: dict) -> Any:
     from transformers import LlamaConfig
 
     return LlamaConfig(**fields)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _is_token_ids(value) -> bool:
-    """None, an id or a list of ids (what transformers accepts for `eos_token_id`)."""
-    values = value if isinstance(value, list) else [value]
-    return value is None or all(isinstance(v, int) and not isinstance(v, bool) for v in values)
 
 
 def config_from_hf(hf: Any) -> ModelConfig:

@@ -299,11 +299,10 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0
 
 def generate_in_process(capsys, llama_dir, *args: str) -> dict:
     """`specserve generate ... --json` through the same main() the console script runs."""
-    from specserve.cli import main
-
-    assert main(["generate", "--model", str(llama_dir), "--prompt", "hello", "--max-tokens", "64", "--threads", "1",
-                 *args, "--json"]) == 0
-    return json.loads(capsys.readouterr().out)
+    res = cli(capsys, "generate", "--model", str(llama_dir), "--prompt", "hello", "--max-tokens", "64", "--threads", "1",
+              *args, "--json")
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
 
 
 def test_generate_json_schema_from_a_file_and_inline(capsys, llama_dir, tmp_path):
@@ -333,11 +332,10 @@ def test_generate_regex_grammar_and_choice(capsys, llama_dir, tmp_path, drafting
 
 
 def test_generate_streams_constrained_text(capsys, llama_dir):
-    from specserve.cli import main
-
-    assert main(["generate", "--model", str(llama_dir), "--prompt", "hi", "--threads", "1", "--max-tokens", "64",
-                 "--json-schema", json.dumps(SCHEMA), "--json-whitespace", "compact", "--quiet"]) == 0
-    obj = json.loads(capsys.readouterr().out)
+    res = cli(capsys, "generate", "--model", str(llama_dir), "--prompt", "hi", "--threads", "1", "--max-tokens", "64",
+              "--json-schema", json.dumps(SCHEMA), "--json-whitespace", "compact", "--quiet")
+    assert res.returncode == 0, res.stderr
+    obj = json.loads(res.stdout)
     assert set(obj) == {"a", "b"}
 
 

@@ -6,8 +6,8 @@
 Both offer ``config`` (a `ModelConfig`), ``load(dtype, ...) -> (state, blocks)`` (float weights under
 Hugging Face names; for GGUF also the Q8_0 / Q4_0 / Q4_1 blocks the kernels run as stored),
 ``tokenizer()``, ``tokenizer_dir()``, ``eos_token_ids(tokenizer)`` and ``describe()``.
-Both read tokenizers through `tokenizer_files.load_tokenizer`. `resolve_model` turns what a user names (None, "tiny", a directory, a .gguf file) into a path; `default_model`
-fetches the default model's file. Loading produces weights; `specserve.model` consumes them.
+Both read tokenizers through `tokenizer_files.load_tokenizer`. `resolve_model` turns what a user names (None,
+"tiny", a directory, a .gguf file) into a path; `default_model` fetches the default model's file. Loading produces weights; `specserve.model` consumes them.
 """
 
 from __future__ import annotations
