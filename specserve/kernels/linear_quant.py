@@ -274,8 +274,19 @@ def linear_rows_quant(x, w, scales, bias, out, accumulate):
                 store_block_rows(out, m, (first + i) * LANES, a0, a1, a2, a3, bias, accumulate)
             ahead = -1
             m += 4
-        while m + 4 <= num_rows:  # 4 rows x 2 blocks: each weight load feeds 4 dot products
-            x0, x1, x2, x3 = qx[m], qx[m + 1], qx[m + 2], qx[m + 3]
+        # VNNI: 4 rows x 2 blocks, each weight load feeding 4 dot products. Two or three rows left over (or in all)
+        # take the same pass with the last row repeated and only the real rows stored: it costs about what one 1-row
+        # pass over the tile does. A single row left over (or in all) takes the 1-row pass below. Every pass fetches
+        # its share of the next tile (a 1/passes range of its pairs), so the weight stream overlaps the
+        # arithmetic of every pass, not only the first one's.
+        passes = 1 if PAIR_SUMS else num_rows // 4 + (num_rows % 4 + 2) // 4 + (1 if num_rows % 4 == 1 else 0)
+        pairs = runs * pairs_per_run
+        share = 0  # this pass fetches the pairs fetch_from <= p < fetch_to (a comparison: no division per step)
+        fetch_from, fetch_to = 0, -(-pairs // passes)
+        while not PAIR_SUMS and num_rows - m >= 2:
+            valid = min(4, num_rows - m)
+            r1, r2, r3 = m + min(1, valid - 1), m + min(2, valid - 1), m + min(3, valid - 1)
+            x0, x1, x2, x3 = qx[m], qx[r1], qx[r2], qx[r3]
             i = 0
             while i < count:
                 pair = i + 1 < count
@@ -288,6 +299,10 @@ def linear_rows_quant(x, w, scales, bias, out, accumulate):
                     i0 = wzero(wt); i1 = wzero(wt); i2 = wzero(wt); i3 = wzero(wt)
                     k0 = wzero(wt); k1 = wzero(wt); k2 = wzero(wt); k3 = wzero(wt)
                     for p in range(j * pairs_per_run, (j + 1) * pairs_per_run):
+                        if ahead >= 0 and fetch_from <= p < fetch_to:
+                            fetch_pair(w_flat, ahead, p, stride, i * block_bytes)
+                            if pair:
+                                fetch_pair(w_flat, ahead, p, stride, o1)
                         u, u2 = group_pair(wt, p, stride, i * block_bytes)
                         v, v2 = group_pair(wt, p, stride, o1)
                         g = 2 * p * GROUP
@@ -300,18 +315,20 @@ def linear_rows_quant(x, w, scales, bias, out, accumulate):
                         s = vbroadcast_bytes(x1, g); i1 = wdot(wt, i1, u2, s); k1 = wdot(wt, k1, v2, s)
                         s = vbroadcast_bytes(x2, g); i2 = wdot(wt, i2, u2, s); k2 = wdot(wt, k2, v2, s)
                         s = vbroadcast_bytes(x3, g); i3 = wdot(wt, i3, u2, s); k3 = wdot(wt, k3, v2, s)
-                    t0, t1, t2, t3 = sums[m, j], sums[m + 1, j], sums[m + 2, j], sums[m + 3, j]
+                    t0, t1, t2, t3 = sums[m, j], sums[r1, j], sums[r2, j], sums[r3, j]
                     a0 = run_sum(a0, i0, t0, offset, scales, s0, j, dx[m, j]); c0 = run_sum(c0, k0, t0, offset, scales, s1, j, dx[m, j])
-                    a1 = run_sum(a1, i1, t1, offset, scales, s0, j, dx[m + 1, j]); c1 = run_sum(c1, k1, t1, offset, scales, s1, j, dx[m + 1, j])
-                    a2 = run_sum(a2, i2, t2, offset, scales, s0, j, dx[m + 2, j]); c2 = run_sum(c2, k2, t2, offset, scales, s1, j, dx[m + 2, j])
-                    a3 = run_sum(a3, i3, t3, offset, scales, s0, j, dx[m + 3, j]); c3 = run_sum(c3, k3, t3, offset, scales, s1, j, dx[m + 3, j])
+                    a1 = run_sum(a1, i1, t1, offset, scales, s0, j, dx[r1, j]); c1 = run_sum(c1, k1, t1, offset, scales, s1, j, dx[r1, j])
+                    a2 = run_sum(a2, i2, t2, offset, scales, s0, j, dx[r2, j]); c2 = run_sum(c2, k2, t2, offset, scales, s1, j, dx[r2, j])
+                    a3 = run_sum(a3, i3, t3, offset, scales, s0, j, dx[r3, j]); c3 = run_sum(c3, k3, t3, offset, scales, s1, j, dx[r3, j])
                 base = (first + i) * LANES
-                store_block_rows(out, m, base, a0, a1, a2, a3, bias, accumulate)
+                store_block_rows(out, m, base, a0, a1, a2, a3, bias, accumulate, valid)
                 if pair:
                     base += LANES
-                    store_block_rows(out, m, base, c0, c1, c2, c3, bias, accumulate)
+                    store_block_rows(out, m, base, c0, c1, c2, c3, bias, accumulate, valid)
                 i += 2
             m += 4
+            share += 1
+            fetch_from, fetch_to = share * pairs // passes, (share + 1) * pairs // passes
         while m < num_rows:  # one row x 4 blocks (else 2, 1): independent chains, the tile read in order
             xr = qx[m]
             i = 0
@@ -323,7 +340,7 @@ def linear_rows_quant(x, w, scales, bias, out, accumulate):
                     for p in range(j * pairs_per_run, (j + 1) * pairs_per_run):
                         s = vbroadcast_bytes(xr, 2 * p * GROUP)
                         t = vbroadcast_bytes(xr, (2 * p + 1) * GROUP)
-                        if ahead >= 0:
+                        if ahead >= 0 and fetch_from <= p < fetch_to:
                             for b in range(4):
                                 fetch_pair(w_flat, ahead, p, stride, b * block_bytes)
                         u, u2 = group_pair(wt, p, stride, 0)
@@ -350,7 +367,7 @@ def linear_rows_quant(x, w, scales, bias, out, accumulate):
                     for p in range(j * pairs_per_run, (j + 1) * pairs_per_run):
                         s = vbroadcast_bytes(xr, 2 * p * GROUP)
                         t = vbroadcast_bytes(xr, (2 * p + 1) * GROUP)
-                        if ahead >= 0:
+                        if ahead >= 0 and fetch_from <= p < fetch_to:
                             fetch_pair(w_flat, ahead, p, stride, i * block_bytes)
                             fetch_pair(w_flat, ahead, p, stride, (i + 1) * block_bytes)
                         u, u2 = group_pair(wt, p, stride, i * block_bytes)

@@ -644,9 +644,13 @@ def store_row_blocks(out, m, base, a0, a1, a2, a3, bias, accumulate):
 
 
 @numba.njit(inline="always")
-def store_block_rows(out, m, base, a0, a1, a2, a3, bias, accumulate):
-    """`store_lanes` of one block in four consecutive rows: out[m .. m + 3, base : base + 16] from a0 .. a3."""
+def store_block_rows(out, m, base, a0, a1, a2, a3, bias, accumulate, count=4):
+    """`store_lanes` of one block in `count` (1-4) consecutive rows: out[m .. m + count - 1, base : base + 16] from
+    a0 .. a3 (a tile padded past the last row computes rows it does not store)."""
     store_lanes(out, m, base, a0, bias, accumulate)
-    store_lanes(out, m + 1, base, a1, bias, accumulate)
-    store_lanes(out, m + 2, base, a2, bias, accumulate)
-    store_lanes(out, m + 3, base, a3, bias, accumulate)
+    if count > 1:
+        store_lanes(out, m + 1, base, a1, bias, accumulate)
+    if count > 2:
+        store_lanes(out, m + 2, base, a2, bias, accumulate)
+    if count > 3:
+        store_lanes(out, m + 3, base, a3, bias, accumulate)
