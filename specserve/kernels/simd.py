@@ -175,6 +175,18 @@ def vsum(typingctx, a):
 
 
 @intrinsic
+def vmax_lanes(typingctx, a):
+    """The largest lane of a vector as a float32 (a maximum has no order to vary: the same as any scalar loop's)."""
+
+    def codegen(context, builder, signature, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.FloatType(), [_VEC]),
+                                            "llvm.vector.reduce.fmax.v16f32")
+        return builder.call(fn, args)
+
+    return types.float32(a), codegen
+
+
+@intrinsic
 def vlane(typingctx, a, lane):
     """One lane of a vector as a float32."""
 
