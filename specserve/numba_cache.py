@@ -65,6 +65,29 @@ def source_digest(*packages: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+#: `numba.njit(parallel=CALLS_PARALLEL_KERNELS, cache=True)` for a cached function that calls a `parallel=True` one
+#: (the decoder layer, the product dispatcher). numba has a bug there (numba/numba#4807, #8578, open): a cached
+#: caller compiled while its parallel callee was loaded from the cache, not compiled, segfaults when a later
+#: process loads the caller from the cache (a call through a null pointer: seen here with `linear_rows` on Q4_1
+#: weights after a benchmark had compiled `linear_rows_quant` in another process). A caller compiled in parallel
+#: mode does not; every parallel transformation is off, so its own code is what plain `njit` makes of it.
+CALLS_PARALLEL_KERNELS = {"comprehension": False, "reduction": False, "inplace_binop": False, "setitem": False,
+                          "numpy": False, "stencil": False, "fusion": False, "prange": False}
+
+
+def _quiet_parallel_mode_warnings(package: Path) -> None:
+    """Silence numba's "parallel=True was specified but no transformation ... was possible" for the functions of
+    `package` (`CALLS_PARALLEL_KERNELS` asks for none on purpose); the same warning about other code still shows."""
+    import re
+    import warnings
+
+    from numba.core.errors import NumbaPerformanceWarning
+
+    warnings.filterwarnings("ignore", category=NumbaPerformanceWarning,
+                            message=r'(?s).*no transformation for parallel execution.*File ".*' + re.escape(package.name)
+                            + r"[/\\]")
+
+
 def register_package(package: Path, *calls_into: Path) -> str:
     """Cache the numba functions of `package` per version of its sources and of those of `calls_into` (the
     packages whose numba functions they call). Call it before the package's modules are imported: numba
@@ -75,6 +98,7 @@ def register_package(package: Path, *calls_into: Path) -> str:
     if VersionedCacheLocator not in locators:
         locators.insert(0, VersionedCacheLocator)
     lock_cache_index()
+    _quiet_parallel_mode_warnings(package)
     return _DIGESTS[package]
 
 

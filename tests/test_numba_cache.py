@@ -229,3 +229,57 @@ def test_two_processes_saving_one_function_at_once_keep_each_signature_s_own_cod
     assert unlocked["signature B"] == "machine code of signature A"  # the race is real, and this reaches it
     assert _save_at_once(tmp_path, locked=True) == {"signature A": "machine code of signature A",
                                                     "signature B": "machine code of signature B"}
+
+
+# A caller of a parallel kernel, cached, compiled by a process that loaded the kernel from the cache instead of
+# compiling it (numba/numba#4807, #8578): a later process loading the caller from the cache called a null pointer.
+_PARALLEL_KERNEL = """
+    import numba
+    from numba import prange
+    from specserve.numba_cache import CALLS_PARALLEL_KERNELS
+
+
+    @numba.njit(parallel=True, cache=True)
+    def kernel(x, out, flag):
+        for i in prange(x.shape[0]):
+            out[i] = x[i] * 2.0 + (1.0 if flag else 0.0)
+
+
+    @numba.njit(cache=True)
+    def plain_caller(x, out, flag):
+        kernel(x, out, flag)
+
+
+    @numba.njit(parallel=CALLS_PARALLEL_KERNELS, cache=True)
+    def caller(x, out, flag):
+        kernel(x, out, flag)
+    """
+
+_CALL = """
+import sys, warnings
+import numpy as np
+warnings.simplefilter("error")  # the parallel-mode caller must not warn (`register_package` quiets it)
+import scratchpar.kernels as k
+x, out = np.ones(10), np.zeros(10)
+getattr(k, sys.argv[1])(x, out, False)
+print(out[0])
+"""
+
+
+def _call_in_a_process(tmp_path: Path, function: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _CALL, function], env=scratch_env(tmp_path), cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_a_caller_of_a_parallel_kernel_compiled_against_its_cached_code_loads_and_runs(tmp_path):
+    write_scratch_package(tmp_path, "scratchpar", {"kernels.py": _PARALLEL_KERNEL})
+    first = _call_in_a_process(tmp_path, "kernel")  # compiles and caches the parallel kernel alone
+    assert first.returncode == 0 and first.stdout.split() == ["2.0"], first.stderr
+    for function in ("caller", "plain_caller"):
+        compiled = _call_in_a_process(tmp_path, function)  # compiles the caller against the kernel's cached code
+        assert compiled.returncode == 0 and compiled.stdout.split() == ["2.0"], compiled.stderr
+    loaded = _call_in_a_process(tmp_path, "caller")  # loads the caller from the cache
+    assert loaded.returncode == 0 and loaded.stdout.split() == ["2.0"], loaded.stderr
+    # The same steps with a plain `njit` caller crash with numba 0.68 (SIGSEGV, tried): what the test guards against.
+    plain = _call_in_a_process(tmp_path, "plain_caller")
+    assert plain.returncode in (0, -11), plain.stderr

@@ -17,6 +17,7 @@ import numpy as np
 from specserve.kernels.attention import paged_attention
 from specserve.kernels.linear import linear_rows
 from specserve.kernels.simd import LANES, vadd, vbroadcast, vdiv, vexp, vload, vmul, vstore, vsub, vzero
+from specserve.numba_cache import CALLS_PARALLEL_KERNELS
 
 
 @numba.njit(inline="always")
@@ -95,7 +96,7 @@ def silu_mul(gate_up, out):
             dst[i] = (g / (np.float32(1.0) + np.float32(math.exp(-g)))) * row[inter + i]
 
 
-@numba.njit(boundscheck=False, cache=True)
+@numba.njit(parallel=CALLS_PARALLEL_KERNELS, boundscheck=False, cache=True)
 def decoder_layer(x, attn_input, input_norm, post_norm, q_norm, k_norm, eps,
                   qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, gate_up_w, gate_up_s, gate_up_b, down_w, down_s, down_b, inter,
                   num_heads, num_kv, head_dim, cos, sin, k_cache, v_cache, positions, slot_mapping, slots, seen_counts,

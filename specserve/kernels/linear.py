@@ -40,6 +40,7 @@ from specserve.kernels.quant_packing import (
 from specserve.kernels.simd import (
     LANES, store_block_rows, store_lanes, store_row_blocks, tile_blocks, tiled_rows, vbroadcast, vfma, vload, vzero,
 )
+from specserve.numba_cache import CALLS_PARALLEL_KERNELS
 
 __all__ = ["BLOCK_FORMATS", "PackedLinear", "Q8_BLOCK", "STORAGES", "as_numpy", "linear_rows", "linear_rows_float"]
 
@@ -171,7 +172,7 @@ def _choose_product(x, w, scales, bias, out, accumulate):
     return lambda x, w, scales, bias, out, accumulate: linear_rows_float(x, w, bias, out, accumulate)
 
 
-@numba.njit(boundscheck=False, cache=True)
+@numba.njit(parallel=CALLS_PARALLEL_KERNELS, boundscheck=False, cache=True)
 def linear_rows(x, w, scales, bias, out, accumulate):
     """out[:, :out_features] (+)= x @ W^T + bias, batch-invariant, for every `PackedLinear` storage.
 
