@@ -26,12 +26,15 @@ instructions per 16 weights, which bound one thread well below the memory's spee
 (AVX-512 VNNI's vpdpbusd: 64 multiply-adds in one instruction) makes the product memory-bound again.
 The cost is accuracy: activations carry ~8 bits per run of 32 (`specserve bench quantization` measures it).
 
-Tiles: 4 rows x 2 blocks share each weight load where AVX-512 VNNI's 32 registers hold their accumulators; on AVX2
-(16 registers, `simd.PAIR_SUMS`) 4 rows x 1 block, with 4-bit weights summed in int16 pairs and 8-bit ones as signed
-products (`wdot`: the same integers, fewer instructions); leftover rows take the 1-row x 4-block pass over the tile,
-now in cache. A tile's first pass prefetches the next tile line by line (`fetch_pair`): a few-row pass computes long
-enough that the hardware prefetchers stop running ahead, and the weight stream would otherwise wait for the arithmetic
-(`specserve bench verify` measures the floor these passes are held to).
+Tiles: 4 rows x 2 blocks share each weight load where AVX-512 VNNI's 32 registers hold their accumulators, and 2-3
+rows (in all, or left over) take that pass too with the last row repeated (a pass costs about what a 1-row pass over
+the tile does: one pass instead of one per row); on AVX2 (16 registers, `simd.PAIR_SUMS`) 4 rows x 1 block, with
+4-bit weights summed in int16 pairs and 8-bit ones as signed products (`wdot`: the same integers, fewer
+instructions), leftover rows one by one. A single row takes the 1-row x 4-block pass. Each pass over a tile
+prefetches its share of the next tile line by line (`fetch_pair`): a few-row pass computes long enough that the
+hardware prefetchers stop running ahead, and the weight stream would otherwise wait for the arithmetic (`specserve
+bench verify` measures the floor these passes are held to). Integer sums are exact, so how rows and blocks are grouped
+never changes a bit.
 
 The stored weights are unsigned (vpdpbusd multiplies unsigned by signed bytes), offset by o: Σ (q + o) · qx =
 Σ q · qx + o · Σ qx with o = 128 (Q8_0), 8 (Q4_0: the stored nibble is the signed weight + 8, as llama.cpp stores
