@@ -322,11 +322,13 @@ def locate(source: str | None, model: str | Path | None = None) -> Path | PeerUn
     missing); a source given that is not a converter tree raises ValueError. Cheap: callers run it
     before loading anything, so bad input fails at once. A GGUF target (`model`) needs no converter: llama.cpp
     runs the same file (the tree returned is then Path() and unused)."""
+    from specserve.loading import MODEL_ENV_VAR
     from specserve.loading.gguf_file import is_gguf
 
+    named = model if model is not None else os.environ.get(MODEL_ENV_VAR)  # what runs when no --model is given
     problems = []
     tree = Path()
-    if model is None or not is_gguf(model):
+    if named is not None and not is_gguf(named):  # no name at all: the default model, a GGUF file
         try:
             tree = find_converter(source)  # a source given that is not a converter tree: ValueError, even here
         except PeerUnavailable as reason:

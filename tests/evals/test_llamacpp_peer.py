@@ -112,6 +112,10 @@ def test_missing_llama_cpp_python_is_a_skip_reason(monkeypatch):
     assert isinstance(reason, lp.PeerUnavailable) and "llamacpp" in str(reason) and "--llama-cpp-source" in str(reason)
     with pytest.raises(ValueError, match="not a directory"):  # a bad path given is bad input, whatever else is missing
         lp.locate("/nonexistent")
+    # No model named and no $SPECSERVE_MODEL: the default model runs, a GGUF file, which needs no converter.
+    monkeypatch.delenv("SPECSERVE_MODEL", raising=False)
+    reason = lp.locate(None)
+    assert isinstance(reason, lp.PeerUnavailable) and "llamacpp" in str(reason) and "--llama-cpp-source" not in str(reason)
 
 
 # -- conversion through a stand-in converter ----------------------------------------------------------
