@@ -223,6 +223,11 @@ def _wdot(w, acc, a, b):
     return lambda w, acc, a, b: vdot4(acc, a, b)
 
 
+#: Products of up to this many rows prefetch the next tile (a verify, a decode batch). More rows (a prompt's chunk)
+#: compute long enough per tile for the hardware prefetchers: 400 rows ran 7 % slower prefetching.
+PREFETCH_ROWS = 32
+
+
 @numba.njit(parallel=True, boundscheck=False, cache=True)
 def linear_rows_quant(x, w, scales, bias, out, accumulate):
     """out[:, :out_features] (+)= x @ W^T + bias in the arithmetic above.
@@ -252,7 +257,7 @@ def linear_rows_quant(x, w, scales, bias, out, accumulate):
         count = min(num_blocks, first + tb) - first
         m = 0
         # Where the next tile starts in w_flat while this tile's first pass fetches it (`prefetch`); -1 once done.
-        ahead = (tile + 1) * tile_len if tile + 1 < num_tiles else -1
+        ahead = (tile + 1) * tile_len if tile + 1 < num_tiles and num_rows <= PREFETCH_ROWS else -1
         while PAIR_SUMS and m + 4 <= num_rows:  # AVX2: 4 rows x 1 block, the accumulators fit 16 registers
             x0, x1, x2, x3 = qx[m], qx[m + 1], qx[m + 2], qx[m + 3]
             for i in range(count):
