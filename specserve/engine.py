@@ -69,7 +69,9 @@ class Engine:
 
     hooks: the step hooks (rule factories — `specserve.LLM` installs the output constraints' —, batch
     logits processors, forced-token sources); empty by default. budget_policy: how much each request
-    drafts (default: the drafter's own budget); calibrated here when it asks for it.
+    drafts (default: the drafter's own budget); calibrated here when it asks for it. capture_layers: target
+    layers (transformers' hidden_states numbering) whose hidden states requests may ask for
+    (`SamplingParams.return_hidden_states`).
     """
 
     def __init__(
@@ -81,6 +83,7 @@ class Engine:
         eos_token_ids: tuple[int, ...] = (),
         budget_policy: BudgetPolicy | None = None,
         hooks: StepHooks | None = None,
+        capture_layers: tuple[int, ...] = (),
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -91,8 +94,11 @@ class Engine:
         self.cache = model.new_cache(self.allocator)
         if drafter is not None:
             drafter.attach_kv(self.allocator)
+        if any(not (isinstance(layer, int) and 0 <= layer <= model.config.num_layers) for layer in capture_layers):
+            raise ValueError(f"capture layers {list(capture_layers)} must lie in 0..{model.config.num_layers} "
+                             "(transformers' hidden_states numbering)")
         self.speculator = Speculator(drafter, self.hooks, model.config.vocab_size, config.max_forced_tokens,
-                                     budget_policy)
+                                     budget_policy, capture_layers)
         self.prefix_cache = None
         if config.enable_prefix_caching:
             keeps_kv = drafter is not None and drafter.kv_bytes_per_slot() > 0
@@ -148,6 +154,9 @@ class Engine:
                 "lower max_tokens or raise kv_cache_tokens"
             )
         self.speculator.check_parts(drafter_parts)
+        if params.return_hidden_states and not self.speculator.capture_layers:
+            raise ValueError("return_hidden_states needs an engine that captures hidden states: "
+                             "LLM(..., capture_layers=(...))")
         req = Request(request_id, list(prompt_ids), params, max_tokens, self.tokenizer, self.config.max_model_len,
                       speculate)
         req.rules = self.hooks.rules_for(req)

@@ -42,7 +42,8 @@ class LLM:
     `specserve info` shows where).
     drafter: a spec such as ``"ngram"`` or ``"draft:PATH"``; None (or ``"none"``) decodes plainly through
     the same loop; ``"auto"`` (the default) is the drafter measured for the model (the tiny model's bundle
-    records one; the default model gets n-gram under adaptive speculation), else plain decoding.
+    records one; the default model gets the drafter its MANIFEST records, the per-request suffix drafter, under
+    adaptive speculation), else plain decoding.
     kv_cache_tokens: total tokens the paged cache holds (default: max_num_seqs full contexts, capped
     at 2 GiB of cache on CPU).
     dtype: on the CPU, how weights are stored — float32, or bfloat16/float16 to halve the bytes read per
@@ -69,6 +70,10 @@ class LLM:
     products do (activations quantized per run of 32, integer dot products); the CPU kernels only. A
     quantized model is a different model: speculation stays lossless against it, not against the float one.
     A draft model drafter is quantized the same way; EAGLE and Medusa heads keep their weights.
+    capture_layers: target layers (transformers' hidden_states numbering: 0 the embeddings, num_layers the
+    final normed output) whose hidden states a request asking for them (`SamplingParams.return_hidden_states`)
+    gets back in `RequestOutput.hidden_states`: the rows its prefill and decode steps computed anyway
+    (EAGLE-3's training data is captured this way: `specserve train feature-data`).
     """
 
     def __init__(
@@ -93,6 +98,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         enable_prefix_caching: bool = True,
         quantization: str | None = None,
+        capture_layers: tuple[int, ...] = (),
     ) -> None:
         # What this LLM was built from: a server's replicas rebuild it in their own processes.
         self.init_args = {name: value for name, value in locals().items() if name != "self"}
@@ -190,6 +196,7 @@ class LLM:
             eos_token_ids=eos_token_ids,
             budget_policy=make_budget_policy(speculation, drafter_obj),
             hooks=StepHooks(rule_factories=[self.constraints, self.penalties]),
+            capture_layers=tuple(capture_layers),
         )
         progress.end(f"kernel warm-up {self.engine.warmup_s:.2f} s, calibrating speculation {self.engine.calibration_s:.2f} s"
                      if getattr(self.engine, "calibration_s", 0) else None)
@@ -334,6 +341,7 @@ class LLM:
             num_cached_tokens=req.num_cached_tokens,
             logprobs=req.logprobs,
             prompt_logprobs=req.prompt_logprobs,
+            hidden_states=req.captured_hidden_states(),
         )
 
 

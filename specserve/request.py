@@ -165,6 +165,9 @@ class Request:
         # token (the first has none: nothing predicts it).
         self.logprobs: list | None = [] if params.logprobs is not None else None
         self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
+        # SamplingParams.return_hidden_states: the capture layers' rows each step committed, in token order
+        # (one {layer: float[rows, hidden]} per step; `captured_hidden_states` joins them).
+        self.hidden_states: list | None = [] if params.return_hidden_states else None
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.stop)
         self.generator = torch.Generator().manual_seed(
             params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
@@ -197,6 +200,15 @@ class Request:
     def prefilled(self) -> bool:
         """The whole prompt is in the cache (prefill may take several steps, one chunk each)."""
         return self.num_cached >= self.prompt_len
+
+    def captured_hidden_states(self) -> dict | None:
+        """{layer: float[rows, hidden]}: row i is token i of prompt + output, for every token whose forward
+        row ran (all but the last, which no step fed back; a stop string or EOS inside an accepted path can
+        leave rows past the output's end, which are dropped). None unless the request asked."""
+        if not self.hidden_states:
+            return None if self.hidden_states is None else {}
+        return {layer: torch.cat([s[layer] for s in self.hidden_states])[:self.num_tokens]
+                for layer in self.hidden_states[0]}
 
     def append(self, token: int) -> None:
         self._tokens[self.num_tokens] = token
@@ -232,4 +244,7 @@ class RequestOutput:
     # SamplingParams.logprobs / prompt_logprobs: TokenLogprob per output token / per prompt token (None first).
     logprobs: list | None = None
     prompt_logprobs: list | None = None
+    # SamplingParams.return_hidden_states: {layer: float[rows, hidden]}, row i the target's hidden state at
+    # token i of prompt + output, for every token the forward ran (all but the last).
+    hidden_states: dict | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (not prefilled)

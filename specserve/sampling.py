@@ -60,6 +60,12 @@ class SamplingParams:
                  tokens' at its position (RequestOutput.logprobs).
     prompt_logprobs: None or k in [0, 20]: the same for every prompt token but the first
                  (RequestOutput.prompt_logprobs; the first entry is None).
+
+    Target features:
+    return_hidden_states: the target's hidden states at the engine's capture layers (`LLM(...,
+                 capture_layers=...)`) for every token whose row the forward ran — the prompt's and the
+                 output's but the last (RequestOutput.hidden_states), taken from the rows decoding computes
+                 anyway, speculative steps included. The whole prompt is prefilled (no prefix-cache reuse).
     """
 
     temperature: float = defaults.TEMPERATURE
@@ -82,6 +88,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    return_hidden_states: bool = False
     constraint: Any = field(init=False, default=None, repr=False, compare=False)  # grammar.Constraint | None
 
     def __post_init__(self) -> None:
@@ -114,8 +121,9 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(stop))
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"SamplingParams.seed must be an integer or None, got {self.seed!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "return_hidden_states"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"SamplingParams.{name} must be a bool, got {getattr(self, name)!r}")
         self._check_penalties(number)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)

@@ -144,8 +144,8 @@ class Scheduler:
 
     def _cached_prefix(self, req: Request) -> list[int]:
         """The cached blocks the request's prompt starts with (none when caching is off)."""
-        if self.prefix_cache is None or req.params.prompt_logprobs is not None:
-            return []  # prompt log-probabilities need the logits of every prompt row: prefill it all
+        if self.prefix_cache is None or req.params.prompt_logprobs is not None or req.params.return_hidden_states:
+            return []  # prompt log-probabilities and hidden states need every prompt row: prefill it all
         return self.prefix_cache.match(req.request_id, req.token_ids, drafts=req.speculate)
 
     def _running_per_client(self) -> dict[str, int]:

@@ -7,10 +7,11 @@ Self-distillation for a GGUF (or any) target, captured once so that training nev
 2. **answers** — the target answers them through the specserve engine on the weights it serves (a GGUF
    file's own Q4_1 kernels), batched, with its chat template; a seeded half greedy, the rest sampled at
    ``temperature`` (drafters serve both);
-3. **features** — one prefill-shaped forward of prompt + answer through the same kernels returns, at
-   every position, the target's hidden states at ``feature_layers`` and its logits (kept as the top-k
-   log-probabilities). Batch invariance makes these the very rows a serving verify computes; a prefill
-   costs a fraction of the decode that produced the answer (``score_s`` vs ``generate_s`` in the manifest).
+3. **features** — captured by the steps that decode the answer, no second pass: the engine hands each
+   request the hidden states at ``feature_layers`` of every row its prefill and decode steps ran
+   (``SamplingParams.return_hidden_states``) and the target's raw top-k log-probabilities after every prompt
+   and answer token (``prompt_logprobs`` / ``logprobs``). These are the rows serving computes (a verify's rows
+   equal them bitwise: batch invariance). The answer's last token is no row: no step fed it back.
 
 Output directory::
 
@@ -38,7 +39,6 @@ if TYPE_CHECKING:  # heavy imports stay out of the CLI's start-up: functions imp
     import torch
 
 MANIFEST = "feature_manifest.json"
-_SCRATCH = "__feature_capture__"
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,7 @@ class FeatureSettings:
     seed: int = 0
 
     def validate(self) -> "FeatureSettings":
+        from specserve.defaults import MAX_LOGPROBS
         from specserve.training.presets import check_float, check_int
 
         check_int("num_prompts", self.num_prompts, 1, 1 << 24)
@@ -63,7 +64,7 @@ class FeatureSettings:
         check_int("max_prompt_tokens", self.max_prompt_tokens, 8, 1 << 16)
         check_float("greedy_fraction", self.greedy_fraction, 0, 1)
         check_float("temperature", self.temperature, 0, 10, low_open=True)
-        check_int("topk", self.topk, 1, 256)
+        check_int("topk", self.topk, 1, MAX_LOGPROBS)  # the engine's log-probabilities carry at most this many
         check_int("batch_size", self.batch_size, 1, 4096)
         check_int("shard_size", self.shard_size, 1, 1 << 20)
         check_int("seed", self.seed, 0, 2**31 - 1)
@@ -89,6 +90,7 @@ def make_feature_data(
 
     from specserve import LLM
     from specserve.drafters.eagle_head import default_feature_layers
+    from specserve.loading import open_checkpoint, resolve_model
     from specserve.training.chat_prompts import chat_prompts
     from specserve.training.corpus import build_corpus
     from specserve.training.outputs import prepare_out_dir, read_json, write_json
@@ -97,14 +99,16 @@ def make_feature_data(
     if max_minutes is not None and not (isinstance(max_minutes, (int, float)) and max_minutes > 0):
         raise ValueError(f"max_minutes must be > 0, got {max_minutes!r}")
     out_dir = prepare_out_dir(Path(out), resume=resume, force=force)
+    num_layers = open_checkpoint(resolve_model(model)).config.num_layers
+    layers = tuple(feature_layers or default_feature_layers("eagle3", num_layers))
+    if any(not 0 <= layer <= num_layers for layer in layers):
+        raise ValueError(f"feature layers {list(layers)} must lie in 0..{num_layers}")
     llm = LLM(model, drafter=None, max_num_seqs=settings.batch_size, threads=threads,
-              max_model_len=settings.max_prompt_tokens + settings.new_tokens, speculation="static")
+              max_model_len=settings.max_prompt_tokens + settings.new_tokens, speculation="static",
+              capture_layers=layers)
     if llm.tokenizer is None or not getattr(llm.tokenizer, "chat_template", None):
         raise ValueError(f"{llm.model_dir!r} has no chat template: feature data is built from chat prompts")
     cfg = llm.model.config
-    layers = tuple(feature_layers or default_feature_layers("eagle3", cfg.num_layers))
-    if any(not 0 <= layer <= cfg.num_layers for layer in layers):
-        raise ValueError(f"feature layers {list(layers)} must lie in 0..{cfg.num_layers}")
     target = target_identity(llm.model_dir)
     manifest = {"kind": "eagle_features", "target": target, "feature_layers": list(layers), "settings": settings.__dict__,
                 "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size, "shards": {"train": [], "heldout": []},
@@ -121,7 +125,7 @@ def make_feature_data(
     prompts = {"train": chat_prompts(source, "train", settings.num_prompts, settings.seed),
                "heldout": chat_prompts(source, "heldout", settings.heldout_prompts, settings.seed)}
     stats = manifest.setdefault("stats", {"prompts_too_long": 0, "new_tokens": 0, "tokens": 0, "generate_s": 0.0,
-                                          "score_s": 0.0})
+                                          "pack_s": 0.0})
     started = time.perf_counter()
     stopped = False
     for split in ("heldout", "train"):  # held-out first (small): a run the time budget stops can still be evaluated
@@ -153,14 +157,16 @@ def make_feature_data(
             break
     manifest["complete"] = not stopped
     manifest["counts"] = {s: _count(out_dir, manifest["shards"][s]) for s in ("train", "heldout")}
-    stats["generated_tokens_per_s"] = round(stats["new_tokens"] / max(stats["generate_s"], 1e-9), 1)
-    stats["scored_tokens_per_s"] = round(stats["tokens"] / max(stats["score_s"], 1e-9), 1)
+    seconds = max(stats["generate_s"] + stats["pack_s"], 1e-9)
+    stats["generated_tokens_per_s"] = round(stats["new_tokens"] / seconds, 1)
+    stats["rows_per_s"] = round(stats["tokens"] / seconds, 1)
     stats["threads"] = threads
     write_json(out_dir / MANIFEST, manifest)
     llm.close()
     print(f"feature data: {manifest['counts']['train']['sequences']} train / {manifest['counts']['heldout']['sequences']} "
           f"held-out sequences ({manifest['counts']['train']['tokens']} train tokens); generated "
-          f"{stats['generated_tokens_per_s']:.0f} tokens/s, captured {stats['scored_tokens_per_s']:.0f} tokens/s"
+          f"{stats['generated_tokens_per_s']:.0f} tokens/s with their features ({stats['rows_per_s']:.0f} rows/s, "
+          f"prompts included)"
           + ("" if manifest["complete"] else " — stopped by the time budget, --resume to finish"), file=sys.stderr)
     return manifest
 
@@ -175,9 +181,9 @@ def target_identity(model_path: str | Path) -> dict:
 
 def _answer_and_capture(llm, prompts, index: list[int], layers: tuple[int, ...], s: FeatureSettings,
                         stats: dict) -> list[dict]:
-    """The target's answers to ``prompts`` (chat messages), then one capturing forward per sequence."""
+    """The target's answers to ``prompts`` (chat messages), each row's features and top-k labels captured by
+    the very steps that decode it (no second pass)."""
     import numpy as np
-    import torch
 
     from specserve import SamplingParams
 
@@ -191,46 +197,40 @@ def _answer_and_capture(llm, prompts, index: list[int], layers: tuple[int, ...],
         greedy = np.random.default_rng([s.seed, i]).random() < s.greedy_fraction
         encoded.append(ids)
         params.append(SamplingParams(temperature=0.0 if greedy else s.temperature, max_tokens=s.new_tokens,
-                                     seed=s.seed * 1_000_003 + i))
+                                     seed=s.seed * 1_000_003 + i, logprobs=s.topk, prompt_logprobs=s.topk,
+                                     return_hidden_states=True))
     if not encoded:
         return []
     t0 = time.perf_counter()
     outs = llm.generate(encoded, params)
     t1 = time.perf_counter()
     stats["generate_s"] += t1 - t0
-    rows = []
-    for ids, o in zip(encoded, outs):
-        seq = np.asarray(ids + list(o.token_ids), dtype=np.int64)
+    rows = [sequence_rows(o, layers, s.topk) for o in outs]
+    for o, row in zip(outs, rows):
         stats["new_tokens"] += len(o.token_ids)
-        hidden, logits = capture(llm, seq, layers)
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        values, indices = logprobs.topk(s.topk, dim=-1)  # [T, k], best first
-        rows.append({"tokens": torch.from_numpy(seq).to(torch.int32), "prompt_length": len(ids),
-                     "features": torch.stack([hidden[layer] for layer in layers], dim=1).to(torch.float16),
-                     "topk_ids": indices.to(torch.int32), "topk_logprobs": values.to(torch.float16)})
-        stats["tokens"] += len(seq)
-    stats["score_s"] += time.perf_counter() - t1
+        stats["tokens"] += len(row["tokens"])
+    stats["pack_s"] += time.perf_counter() - t1
     return rows
 
 
-def capture(llm, tokens: np.ndarray, layers: tuple[int, ...]) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
-    """One causal forward of ``tokens`` int64[T] through the engine's model on a scratch sequence:
-    ({layer: float[T, H]} hidden states in transformers' numbering, logits float[T, V])."""
+def sequence_rows(out, layers: tuple[int, ...], k: int) -> dict:
+    """One answered request (`RequestOutput` with hidden states, logprobs and prompt logprobs of top-k) as a
+    shard's rows: row t is token t of prompt + answer with its features and the target's top-k distribution
+    of token t + 1 — prompt_logprobs[t + 1] inside the prompt, logprobs[t + 1 - P] after it. Every token but
+    the answer's last has such a row (no step fed the last one back)."""
+    import numpy as np
     import torch
 
-    from specserve.step_batch import StepBatchBuilder
-
-    engine = llm.engine
-    allocator = engine.cache.allocator
-    allocator.allocate(_SCRATCH, len(tokens))
-    try:
-        builder = StepBatchBuilder(allocator)
-        builder.add(_SCRATCH, 0, tokens, logits="all", hidden=True)
-        with torch.inference_mode():
-            out = engine.runner.model.forward(builder.build(), engine.cache, layers)
-    finally:
-        allocator.free(_SCRATCH)
-    return {layer: h.float().cpu() for layer, h in out.hidden_states.items()}, out.logits
+    prompt_length = len(out.prompt_token_ids)
+    seq = out.prompt_token_ids + out.token_ids
+    rows = min(len(next(iter(out.hidden_states.values()))), len(seq) - 1)
+    labels = out.prompt_logprobs[1:] + out.logprobs  # labels[t]: the distribution of token t + 1
+    top = [entry.top for entry in labels[:rows]]
+    ids = np.array([[tok for tok, _ in entry] for entry in top], dtype=np.int32).reshape(rows, k)
+    logprobs = np.array([[value for _, value in entry] for entry in top], dtype=np.float32).reshape(rows, k)
+    return {"tokens": torch.tensor(seq[:rows], dtype=torch.int32), "prompt_length": prompt_length,
+            "features": torch.stack([out.hidden_states[layer][:rows] for layer in layers], dim=1).to(torch.float16),
+            "topk_ids": torch.from_numpy(ids), "topk_logprobs": torch.from_numpy(logprobs).to(torch.float16)}
 
 
 def _write_shard(path: Path, rows: list[dict]) -> None:

@@ -60,17 +60,22 @@ class Proposal:
 class Speculator:
     """drafter: None for plain decoding; policy: how much each request drafts (default: the drafter's
     own budget, static); hooks: the engine's step hooks (forced tokens, draft masks, tree filters);
-    max_forced_tokens: the most forced tokens per step (reserved past each request's root)."""
+    max_forced_tokens: the most forced tokens per step (reserved past each request's root);
+    capture_layers: target layers whose committed rows requests asking for them
+    (`SamplingParams.return_hidden_states`) keep — the same rows the drafter's features are."""
 
     def __init__(self, drafter: Drafter | None, hooks: StepHooks, vocab_size: int, max_forced_tokens: int,
-                 policy: BudgetPolicy | None = None) -> None:
+                 policy: BudgetPolicy | None = None, capture_layers: tuple[int, ...] = ()) -> None:
         self.drafter = drafter
         self.hooks = hooks
         self.vocab_size = vocab_size
         self.max_forced_tokens = max_forced_tokens
         self.max_budget = drafter.max_budget if drafter is not None else 0
         self.policy: BudgetPolicy = policy or StaticBudget(self.max_budget)
-        self.hidden_layers = tuple(drafter.hidden_layers) if drafter is not None and drafter.needs_hidden_states else ()
+        self.drafter_layers = tuple(drafter.hidden_layers) if drafter is not None and drafter.needs_hidden_states else ()
+        self.capture_layers = tuple(capture_layers)
+        # What the forward returns: the drafter's layers and the captured ones.
+        self.hidden_layers = tuple(sorted(set(self.drafter_layers) | set(self.capture_layers)))
         # Cache slots a request reserves past its root: the largest tree, the drafter's own levels, forced tokens.
         self.slots_past_root = max(self.max_budget, drafter.kv_slots_past_root if drafter else 0, max_forced_tokens)
         # Target features of committed tokens not yet handed to the drafter: per request, one dict
@@ -173,21 +178,21 @@ class Speculator:
             offsets = np.cumsum([0] + [t.num_nodes + 1 for t in out.trees])
         commits = []
         for j, (r, tree, result, first) in enumerate(zip(step.decodes, out.trees, results, out.first_rows)):
-            if hidden and r.speculate:
+            if hidden and self._keeps_features(r):
                 if result.num_accepted:
                     keep = first + np.concatenate([[0], np.asarray(result.accepted_nodes, dtype=np.int64) + 1])
-                    self._queue_features(r, {layer: h[torch.from_numpy(keep).to(h.device)] for layer, h in hidden.items()})
+                    self._keep_features(r, {layer: h[torch.from_numpy(keep).to(h.device)] for layer, h in hidden.items()})
                 else:
-                    self._queue_features(r, {layer: h[j:j + 1] for layer, h in roots.items()})
+                    self._keep_features(r, {layer: h[j:j + 1] for layer, h in roots.items()})
             r.stats.record(tree, result, proposal.budgets[j], proposal.predicted[j])
             if argmax is not None:
                 commits.append(CommitInfo(r.request_id, result, r.num_cached + 1, tree, argmax[offsets[j]:offsets[j + 1]]))
             else:
                 commits.append(CommitInfo(r.request_id, result, r.num_cached + 1))
         for chunk, first in zip(step.prefills, out.first_rows[len(step.decodes):]):
-            if hidden and chunk.request.speculate:
-                self._queue_features(chunk.request, {layer: h[first:first + chunk.end - chunk.start]
-                                                     for layer, h in hidden.items()})
+            if hidden and self._keeps_features(chunk.request):
+                self._keep_features(chunk.request, {layer: h[first:first + chunk.end - chunk.start]
+                                                    for layer, h in hidden.items()})
         if self.drafter is None:
             return
         commits = [c for c in commits if c.request_id not in self._drafter_off]
@@ -244,8 +249,17 @@ class Speculator:
 
     # ---- target features ------------------------------------------------------------------------
 
-    def _queue_features(self, r: Request, rows: dict[int, torch.Tensor]) -> None:
-        self._features.setdefault(r.request_id, []).append(rows)
+    def _keeps_features(self, r: Request) -> bool:
+        """Its committed rows' features go somewhere: its drafter reads them, or it asked for them."""
+        return (r.speculate and bool(self.drafter_layers)) or r.hidden_states is not None
+
+    def _keep_features(self, r: Request, rows: dict[int, torch.Tensor]) -> None:
+        """rows {layer: float[rows, hidden]} (every layer the forward returned) of tokens the step committed,
+        in token order: queued for the drafter and kept for the request, each its own layers."""
+        if r.speculate and self.drafter_layers:
+            self._features.setdefault(r.request_id, []).append({layer: rows[layer] for layer in self.drafter_layers})
+        if r.hidden_states is not None:
+            r.hidden_states.append({layer: rows[layer] for layer in self.capture_layers})
 
     def _take_features(self, request_id: str) -> dict[int, torch.Tensor] | None:
         """Every queued feature row of a request, in token order ({layer: [rows, hidden]}), handed over once."""
