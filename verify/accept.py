@@ -33,12 +33,12 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from specserve.verify.accept_kernels import accept_packed
+from specserve.verify.accept_kernels import accept_packed, sample_rows
 from specserve.verify.packed import PackedTrees, pack_trees
 from specserve.verify.result import VerifyResult
 from specserve.verify.tree import DraftTree
 
-__all__ = ["RESIDUAL_EPS", "accept_trees", "draw_uniforms", "greedy_accept", "stochastic_accept"]
+__all__ = ["RESIDUAL_EPS", "accept_trees", "draw_uniforms", "greedy_accept", "sample_plain", "stochastic_accept"]
 
 # Below this total mass the residual max(0, p - q) is treated as rounding noise: the residual mass
 # equals TV(p, q), the probability that a draw from q is rejected against p, so a residual this small
@@ -111,6 +111,19 @@ def accept_trees(
         raise ValueError(f"draft node {node} of request {b} has token {int(packed.tokens[bad])} with draft "
                          f"probability 0: it cannot have been drawn from its q (a drafter bug)")
     return [_result(tree, int(n), int(t)) for tree, n, t in zip(trees, last, bonus)]
+
+
+def sample_plain(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> list[int]:
+    """The tokens of sampled requests that verify no tree (plain decoding), on the CPU: probs float32[M, V] their
+    rows' processed distributions, one generator each. Exactly what `accept_trees` emits for an empty tree —
+    the same uniform from the request's generator (`draw_uniforms`: one per empty tree), the same draw
+    (`accept_kernels.sample_rows`) — without packing trees: a plain sampled step is the common case."""
+    uniforms = np.empty(len(generators), dtype=np.float64)
+    for i, gen in enumerate(generators):
+        uniforms[i] = torch.rand(1, generator=gen, dtype=torch.float64).item()
+    tokens = np.empty(len(generators), dtype=np.int64)
+    sample_rows(probs.numpy(), uniforms, tokens)
+    return tokens.tolist()
 
 
 def _result(tree: DraftTree, last: int, bonus: int) -> VerifyResult:

@@ -32,6 +32,17 @@ def _sample(p, total, u):
 
 
 @numba.njit(cache=True, nogil=True)
+def sample_rows(probs, uniforms, out):
+    """out[i] = the token drawn from row i of probs (float32[M, V], processed distributions) with uniforms[i]:
+    exactly the bonus token `accept_packed` draws for an empty tree (the same float64 widening, sum and
+    inverse CDF), for steps where no request verifies a tree."""
+    for i in range(probs.shape[0]):
+        p = probs[i].astype(np.float64)
+        total = p.sum()
+        out[i] = _sample(p, total, uniforms[i])
+
+
+@numba.njit(cache=True, nogil=True)
 def accept_packed(greedy, cu_rows, cu_nodes, tokens, parent_row, first_child, next_sibling, depth,
                   argmax, prob_index, probs, q_ids, q_probs, uniforms, residual_eps,
                   out_len, out_path, out_bonus):

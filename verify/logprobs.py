@@ -16,6 +16,8 @@ import numba
 import numpy as np
 import torch
 
+from specserve.verify.softmax_kernels import sum_exp
+
 
 class TokenLogprob(NamedTuple):
     """One position: the token there, its log-probability, and the `k` most likely tokens' (id,
@@ -52,26 +54,6 @@ def token_logprobs(rows: torch.Tensor, tokens: list[int], k: int, index: list[in
     return [TokenLogprob(t, lp, tuple(zip(i, v))) for t, lp, i, v in zip(tokens, chosen, ids, values)]
 
 
-@numba.njit(cache=True, nogil=True, fastmath=True)
-def _sum_exp(row, hi, p, bits):  # pragma: no cover - compiled
-    """sum_j exp(row[j] - hi) for row[j] <= hi, in float32 (relative error ~1e-6): exp(d) = 2^n * 2^f with
-    n = floor(d log2 e), 2^f a degree-6 polynomial and 2^n built from its exponent bits — both loops
-    vectorise (numba's np.exp does not without SVML: 10x slower)."""
-    v = row.shape[0]
-    for j in range(v):
-        y = max((row[j] - hi) * np.float32(1.4426950408889634), np.float32(-125.0))  # 2^-125: negligible
-        n = np.floor(y)
-        t = (y - n) * np.float32(0.6931471805599453)
-        p[j] = np.float32(1.0) + t * (np.float32(1.0) + t * (np.float32(0.5) + t * (np.float32(1 / 6) + t * (
-            np.float32(1 / 24) + t * (np.float32(1 / 120) + t * np.float32(1 / 720))))))
-        bits[j] = (np.int32(n) + np.int32(127)) << 23
-    scale = bits.view(np.float32)
-    total = np.float32(0.0)
-    for j in range(v):
-        total += p[j] * scale[j]
-    return total
-
-
 @numba.njit(cache=True, nogil=True)
 def _logprobs_cpu(x, rows, tokens, k):  # pragma: no cover - compiled
     """x float32[R, V], rows int64[M] (the rows to read), tokens int64[M]: per row, log p(tokens[m]) and
@@ -86,7 +68,7 @@ def _logprobs_cpu(x, rows, tokens, k):  # pragma: no cover - compiled
     for m in range(m_rows):
         row = x[rows[m]]
         hi = row.max()
-        lse = np.float64(hi) + np.log(np.float64(_sum_exp(row, hi, p, bits)))
+        lse = np.float64(hi) + np.log(np.float64(sum_exp(row, hi, np.float32(1.0), p, bits)))
         chosen[m] = np.float64(row[tokens[m]]) - lse
         if k == 0:
             continue

@@ -20,7 +20,7 @@ import torch
 
 from specserve.sampling import logits_to_probs
 from specserve.step_hooks import StepHooks, VerifyRows
-from specserve.verify.accept import accept_trees, draw_uniforms
+from specserve.verify.accept import accept_trees, draw_uniforms, sample_plain
 from specserve.verify.logprobs import path_rows, split_logprobs, token_logprobs
 from specserve.verify.packed import pack_trees
 from specserve.verify.result import VerifyResult
@@ -43,13 +43,21 @@ class Verifier:
                                                       req.params.prompt_logprobs))
         ruled = [b for b, r in enumerate(reqs) if r.rules]
         wanting = [b for b, r in enumerate(reqs) if r.params.logprobs is not None]
-        if not self.hooks.logits_processors and not ruled and all(
-                not t.num_nodes and r.params.greedy for r, t in zip(reqs, trees)):
-            # Plain greedy decoding: each request's token is its row's argmax (the common case, kept lean:
-            # right after a forward has streamed the weights through the caches, every Python step is slow).
+        if not self.hooks.logits_processors and not ruled and all(not t.num_nodes for t in trees) and (
+                logits.device.type == "cpu" or all(r.params.greedy for r in reqs)):
+            # Plain decoding (the common case, kept lean: right after a forward has streamed the weights through
+            # the caches, every Python step is slow): row b is request b's, and its token is the row's argmax, or
+            # for a sampled request a draw from the row's processed distribution — what acceptance gives an
+            # empty tree, without packing trees (a sampled step spent ~1.5 ms there, a tenth of a step).
             argmax = row_argmax(logits)
-            results = [VerifyResult((), (), token, 0) for token in argmax.tolist()]
-            if wanting:  # one row each, unedited: row b is request b's
+            tokens = argmax.tolist()
+            sampled = [b for b, r in enumerate(reqs) if not r.params.greedy]
+            if sampled:
+                probs = processed_probs(logits, np.asarray(sampled), [reqs[b].params for b in sampled], [1] * len(sampled))
+                for b, token in zip(sampled, sample_plain(probs, [reqs[b].generator for b in sampled])):
+                    tokens[b] = token
+            results = [VerifyResult((), (), token, 0) for token in tokens]
+            if wanting:  # one row each, unedited
                 _add_logprobs(results, reqs, wanting, logits, [[b] for b in wanting])
             return results, argmax
         packed = pack_trees(trees, logits.device)
@@ -70,21 +78,9 @@ class Verifier:
         probs, prob_index, uniforms = None, np.full(packed.num_rows, -1, dtype=np.int64), np.zeros(0)
         if not greedy.all():
             sampled = np.flatnonzero(~greedy)
-            counts = np.diff(cu)[sampled]
             rows = np.concatenate([np.arange(cu[b], cu[b + 1]) for b in sampled])
             prob_index[rows] = np.arange(len(rows))
-
-            def per_row(values, dtype=torch.float32) -> torch.Tensor:
-                return torch.from_numpy(np.repeat(np.asarray(values), counts)).to(logits.device, dtype)
-
-            params = [reqs[b].params for b in sampled]
-            probs = logits_to_probs(  # float32[R_s, vocab]
-                logits[torch.from_numpy(rows).to(logits.device)],
-                per_row([p.temperature for p in params]),
-                per_row([min(p.top_k, logits.shape[-1]) for p in params], torch.int64),
-                per_row([p.top_p for p in params]),
-                per_row([p.min_p for p in params]),
-            )
+            probs = processed_probs(logits, rows, [reqs[b].params for b in sampled], np.diff(cu)[sampled])
             uniforms = draw_uniforms(packed, greedy, [r.generator for r in reqs])
         results = accept_trees(trees, packed, greedy, argmax, probs, prob_index, uniforms)
         if wanting:
@@ -110,6 +106,23 @@ def _add_logprobs(results: list[VerifyResult], reqs, wanting: list[int], source:
     for b, part in zip(wanting, split_logprobs(entries, [len(per) for per in rows], ks)):
         res = results[b]  # (not dataclasses.replace: its field walk costs as much as the rest here)
         results[b] = VerifyResult(res.accepted_nodes, res.accepted_tokens, res.bonus_token, res.num_drafted, part)
+
+
+def processed_probs(logits: torch.Tensor, rows: np.ndarray, params: list, counts) -> torch.Tensor:
+    """float32[len(rows), vocab]: the processed distributions (temperature, top-k, top-p, min-p) of logits' rows
+    `rows`, the first counts[0] of them with params[0]'s sampling parameters, the next counts[1] with params[1]'s,
+    ... Each row's values depend on its own logits and parameters only (`logits_to_probs`), so a request's
+    distribution is the same in a plain step and in a step where others verify trees."""
+    def per_row(values, dtype=torch.float32) -> torch.Tensor:
+        return torch.from_numpy(np.repeat(np.asarray(values), counts)).to(logits.device, dtype)
+
+    return logits_to_probs(
+        logits[torch.from_numpy(rows).to(logits.device)],
+        per_row([p.temperature for p in params]),
+        per_row([min(p.top_k, logits.shape[-1]) for p in params], torch.int64),
+        per_row([p.top_p for p in params]),
+        per_row([p.min_p for p in params]),
+    )
 
 
 def row_argmax(logits: torch.Tensor) -> torch.Tensor:

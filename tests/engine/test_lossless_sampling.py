@@ -57,3 +57,28 @@ def test_same_seed_reproduces_output(llama_dir):
     a = llm.generate(["def f(x):", "class A:"], params)
     b = llm.generate(["class A:", "def f(x):"], params)  # different batch position
     assert a[0].token_ids == b[1].token_ids and a[1].token_ids == b[0].token_ids
+
+
+def test_plain_sampled_decoding_follows_target_distribution(small_vocab_dir):
+    """No drafter: every step verifies empty trees, drawn without packing them (`Verifier`'s plain path)."""
+    params = [SamplingParams(max_tokens=SAMPLED_MAX_TOKENS, seed=seed, ignore_eos=True, temperature=0.8, top_k=6)
+              for seed in range(N)]
+    llm = LLM(small_vocab_dir, drafter=None, device="cpu", max_num_seqs=N, max_prefill_tokens=N * len(PROMPT))
+    outs = llm.generate([PROMPT] * N, params)
+    assert_follows_target(outs, small_vocab_dir, PROMPT, params[0])
+
+
+def test_a_plain_requests_draws_do_not_depend_on_what_its_batch_mates_verify(small_vocab_dir):
+    """A seeded sampled request decoding plainly draws the same tokens in steps where nobody verifies a tree
+    (the plain path) as beside a request verifying trees every step (the general acceptance path)."""
+    params = SamplingParams(max_tokens=16, seed=5, temperature=1.0, ignore_eos=True)
+    alone = LLM(small_vocab_dir, drafter=None, device="cpu").generate([PROMPT], params)[0].token_ids
+    llm = LLM(small_vocab_dir, drafter="scripted", drafter_options={"mode": "deep_chain", "max_budget": 4},
+              speculation="static", device="cpu")
+    plain = llm.engine.add_request(PROMPT, params, speculate=False)
+    mate = llm.engine.add_request([2, 7, 1], SamplingParams(max_tokens=16, seed=9, temperature=1.0, ignore_eos=True))
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert mate.stats.num_drafted > 0 and plain.stats.num_drafted == 0
+    assert plain.output_ids == alone
+
