@@ -116,8 +116,9 @@ def processed_probs(logits: torch.Tensor, rows: np.ndarray, params: list, counts
     def per_row(values, dtype=torch.float32) -> torch.Tensor:
         return torch.from_numpy(np.repeat(np.asarray(values), counts)).to(logits.device, dtype)
 
+    every_row = len(rows) == logits.shape[0] and bool((rows == np.arange(len(rows))).all())
     return logits_to_probs(
-        logits[torch.from_numpy(rows).to(logits.device)],
+        logits if every_row else logits[torch.from_numpy(rows).to(logits.device)],  # (a gather copies every row)
         per_row([p.temperature for p in params]),
         per_row([min(p.top_k, logits.shape[-1]) for p in params], torch.int64),
         per_row([p.top_p for p in params]),
