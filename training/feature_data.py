@@ -99,10 +99,9 @@ def make_feature_data(
     if max_minutes is not None and not (isinstance(max_minutes, (int, float)) and max_minutes > 0):
         raise ValueError(f"max_minutes must be > 0, got {max_minutes!r}")
     out_dir = prepare_out_dir(Path(out), resume=resume, force=force)
-    num_layers = open_checkpoint(resolve_model(model)).config.num_layers
-    layers = tuple(feature_layers or default_feature_layers("eagle3", num_layers))
-    if any(not 0 <= layer <= num_layers for layer in layers):
-        raise ValueError(f"feature layers {list(layers)} must lie in 0..{num_layers}")
+    # (the engine refuses layers outside the model with one line)
+    layers = tuple(feature_layers or default_feature_layers(
+        "eagle3", open_checkpoint(resolve_model(model)).config.num_layers))
     llm = LLM(model, drafter=None, max_num_seqs=settings.batch_size, threads=threads,
               max_model_len=settings.max_prompt_tokens + settings.new_tokens, speculation="static",
               capture_layers=layers)

@@ -21,22 +21,6 @@ N = 24
 LAYERS = (0, 1, 2)  # the embeddings, the first layer's output, the final normed output (2 layers)
 
 
-def eagle3_head(llama_dir, out_dir):
-    """A random EAGLE-3 head for the target (it reads the target's layers itself, other than LAYERS' order)."""
-    from specserve.drafters.eagle_checkpoint import new_head_config, save_head
-    from specserve.drafters.eagle_head import EagleHead
-    from specserve.model import LlamaModel
-
-    model = LlamaModel.from_pretrained(llama_dir, torch.device("cpu"), torch.float32)
-    head = EagleHead(new_head_config(llama_dir, "eagle3", 64), model.embed, model.lm_head)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.1 if p.dim() == 2 else 1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-        head.draft_to_target.copy_(torch.arange(64))
-    return save_head(head, out_dir, torch.float32)
-
-
 def assert_rows_are_transformers(hf, prompt_ids: list[int], out, rows: int) -> None:
     assert set(out.hidden_states) == set(LAYERS)
     tokens = prompt_ids + out.token_ids
@@ -58,8 +42,12 @@ def test_every_decoded_rows_hidden_states_equal_transformers(llama_dir, drafter,
     options = None
     if drafter == "scripted":  # trees that accept several tokens a step and reject others
         options = {"mode": "mixed", "seed": 3, "references": [p + o.token_ids for p, o in zip(prompts, reference)]}
-    elif drafter == "eagle":
-        drafter, options = f"eagle:{eagle3_head(llama_dir, tmp_path / 'head')}", {"depth": 3, "topk": 2}
+    elif drafter == "eagle":  # a random EAGLE-3 head: it reads target layers of its own beside LAYERS
+        from specserve.drafters.eagle_checkpoint import save_head
+        from tests.drafters.test_eagle import random_head
+
+        head = save_head(random_head(llama_dir, "eagle3", seed=2, std=0.1), tmp_path / "head", torch.float32)
+        drafter, options = f"eagle:{head}", {"depth": 3, "topk": 2}
     llm = LLM(llama_dir, drafter=drafter, drafter_options=options, speculation="static", device="cpu",
               capture_layers=LAYERS)
     params = [SamplingParams(**greedy, return_hidden_states=True), SamplingParams(**greedy),
