@@ -34,7 +34,7 @@ from specserve.drafters.base import check_int_option, Drafter, DraftRequest, Tar
 from specserve.drafters.medusa_heads import has_heads, load_heads
 from specserve.drafters.medusa_tree import DEFAULT_CHOICES, StaticTree, parse_choices, sample_static_tree
 from specserve.drafters.draft_rng import request_generator
-from specserve.drafters.tree_builder import DRAFT_Q_SUPPORT, TreeBuilder, draw_siblings, mask_level
+from specserve.drafters.tree_builder import DRAFT_Q_SUPPORT, TreeBuilder, draw_siblings, mask_level, top_columns
 from specserve.verify import DraftTree
 
 TREES = ("static", "dynamic")
@@ -100,7 +100,9 @@ class MedusaDrafter(Drafter):
         self.num_heads = heads.num_heads
         self.depth = heads.num_heads if depth is None else _check("depth", depth, 1, heads.num_heads)
         self.tree = tree
-        vocab = target.vocab_size
+        # Tree tokens are columns of the heads' logits; a draft vocabulary maps them to target ids.
+        self.id_map = heads.draft_to_target.numpy() if heads.draft_to_target is not None else None
+        vocab = heads.draft_vocab_size or target.vocab_size
         if tree == "static":
             self.topk = None
             if choices is not None:
@@ -144,7 +146,9 @@ class MedusaDrafter(Drafter):
         self._generators.pop(request_id, None)
 
     def propose(self, requests: list[DraftRequest], budgets: list[int], depth: int | None = None) -> list[DraftTree]:
-        """All heads run in one pass whatever the depth: `depth` is left to the policy's cut."""
+        """The heads the trees can reach run in one pass: a static tree cut to the largest budget reaches only its
+        first levels (a 1-node tree reads head 0 alone, a third of three heads' bytes); `depth` is left to the
+        policy's cut."""
         if len(budgets) != len(requests):
             raise ValueError(f"propose got {len(requests)} requests but {len(budgets)} budgets")
         trees = [DraftTree.empty() for _ in requests]
@@ -161,12 +165,13 @@ class MedusaDrafter(Drafter):
                 work.append((i, req, min(budget, self.max_budget)))
         if not work:
             return trees
+        reach = self.depth if self.static is None else int(self.static.depths[: max(c for _, _, c in work)].max())
         with torch.inference_mode():
             feats = torch.stack([self._features[req.request_id][0] for _, req, _ in work])  # [A, H]
             if self.kernels is not None:
-                logits = self.kernels(feats)  # [A, D, V]
+                logits = self.kernels(feats, reach)  # [A, reach, V']
             else:
-                logits = self.heads(feats, self.lm_weight, heads=self.depth).transpose(0, 1).float()
+                logits = self.heads(feats, self.lm_weight, heads=reach).transpose(0, 1).float()
         logits = np.asarray(logits) if isinstance(logits, np.ndarray) else logits.cpu().numpy()
         temps = np.array([req.temperature for _, req, _ in work], dtype=np.float32)
         reqs, caps = [req for _, req, _ in work], [cap for _, _, cap in work]
@@ -208,14 +213,22 @@ class MedusaDrafter(Drafter):
         constrained = any(g is not None for g in grammars)
         level = logits[:, 0][:, None].copy()
         if constrained:
-            mask_level(level, grammars, builder, None)
+            mask_level(level, grammars, builder, None, None, self._target_ids, self._draft_allowed)
         front = builder.add_level(level)
         for d in range(1, self.depth):
             level = np.repeat(logits[:, d][:, None], width, axis=1)
             if constrained:
-                mask_level(level, grammars, builder, front)
+                mask_level(level, grammars, builder, front, None, self._target_ids, self._draft_allowed)
             front = builder.add_level(level)
-        return [_tree(t, p, qi, qp, sc) for t, p, qi, qp, sc in builder.finish(caps)]
+        return [_tree(t, p, qi, qp, sc, self.id_map) for t, p, qi, qp, sc in builder.finish(caps)]
+
+    def _target_ids(self, ids: np.ndarray) -> np.ndarray:
+        """Logit columns -> target ids."""
+        return ids if self.id_map is None else self.id_map[ids]
+
+    def _draft_allowed(self, allowed: np.ndarray) -> np.ndarray:
+        """A grammar's bool[target V] mask -> bool[columns]."""
+        return allowed if self.id_map is None else allowed[self.id_map]
 
     def _static_trees(self, logits: np.ndarray, reqs: list[DraftRequest], temps: np.ndarray,
                       caps: list[int]) -> list[DraftTree]:
@@ -228,17 +241,17 @@ class MedusaDrafter(Drafter):
             parents, depths, ranks = s.parents[:cap], s.depths[:cap], s.ranks[:cap]
             if reqs[a].mask is not None:
                 out.append(_constrained_static_tree(logits[a], reqs[a].mask, parents, depths, ranks, float(temps[a]),
-                                                    uniforms[a] if uniforms is not None else None))
+                                                    uniforms[a] if uniforms is not None else None, self.id_map))
                 continue
             if temps[a] <= 0:
-                order = np.argsort(-logits[a], axis=-1, kind="stable")[:, : s.max_rank + 1]  # [D, ranks]
-                out.append(_tree(order[depths - 1, ranks], parents, None, None))
+                order = _top_ranks(logits[a], int(ranks.max()) + 1)  # [D, ranks]: each head's best columns
+                out.append(_tree(order[depths - 1, ranks], parents, None, None, id_map=self.id_map))
                 continue
             tokens, q_ids, q_probs, keep = sample_static_tree(logits[a], float(temps[a]), parents, depths, uniforms[a])
             # A node whose draw failed (q's support ran out) takes its subtree along.
             index = np.cumsum(keep) - 1
             new_parents = np.where(parents >= 0, index[np.maximum(parents, 0)], -1)[keep]
-            out.append(_tree(tokens[keep], new_parents, q_ids[keep], q_probs[keep]))
+            out.append(_tree(tokens[keep], new_parents, q_ids[keep], q_probs[keep], id_map=self.id_map))
         return out
 
     def _generator(self, req: DraftRequest) -> torch.Generator:
@@ -261,12 +274,14 @@ class MedusaDrafter(Drafter):
 
 
 def _constrained_static_tree(logits: np.ndarray, grammar, parents: np.ndarray, depths: np.ndarray,
-                             ranks: np.ndarray, temperature: float, uniforms: np.ndarray | None) -> DraftTree:
+                             ranks: np.ndarray, temperature: float, uniforms: np.ndarray | None,
+                             id_map: np.ndarray | None = None) -> DraftTree:
     """A static tree under a grammar: every expanded row's head logits are masked with the grammar's
     state after that row's path (one mask per row), then its children are chosen as without a grammar —
     greedy: the rank-``ranks[i]`` allowed token; sampled: draws without replacement from the masked
     compact q (`draw_siblings`, so q is the masked draft and sampling stays exact). A node with no
-    allowed token left is dropped with its subtree. logits: float32[D, V]."""
+    allowed token left is dropped with its subtree. logits: float32[D, V'] (columns: target ids through
+    ``id_map`` when the heads have a draft vocabulary)."""
     n = len(parents)
     tokens = np.zeros(n, dtype=np.int64)
     keep = np.zeros(n, dtype=np.bool_)
@@ -282,11 +297,13 @@ def _constrained_static_tree(logits: np.ndarray, grammar, parents: np.ndarray, d
             continue
         path, node = [], row
         while node >= 0:
-            path.append(int(tokens[node]))
+            path.append(int(tokens[node]) if id_map is None else int(id_map[tokens[node]]))
             node = int(parents[node])
         allowed = grammar.allowed(path[::-1])
         head = logits[depths[kids[0]] - 1]
-        masked = np.where(allowed[:len(head)], head, -np.inf).astype(np.float32) if allowed is not None \
+        if allowed is not None:
+            allowed = allowed[:len(head)] if id_map is None else allowed[id_map]
+        masked = np.where(allowed, head, -np.inf).astype(np.float32) if allowed is not None \
             else np.full_like(head, -np.inf)
         if temperature <= 0:
             candidates = np.flatnonzero(masked > -np.inf)
@@ -305,15 +322,30 @@ def _constrained_static_tree(logits: np.ndarray, grammar, parents: np.ndarray, d
     index = np.cumsum(keep) - 1
     new_parents = np.where(parents >= 0, index[np.maximum(parents, 0)], -1)[keep]
     if temperature <= 0:
-        return _tree(tokens[keep], new_parents, None, None)
-    return _tree(tokens[keep], new_parents, q_ids[keep], q_probs[keep])
+        return _tree(tokens[keep], new_parents, None, None, id_map=id_map)
+    return _tree(tokens[keep], new_parents, q_ids[keep], q_probs[keep], id_map=id_map)
+
+
+def _top_ranks(logits: np.ndarray, count: int) -> np.ndarray:
+    """int64[D, count]: each row's ``count`` best columns, best first, ties to the lower column (what a stable
+    argsort of -logits begins with; a scan instead of a sort of the whole vocabulary)."""
+    out = np.empty((logits.shape[0], count), dtype=np.int64)
+    values = np.empty(count, dtype=np.float64)
+    for d in range(logits.shape[0]):
+        top_columns(np.ascontiguousarray(logits[d]), count, out[d], values)
+    return out
 
 
 def _tree(tokens: np.ndarray, parents: np.ndarray, q_ids: np.ndarray | None, q_probs: np.ndarray | None,
-          scores: np.ndarray | None = None) -> DraftTree:
-    """scores: the dynamic builder's (static trees have none: the adaptive policy ranks them by depth)."""
+          scores: np.ndarray | None = None, id_map: np.ndarray | None = None) -> DraftTree:
+    """scores: the dynamic builder's (static trees have none: the adaptive policy ranks them by depth).
+    tokens and q_ids are logit columns, mapped to target ids through ``id_map`` (a draft vocabulary)."""
     if not len(tokens):
         return DraftTree.empty()
+    if id_map is not None:
+        tokens = id_map[tokens]
+        if q_ids is not None:
+            q_ids = np.where(q_ids >= 0, id_map[np.maximum(q_ids, 0)], -1)
     q = ((torch.from_numpy(np.ascontiguousarray(q_ids)), torch.from_numpy(np.ascontiguousarray(q_probs)))
          if q_ids is not None else (None, None))
     return DraftTree(torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64)),
@@ -336,6 +368,10 @@ class _HeadKernels:
         from specserve.kernels import PackedLinear
 
         storage = target_kernels.storage
+        if getattr(target_kernels, "quantized", False):
+            # A quantized target's heads run 8-bit too (as EAGLE heads do): one step streams every head's weights
+            # for a row or two, so their bytes are its time (3 heads over 4,096 tokens: 31 MB as float32, 8 as int8).
+            storage = "int8"
         self.blocks = [[PackedLinear(heads.weight[k, layer], heads.bias[k, layer], storage)
                         for layer in range(heads.num_layers)] for k in range(depth)]
         self.lm_heads = ([PackedLinear(heads.lm_heads[k], None, storage) for k in range(depth)]
@@ -343,11 +379,12 @@ class _HeadKernels:
         self.shared = target_kernels.lm_head
         self.depth = depth
 
-    def __call__(self, feats: torch.Tensor) -> np.ndarray:
-        """feats float[A, H] -> logits float32[A, D, V]."""
+    def __call__(self, feats: torch.Tensor, depth: int | None = None) -> np.ndarray:
+        """feats float[A, H] -> logits float32[A, depth, V'] of the first ``depth`` heads (default all built)."""
+        depth = self.depth if depth is None else depth
         h = feats.float()
         xs = []
-        for blocks in self.blocks:
+        for blocks in self.blocks[:depth]:
             x = h
             for block in blocks:
                 y = block(x)
@@ -357,4 +394,4 @@ class _HeadKernels:
             logits = [lm(x) for lm, x in zip(self.lm_heads, xs)]
             return torch.stack(logits, dim=1).numpy()
         flat = self.shared(torch.cat(xs))  # [D * A, V]: the LM head streamed once for every head
-        return flat.view(self.depth, feats.shape[0], -1).transpose(0, 1).contiguous().numpy()
+        return flat.view(depth, feats.shape[0], -1).transpose(0, 1).contiguous().numpy()

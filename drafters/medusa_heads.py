@@ -4,17 +4,26 @@
 
     medusa_config.json          {"format": "specserve-medusa", "version": 1, "num_heads", "num_layers",
                                  "hidden_size", "vocab_size", "lm_head": "own" | "shared",
+                                 optional "draft_vocab_size",
                                  "target": {"path", "model_type", "hidden_size", "vocab_size",
-                                            "num_layers", "fingerprint"}, optional "choices", "metrics"}
+                                            "num_layers", "fingerprint" (a directory) or
+                                            "file_sha256" + "tokenizer" (a GGUF file)},
+                                 optional "choices", "metrics"}
     medusa_heads.safetensors    "weight" [K, L, H, H], "bias" [K, L, H], and with own LM heads
-                                "lm_heads" [K, V, H]
+                                "lm_heads" [K, V', H]; with a draft vocabulary "draft_to_target"
+                                int64[V'] (ascending target ids), else V' = V
+
+A draft vocabulary (own LM heads only) keeps each head's LM head to the V' most frequent target tokens,
+as EAGLE-3 heads do: on SmolLM2 (V = 49,152) a full own LM head per head would cost a target LM head's
+time each step and 57 MB in float16. A token outside it is never drafted; verification is unchanged.
 
 **Public Medusa** (FasterDecoding/Medusa: Medusa-1 heads, v2 heads ending in the target's LM head, and
 Medusa-2 targets fine-tuned jointly with their heads), detected from the files: see `medusa_public`.
 
-The target fingerprint (ours only) is the sha256 of the target's architecture fields, its tokenizer
-fingerprint and its LM head cast to fp16 — equal for an fp32 checkpoint and its fp16 export, different
-for another model of the same shape.
+The target fingerprint (ours only) of a model directory is the sha256 of the target's architecture fields,
+its tokenizer fingerprint and its LM head cast to fp16 — equal for an fp32 checkpoint and its fp16 export,
+different for another model of the same shape. A GGUF target is identified by the file's own sha256 (its
+quantized weights are what the heads were trained on) and its tokenizer's fingerprint, as EAGLE heads are.
 """
 
 from __future__ import annotations
@@ -49,12 +58,16 @@ class MedusaHeads(nn.Module):
     """K Medusa heads over the target's final normed hidden state h (what its LM head reads).
 
     Head k: ``x <- x + SiLU(W[k, l] x + b[k, l])`` for each of ``num_layers`` blocks, then
-    ``logits = U_k x`` with U_k [V, H] its own LM head (``lm_head="own"``) or the target's
+    ``logits = U_k x`` with U_k [V', H] its own LM head (``lm_head="own"``) or the target's
     (``"shared"``, passed to `forward`). Blocks start at zero, so a fresh head is the target's LM
     head. Head k at the feature of position t predicts the token at t + k + 2.
+
+    draft_vocab_size: own LM heads only, V' < V rows scoring the target ids in the buffer
+    ``draft_to_target`` int64[V'] (logits column j is target token draft_to_target[j]); None: V' = V.
     """
 
-    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int, lm_head: str = "own") -> None:
+    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int, lm_head: str = "own",
+                 draft_vocab_size: int | None = None) -> None:
         super().__init__()
         if lm_head not in LM_HEAD_MODES:
             raise ValueError(f"lm_head must be one of {LM_HEAD_MODES}, got {lm_head!r}")
@@ -62,21 +75,45 @@ class MedusaHeads(nn.Module):
                                  ("num_heads", num_heads, 1), ("num_layers", num_layers, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 1 << 20:
                 raise ValueError(f"medusa {name} must be an integer >= {low}, got {value!r}")
+        if draft_vocab_size is not None:
+            if lm_head != "own":
+                raise ValueError("a Medusa draft vocabulary needs own LM heads (lm_head='own')")
+            if isinstance(draft_vocab_size, bool) or not isinstance(draft_vocab_size, int) \
+                    or not 1 <= draft_vocab_size <= vocab_size:
+                raise ValueError(f"medusa draft_vocab_size must be an integer in [1, {vocab_size}], got {draft_vocab_size!r}")
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
         self.num_heads, self.num_layers, self.lm_head_mode = num_heads, num_layers, lm_head
+        self.draft_vocab_size = draft_vocab_size
         self.weight = nn.Parameter(torch.zeros(num_heads, num_layers, hidden_size, hidden_size))  # [K, L, H, H]
         self.bias = nn.Parameter(torch.zeros(num_heads, num_layers, hidden_size))  # [K, L, H]
-        self.lm_heads = nn.Parameter(torch.zeros(num_heads, vocab_size, hidden_size)) if lm_head == "own" else None
+        rows = vocab_size if draft_vocab_size is None else draft_vocab_size
+        self.lm_heads = nn.Parameter(torch.zeros(num_heads, rows, hidden_size)) if lm_head == "own" else None
+        if draft_vocab_size is not None:
+            self.register_buffer("draft_to_target", torch.arange(draft_vocab_size, dtype=torch.int64))
+        else:
+            self.draft_to_target = None
 
     def init_lm_heads(self, target_lm_head: torch.Tensor) -> None:
-        """Start every own LM head from the target's [V, H]."""
+        """Start every own LM head from the target's [V, H] (its draft vocabulary's rows, when it has one)."""
         if self.lm_heads is not None:
+            rows = target_lm_head if self.draft_to_target is None else target_lm_head[self.draft_to_target.to(target_lm_head.device)]
             with torch.no_grad():
-                self.lm_heads.copy_(target_lm_head.to(self.lm_heads)[None].expand_as(self.lm_heads))
+                self.lm_heads.copy_(rows.to(self.lm_heads)[None].expand_as(self.lm_heads))
+
+    def set_draft_vocab(self, draft_to_target: torch.Tensor) -> None:
+        """Name the target ids the draft vocabulary's columns score: int64[V'], distinct, ascending, < V."""
+        ids = torch.as_tensor(draft_to_target, dtype=torch.int64).cpu()
+        if self.draft_to_target is None or ids.shape != self.draft_to_target.shape:
+            raise ValueError(f"a draft vocabulary of {self.draft_vocab_size} ids is expected, got {tuple(ids.shape)}")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size or not bool((ids[1:] > ids[:-1]).all()):
+            raise ValueError(f"draft_to_target must hold ascending, distinct token ids in [0, {self.vocab_size})")
+        with torch.no_grad():
+            self.draft_to_target.copy_(ids.to(self.draft_to_target.device))
 
     def forward(self, h: torch.Tensor, lm_weight: torch.Tensor | None = None, heads: int | None = None,
                 first: int = 0) -> torch.Tensor:
-        """Logits [n, ..., V] of heads ``first .. first + n - 1`` (n = ``heads``, default all) for h [..., H].
+        """Logits [n, ..., V'] of heads ``first .. first + n - 1`` (n = ``heads``, default all) for h [..., H]
+        (V' = V without a draft vocabulary; column j scores target id ``draft_to_target[j]`` with one).
 
         lm_weight: the target's LM head [V, H], needed when the heads share it.
         """
@@ -133,13 +170,38 @@ def target_fingerprint(model_dir: str | Path) -> str:
     return digest.hexdigest()
 
 
-def target_record(model_dir: str | Path) -> dict:
-    """What our config says about the target heads were trained for."""
-    model_dir = Path(model_dir).expanduser().resolve()
-    config = _read_json(model_dir / "config.json", "target config")
-    return {"path": str(model_dir), "model_type": config.get("model_type"), "hidden_size": config.get("hidden_size"),
+def target_record(model: str | Path) -> dict:
+    """What our config says about the target heads were trained for: a model directory or a GGUF file."""
+    model = Path(model).expanduser().resolve()
+    if model.is_file():  # a GGUF file: identified as EAGLE heads identify it (file and tokenizer sha256)
+        from specserve.drafters.eagle_checkpoint import target_config
+        from specserve.drafters.eagle_checkpoint import target_fingerprint as file_identity
+
+        config, identity = target_config(model), file_identity(model)
+        return {"path": str(model), "model_type": config.get("model_type"), "hidden_size": config.get("hidden_size"),
+                "vocab_size": config.get("vocab_size"), "num_layers": config.get("num_hidden_layers"),
+                "file_sha256": identity["file_sha256"], "tokenizer": identity["tokenizer"]}
+    config = _read_json(model / "config.json", "target config")
+    return {"path": str(model), "model_type": config.get("model_type"), "hidden_size": config.get("hidden_size"),
             "vocab_size": config.get("vocab_size"), "num_layers": config.get("num_hidden_layers"),
-            "fingerprint": target_fingerprint(model_dir)}
+            "fingerprint": target_fingerprint(model)}
+
+
+def _check_target(recorded: dict, target: str | Path, path: Path) -> None:
+    """ValueError when heads whose config records ``recorded`` were trained for another target than ``target``."""
+    target = Path(target)
+    if target.is_file():
+        from specserve.drafters.eagle_checkpoint import file_sha256
+
+        same = recorded.get("file_sha256") is not None and recorded["file_sha256"] == file_sha256(target)
+        known = recorded.get("file_sha256") is not None or recorded.get("fingerprint") is not None
+    else:
+        same = recorded.get("fingerprint") is not None and recorded["fingerprint"] == target_fingerprint(target)
+        known = recorded.get("fingerprint") is not None or recorded.get("file_sha256") is not None
+    if known and not same:
+        raise ValueError(f"medusa heads in {str(path)!r} were trained for another target "
+                         f"({recorded.get('path')!r}; fingerprint mismatch): train heads for this one with "
+                         "`specserve train medusa`")
 
 
 # ---- saving ----------------------------------------------------------------------------------------
@@ -156,8 +218,12 @@ def save_heads(heads: MedusaHeads, out_dir: str | Path, target_dir: str | Path, 
     if heads.lm_heads is not None:
         tensors["lm_heads"] = heads.lm_heads
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in tensors.items()}
+    vocab = {}
+    if heads.draft_to_target is not None:
+        tensors["draft_to_target"] = heads.draft_to_target.detach().to("cpu", torch.int64).contiguous()
+        vocab = {"draft_vocab_size": heads.draft_vocab_size}
     config = {"format": FORMAT, "version": VERSION, "num_heads": heads.num_heads, "num_layers": heads.num_layers,
-              "hidden_size": heads.hidden_size, "vocab_size": heads.vocab_size, "lm_head": heads.lm_head_mode,
+              "hidden_size": heads.hidden_size, "vocab_size": heads.vocab_size, "lm_head": heads.lm_head_mode, **vocab,
               "dtype": str(dtype).removeprefix("torch."), "target": target_record(target_dir), **(extra or {})}
     tmp = out_dir / (WEIGHTS_FILE + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": "pt"})
@@ -202,10 +268,8 @@ def load_heads(path: str | Path, *, hidden_size: int, vocab_size: int, model_typ
         if model_type is not None and recorded.get("model_type") not in (None, model_type):
             raise ValueError(f"medusa heads in {str(path)!r} were trained for a {recorded.get('model_type')} model, "
                              f"the target is {model_type}")
-        if target_dir is not None and recorded.get("fingerprint") not in (None, target_fingerprint(target_dir)):
-            raise ValueError(f"medusa heads in {str(path)!r} were trained for another target "
-                             f"({recorded.get('path')!r}; fingerprint mismatch): train heads for this one with "
-                             "`specserve train medusa`")
+        if target_dir is not None:
+            _check_target(recorded, target_dir, path)
     return loaded
 
 
@@ -217,18 +281,26 @@ def _load_ours(path: Path) -> LoadedHeads:
         raise ValueError(f"{str(path / CONFIG_FILE)!r} has version {config.get('version')!r}; this specserve reads {VERSION}")
     try:
         heads = MedusaHeads(config["hidden_size"], config["vocab_size"], config["num_heads"], config["num_layers"],
-                            config["lm_head"])
+                            config["lm_head"], config.get("draft_vocab_size"))
         if not isinstance(config["target"], dict):
             raise TypeError("target must be an object")
     except (KeyError, TypeError) as exc:
         raise ValueError(f"{str(path / CONFIG_FILE)!r} is incomplete or malformed: {exc}") from exc
     state = _read_safetensors(path / WEIGHTS_FILE)
     expected = {name: tuple(p.shape) for name, p in heads.named_parameters()}
+    if heads.draft_to_target is not None:
+        expected["draft_to_target"] = tuple(heads.draft_to_target.shape)
     check_shapes(path / WEIGHTS_FILE, {k: tuple(v.shape) for k, v in state.items()}, expected)
+    draft_ids = state.pop("draft_to_target", None)
     for name, tensor in state.items():
         if not tensor.is_floating_point():
             raise ValueError(f"medusa weights in {str(path / WEIGHTS_FILE)!r}: {name!r} is not a floating-point tensor")
-    heads.load_state_dict({k: v.float() for k, v in state.items()})
+    heads.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    if draft_ids is not None:
+        try:
+            heads.set_draft_vocab(draft_ids)
+        except (ValueError, RuntimeError) as exc:
+            raise ValueError(f"medusa weights in {str(path / WEIGHTS_FILE)!r}: {exc}") from None
     return LoadedHeads(heads, config, "specserve")
 
 
@@ -296,7 +368,11 @@ def describe_heads(path: str | Path, target: str | Path | None = None) -> dict[s
     if not path.is_dir():
         raise FileNotFoundError(f"medusa heads directory {str(path)!r} does not exist")
     target_dir = getattr(target, "model_dir", target)
-    target_cfg = _read_json(Path(target_dir) / "config.json", "target config") if target_dir is not None else None
+    target_cfg = None
+    if target_dir is not None:
+        from specserve.drafters.eagle_checkpoint import target_config
+
+        target_cfg = target_config(target_dir)  # a model directory's config.json, or a GGUF file's metadata
     if (path / CONFIG_FILE).is_file():
         config = _read_json(path / CONFIG_FILE, "medusa config")
         recorded = config.get("target") if isinstance(config.get("target"), dict) else {}
@@ -306,6 +382,8 @@ def describe_heads(path: str | Path, target: str | Path | None = None) -> dict[s
                "lm head": "own, one per head" if mode == "own" else "shared: the target's",
                "hidden size": str(config.get("hidden_size")), "vocabulary": str(config.get("vocab_size")),
                "trained for": str(recorded.get("path"))}
+        if config.get("draft_vocab_size") is not None:
+            out["draft vocabulary"] = f"{config['draft_vocab_size']} most frequent target tokens"
         hidden, vocab = config.get("hidden_size"), config.get("vocab_size")
     elif has_heads(path):
         files = inspect_public(path)

@@ -222,7 +222,7 @@ def _frontier_rows(per_request: list, builder: TreeBuilder, front: Frontier | No
 
 
 @numba.njit(cache=True, nogil=True)
-def _top(row, count, ids, values):
+def top_columns(row, count, ids, values):
     """The `count` largest entries of row (ties: the lower index first), best first, into ids/values."""
     for j in range(count):
         ids[j] = -1
@@ -247,7 +247,7 @@ def draw_siblings(row, temperature, count, uniforms, q_ids, q_probs, tokens, top
     q_probs[j]; uniforms[j] drives its inverse-CDF draw. Returns how many could be drawn (fewer when the
     support runs out). top_ids / top_vals / weights: scratch of at least `support` entries."""
     support = weights.shape[0]
-    _top(row, support, top_ids, top_vals)
+    top_columns(row, support, top_ids, top_vals)
     peak = top_vals[0]
     mass = 0.0
     for m in range(support):
@@ -298,7 +298,7 @@ def _expand_level(logits, requests, width, level, k, w, depth, temperatures, uni
             parent_score = 0.0 if level == 1 else scores[a, parent]
             first = base + f * k
             if temp == 0.0:
-                _top(row, k, top_ids, top_vals)
+                top_columns(row, k, top_ids, top_vals)
                 peak = top_vals[0]
                 total = 0.0
                 for t in range(row.shape[0]):

@@ -33,8 +33,8 @@ from typing import Any, Callable
 TIE = 0.02  # speedups this close to the best are a tie: two runs of the same drafter differ by about this
 PER_REQUEST_SUFFIX = "suffix#per-request"
 DEFAULT_CANDIDATES: dict[str, dict[str, dict[str, Any]]] = {
-    "default": {"eagle": {}, "ngram": {}, PER_REQUEST_SUFFIX: {"shared_tokens": 0}, "suffix": {}, "lookahead": {},
-                "hybrid:ngram+suffix": {}, "hybrid:suffix+eagle": {}},
+    "default": {"eagle": {}, "medusa": {}, "ngram": {}, PER_REQUEST_SUFFIX: {"shared_tokens": 0}, "suffix": {},
+                "lookahead": {}, "hybrid:ngram+suffix": {}, "hybrid:suffix+eagle": {}, "hybrid:suffix+medusa": {}},
     "tiny": {"eagle": {}, "medusa": {}, "draft": {}, "ngram": {}, "suffix": {}, "lookahead": {},
              "hybrid:suffix+eagle": {}, "hybrid:suffix+draft": {}, "hybrid:ngram+suffix": {}},
 }

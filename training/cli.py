@@ -74,15 +74,21 @@ def add_train_parser(sub, parser_class):
     vocab.set_defaults(handler=cmd_draft_vocab)
 
     medusa = tsub.add_parser("medusa", help="train Medusa heads on a frozen target (serve them as medusa:OUT)")
-    medusa.add_argument("--target", required=True, help="target model directory (with its tokenizer)")
+    medusa.add_argument("--target", default=None,
+                        help="target model: a directory (with its tokenizer), or with --data from `train feature-data` any "
+                             "model the engine loads (default there: the default model)")
     medusa.add_argument("--out", required=True, help="output heads directory")
-    medusa.add_argument("--data", default=None, help="distill-data directory (default: generate one in OUT/distill)")
+    medusa.add_argument("--data", default=None,
+                        help="distill-data directory (default: generate one in OUT/distill), or `train feature-data` "
+                             "output holding the final normed layer")
     medusa.add_argument("--heads", type=int, default=None, help="number of heads = tree depth (default 3; resume: the run's)")
     medusa.add_argument("--layers", type=int, default=None, help="residual blocks per head (default 1)")
     medusa.add_argument("--lm-head", default=None, choices=["shared", "own"],
                         help="shared: every head reads through the target's LM head (small); own: one trained LM head "
                              "per head (default shared)")
     medusa.add_argument("--decay", type=float, default=None, help="head k's loss weight is decay**k (default 0.8)")
+    medusa.add_argument("--draft-vocab", type=int, default=None,
+                        help="own LM heads over the N most frequent tokens of feature data (default: the whole vocabulary)")
     _run_args(medusa, seq_len=False)
     _distill_args(medusa, prefix="distill options (only when --data is not given)")
     medusa.set_defaults(handler=cmd_medusa)

@@ -127,10 +127,10 @@ def train_eagle(
             raise ValueError(f"the data in {str(data_dir)!r} has token ids outside the target's vocabulary")
 
         torch.manual_seed(settings.seed)
-        weights = _TargetWeights.of(target_dir, captured, dist.device)
+        weights = TargetWeights.of(target_dir, captured, dist.device)
         if mode == "eagle3" and draft_vocab is None:
             draft_vocab = default_draft_vocab(vocab)
-        draft_ids = _draft_vocabulary(train_set, vocab, draft_vocab if mode == "eagle3" else vocab)
+        draft_ids = draft_vocabulary(train_set, vocab, draft_vocab if mode == "eagle3" else vocab)
         cfg = new_head_config(target_dir, mode, len(draft_ids), feature_layers)
         if any(not 0 <= layer <= cfg.target["num_layers"] for layer in cfg.feature_layers):
             raise ValueError(f"feature layers {cfg.feature_layers} must lie in 0..{cfg.target['num_layers']}")
@@ -215,7 +215,7 @@ def _recorded(out_dir: Path) -> dict:
     return {**run["eagle"], "data": run.get("data")}
 
 
-def _draft_vocabulary(train_set, vocab: int, size: int | None):
+def draft_vocabulary(train_set, vocab: int, size: int | None):
     """The ``size`` most frequent tokens of the training sequences (ties: lower id), ascending: int64[size].
     Captured feature data counts the target's argmax at every position too: what a head must be able to draft."""
     import torch
@@ -238,7 +238,7 @@ def _captured_layers(manifest: dict, asked: tuple[int, ...] | None) -> tuple[int
     return layers
 
 
-class _TargetWeights:
+class TargetWeights:
     """What a head takes from its target: embeddings [V, H], final norm [H], LM head [V, H] (float32, frozen);
     ``teacher`` is transformers' model when the features are computed each step (distillation data)."""
 
@@ -246,7 +246,7 @@ class _TargetWeights:
         self.embed, self.norm, self.lm_head, self.teacher = embed, norm, lm_head, teacher
 
     @classmethod
-    def of(cls, target_dir: Path, captured: bool, device) -> "_TargetWeights":
+    def of(cls, target_dir: Path, captured: bool, device) -> "TargetWeights":
         import torch
 
         if captured:  # the engine's own reader (a GGUF file's embedding and LM head, dequantized)

@@ -16,7 +16,12 @@ static tree (`choices_from_accuracies`).
 
 Target features are computed by transformers' model body, one sequence at a time (so a resumed run
 sees bit-identical features), under no_grad, and cached in fp16 the first time a sequence is used:
-the first epoch pays for them once, later epochs read them.
+the first epoch pays for them once, later epochs read them. With captured feature data
+(`train feature-data` capturing the final normed layer, ``num_layers``) the target never runs: features
+and soft labels (the stored top-k) are read from the data, so any target the engine loads trains heads —
+a GGUF file included. ``--draft-vocab N`` (own LM heads) keeps each head's LM head to the N most frequent
+tokens of the data (EAGLE-3's choice, see training/eagle.py): labels outside it are dropped and the rest
+renormalised, as eagle3 heads are trained.
 
 Output: ``medusa_config.json`` + ``medusa_heads.safetensors`` (fp16; see drafters/medusa_heads.py),
 ``train_log.jsonl``, ``loss_curve.png``, ``train_summary.json``, ``run_config.json``, ``checkpoint/``.
@@ -47,7 +52,7 @@ from torch import nn
 DEFAULT_SETTINGS = TrainSettings(seq_len=256, batch_size=8, lr=2e-3, max_steps=800, warmup_steps=30, min_lr_ratio=0.1,
                                  weight_decay=0.0, log_every=10, eval_every=100, eval_batches=4, checkpoint_every=50,
                                  max_minutes=20.0)
-DEFAULT_HEADS = {"num_heads": 3, "num_layers": 1, "lm_head": "shared", "decay": 0.8}
+DEFAULT_HEADS = {"num_heads": 3, "num_layers": 1, "lm_head": "shared", "decay": 0.8, "draft_vocab": None}
 RANKS = 10  # rank accuracies measured per head (for the static tree)
 TREE_SIZE = 20  # nodes of the static tree written into the checkpoint
 CACHE_LIMIT_BYTES = 4 << 30  # cache target features up to this size (fp16), else recompute each batch
@@ -62,18 +67,24 @@ def train_medusa(
     num_layers: int | None = None,
     lm_head: str | None = None,
     decay: float | None = None,
+    draft_vocab: int | None = None,
     distill_settings: DistillSettings | None = None,
     **options,
 ) -> dict:
-    """Train (or resume) Medusa heads for ``target``; return the run summary. ``options``: `setup.RunOptions`."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """Train (or resume) Medusa heads for ``target``; return the run summary. ``options``: `setup.RunOptions`.
+
+    ``data``: self-distillation data (`train distill-data`; ``target`` a model directory transformers loads)
+    or captured feature data (`train feature-data`; ``target`` anything the engine loads, None the default
+    model)."""
+    from specserve.training.feature_data import is_feature_data
 
     run = setup.RunOptions.of("train_medusa", options)
     out_dir = Path(out).expanduser()
-    given_heads = {"num_heads": num_heads, "num_layers": num_layers, "lm_head": lm_head, "decay": decay}
+    given_heads = {"num_heads": num_heads, "num_layers": num_layers, "lm_head": lm_head, "decay": decay,
+                   "draft_vocab": draft_vocab}
     if run.resume:
         recorded = _recorded(out_dir)
-        spec = dict(recorded["heads"])
+        spec = {"draft_vocab": None, **recorded["heads"]}
         changed = sorted(k for k, v in given_heads.items() if v is not None and v != spec[k])
         if changed:
             raise ValueError(f"--resume: the run in {str(out_dir)!r} was started with other {', '.join(changed)}")
@@ -85,6 +96,14 @@ def train_medusa(
         base = DEFAULT_SETTINGS
     settings = replace(base, **run.overrides()).validate()
     _check_spec(spec)
+    if is_feature_data(data):
+        return _train_on_features(target, out_dir, data, spec, settings, run)
+    if spec["draft_vocab"] is not None:
+        raise ValueError("--draft-vocab trains on captured feature data (`train feature-data`): pass it as --data")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if target is None:
+        raise ValueError("--target is required (it may be left out only with --data from `train feature-data`)")
     target_dir = Path(target).expanduser().resolve()
     if not (target_dir / "config.json").is_file():
         raise ValueError(f"target directory {str(target_dir)!r} has no config.json")
@@ -102,63 +121,119 @@ def train_medusa(
         teacher = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).to(dist.device).eval()
         teacher.requires_grad_(False)
         lm_weight = teacher.get_output_embeddings().weight.detach()
-        hidden, vocab = lm_weight.shape[1], lm_weight.shape[0]
-        torch.manual_seed(settings.seed)
-        heads = MedusaHeads(hidden, vocab, spec["num_heads"], spec["num_layers"], spec["lm_head"])
-        heads.init_lm_heads(lm_weight)
-        model = _Trainable(heads, lm_weight)
         evalset = heldout_set if heldout_set is not None else train_set.take(settings.eval_batches * settings.batch_size)
         features = {"train": _Features(teacher.model, train_set, dist.device),
                     "eval": _Features(teacher.model, evalset, dist.device)}
-        weights = [spec["decay"] ** k for k in range(spec["num_heads"])]
-        sampler = IndexSampler(len(train_set), settings.batch_size, settings.seed)
-        print(f"medusa: {spec['num_heads']} heads x {spec['num_layers']} block(s), {spec['lm_head']} LM head, "
-              f"{sum(p.numel() for p in heads.parameters()) / 1e6:.2f}M trainable parameters; {len(train_set)} train / "
-              f"{len(evalset)} held-out sequences", file=sys.stderr)
-        latest: dict = {}
+        return _fit(dist, run, out_dir, target_dir, data_dir, spec, settings, lm_weight, None,
+                    train=(len(train_set), float(train_set.lengths.float().mean()),
+                           lambda ids: _batch(train_set, features["train"], ids, dist.device)),
+                    heldout=(len(evalset), lambda ids: _batch(evalset, features["eval"], ids, dist.device)))
 
-        def batch_fn(step: int, rank: int, world: int):
-            return _batch(train_set, features["train"], sampler.ids(step, rank, world), dist.device)
 
-        def loss_fn(module, batch):
-            return _loss(module, batch, weights)
+def _train_on_features(target, out_dir: Path, data, spec: dict, settings: TrainSettings, run) -> dict:
+    """`train_medusa` on captured feature data: features and labels come from the data, the target never runs."""
+    from specserve.drafters.eagle_checkpoint import target_config
+    from specserve.loading import resolve_model
+    from specserve.training.eagle import TargetWeights, draft_vocabulary
+    from specserve.training.outputs import write_json
 
-        def eval_fn(module) -> dict[str, float]:
-            metrics, ranks = _evaluate(module, evalset, features["eval"], weights, settings, dist.device)
-            latest["rank_accuracy"] = ranks
-            return metrics
+    target_path = resolve_model(target).resolve()
+    if not target_path.exists():
+        raise ValueError(f"target {str(target_path)!r} does not exist")
+    if spec["draft_vocab"] is not None and spec["lm_head"] != "own":
+        raise ValueError("--draft-vocab needs --lm-head own (a shared LM head scores the target's whole vocabulary)")
+    config = target_config(target_path)
+    num_layers, vocab = int(config["num_hidden_layers"]), int(config["vocab_size"])
+    with setup.distributed_run(run.device, single_process="train medusa") as dist:
+        data_dir, train_set, heldout_set, manifest = setup.start_feature_run(dist, run, target_path, out_dir, data,
+                                                                             (CONFIG_FILE, WEIGHTS_FILE))
+        layers = list(manifest["feature_layers"])
+        if num_layers not in layers:
+            raise ValueError(f"the feature data in {str(data_dir)!r} holds layers {layers}, not the final normed state "
+                             f"Medusa heads read (layer {num_layers}): capture it with `specserve train feature-data "
+                             f"--feature-layers {','.join(map(str, sorted(set(layers) | {num_layers})))}`")
+        if int(train_set.tokens.max()) >= vocab:
+            raise ValueError(f"the data in {str(data_dir)!r} has token ids outside the target's vocabulary")
+        if not run.resume:
+            write_json(out_dir / setup.RUN_CONFIG_FILE, setup.run_record(
+                "train medusa", run, dist, target_path, data, heads=spec, settings=asdict(settings)))
+        lm_weight = TargetWeights.of(target_path, True, dist.device).lm_head
+        draft_ids = draft_vocabulary(train_set, vocab, spec["draft_vocab"]) if spec["draft_vocab"] else None
+        evalset = heldout_set if heldout_set is not None else train_set
+        batches = _CapturedBatches(layers.index(num_layers), draft_ids, vocab)
+        return _fit(dist, run, out_dir, target_path, data_dir, spec, settings, lm_weight, draft_ids,
+                    train=(len(train_set), float(train_set.lengths.float().mean()),
+                           lambda ids: batches(train_set, ids, dist.device)),
+                    heldout=(len(evalset), lambda ids: batches(evalset, ids, dist.device)))
 
-        mean_len = float(train_set.lengths.float().mean())
-        trainer = Trainer(
-            model, settings, out_dir, dist=dist, batch_fn=batch_fn, loss_fn=loss_fn, eval_fn=eval_fn,
-            tokens_per_step=round(settings.batch_size * mean_len),
-            run_key={"heads": spec, "batch_size": settings.batch_size, "seed": settings.seed, "lr": settings.lr,
-                     "data": str(data_dir.resolve()), "target": str(target_dir)},
-            desc=f"train medusa/{spec['num_heads']}x{spec['lm_head']}",
-        )
-        summary, started = setup.run_trainer(trainer, run)
-        if "rank_accuracy" not in latest:  # the run ended right after a log record: evaluate now
-            record = {"step": trainer.step, "tokens": trainer.tokens, "elapsed_s": round(trainer.train_seconds, 2)}
-            record.update({k: round(v, 5) for k, v in trainer.evaluate().items()})
-            with open(out_dir / LOG_FILE, "a") as log:
-                log.write(json.dumps(record) + "\n")
-            summary["last_eval"] = trainer.last_eval
-        rank_accuracy = latest["rank_accuracy"]
-        choices = choices_from_accuracies(rank_accuracy, TREE_SIZE)
-        metrics = {k: round(v, 5) for k, v in trainer.last_eval.items()}
-        config = save_heads(trainer.module.heads, out_dir, target_dir, extra={
-            "choices": choices, "metrics": metrics, "rank_accuracy": [[round(a, 5) for a in row] for row in rank_accuracy],
-            "distill_data": str(data_dir.resolve()), "decay": spec["decay"], "step": trainer.step,
-        })
-        setup.finish_run(
-            out_dir, summary, started,
-            f"medusa {spec['num_heads']} heads ({spec['lm_head']} LM head): weighted KL to the target",
-            kind="medusa", heads=spec, target=str(target_dir), argv=run.argv,
-            num_trainable_params=sum(p.numel() for p in trainer.module.heads.parameters()),
-            checkpoint_bytes=(out_dir / WEIGHTS_FILE).stat().st_size, choices=choices,
-            expected_accepted_static=round(expected_accepted(choices, rank_accuracy), 3),
-            fingerprint=config["target"]["fingerprint"])
-        return summary
+
+def _fit(dist, run, out_dir: Path, target: Path, data_dir: Path, spec: dict, settings: TrainSettings,
+         lm_weight: torch.Tensor, draft_ids: torch.Tensor | None, *, train, heldout) -> dict:
+    """Train the heads and write them with their tree and records; return the run summary.
+
+    lm_weight: the target's LM head [V, H] (float32); draft_ids: the draft vocabulary int64[V'] or None;
+    train: (sequences, mean length, ids -> batch); heldout: (sequences, ids -> batch). A batch holds
+    features float32[B, T, H], mask bool[B, T] (row t has a label), topk_ids int64[B, T, k] (columns of the
+    heads' logits, -1 outside a draft vocabulary) and topk_logprobs float32[B, T, k] (-inf there)."""
+    hidden, vocab = lm_weight.shape[1], lm_weight.shape[0]
+    torch.manual_seed(settings.seed)
+    heads = MedusaHeads(hidden, vocab, spec["num_heads"], spec["num_layers"], spec["lm_head"],
+                        None if draft_ids is None else len(draft_ids))
+    if draft_ids is not None:
+        heads.set_draft_vocab(draft_ids)
+    heads.init_lm_heads(lm_weight)
+    model = _Trainable(heads, lm_weight if spec["lm_head"] == "shared" else lm_weight[:0])
+    num_train, mean_len, train_batch = train
+    num_eval, eval_batch = heldout
+    weights = [spec["decay"] ** k for k in range(spec["num_heads"])]
+    sampler = IndexSampler(num_train, settings.batch_size, settings.seed)
+    vocab_note = f", draft vocabulary {len(draft_ids)}" if draft_ids is not None else ""
+    print(f"medusa: {spec['num_heads']} heads x {spec['num_layers']} block(s), {spec['lm_head']} LM head{vocab_note}, "
+          f"{sum(p.numel() for p in heads.parameters()) / 1e6:.2f}M trainable parameters; {num_train} train / "
+          f"{num_eval} held-out sequences", file=sys.stderr)
+    latest: dict = {}
+
+    def batch_fn(step: int, rank: int, world: int):
+        return train_batch(sampler.ids(step, rank, world))
+
+    def loss_fn(module, batch):
+        return _loss(module, batch, weights)
+
+    def eval_fn(module) -> dict[str, float]:
+        metrics, ranks = _evaluate(module, eval_batch, num_eval, weights, settings)
+        latest["rank_accuracy"] = ranks
+        return metrics
+
+    trainer = Trainer(
+        model, settings, out_dir, dist=dist, batch_fn=batch_fn, loss_fn=loss_fn, eval_fn=eval_fn,
+        tokens_per_step=round(settings.batch_size * mean_len),
+        run_key={"heads": spec, "batch_size": settings.batch_size, "seed": settings.seed, "lr": settings.lr,
+                 "data": str(data_dir.resolve()), "target": str(target)},
+        desc=f"train medusa/{spec['num_heads']}x{spec['lm_head']}",
+    )
+    summary, started = setup.run_trainer(trainer, run)
+    if "rank_accuracy" not in latest:  # the run ended right after a log record: evaluate now
+        record = {"step": trainer.step, "tokens": trainer.tokens, "elapsed_s": round(trainer.train_seconds, 2)}
+        record.update({k: round(v, 5) for k, v in trainer.evaluate().items()})
+        with open(out_dir / LOG_FILE, "a") as log:
+            log.write(json.dumps(record) + "\n")
+        summary["last_eval"] = trainer.last_eval
+    rank_accuracy = latest["rank_accuracy"]
+    choices = choices_from_accuracies(rank_accuracy, TREE_SIZE)
+    metrics = {k: round(v, 5) for k, v in trainer.last_eval.items()}
+    config = save_heads(trainer.module.heads, out_dir, target, extra={
+        "choices": choices, "metrics": metrics, "rank_accuracy": [[round(a, 5) for a in row] for row in rank_accuracy],
+        "distill_data": str(data_dir.resolve()), "decay": spec["decay"], "step": trainer.step,
+    })
+    setup.finish_run(
+        out_dir, summary, started,
+        f"medusa {spec['num_heads']} heads ({spec['lm_head']} LM head{vocab_note}): weighted KL to the target",
+        kind="medusa", heads=spec, target=str(target), argv=run.argv, data=str(data_dir.resolve()),
+        num_trainable_params=sum(p.numel() for p in trainer.module.heads.parameters()),
+        checkpoint_bytes=(out_dir / WEIGHTS_FILE).stat().st_size, choices=choices,
+        expected_accepted_static=round(expected_accepted(choices, rank_accuracy), 3),
+        fingerprint=config["target"].get("fingerprint") or config["target"].get("file_sha256"))
+    return summary
 
 
 class _Trainable(nn.Module):
@@ -199,6 +274,37 @@ class _Features:
         return torch.stack(out).float().to(self.device)
 
 
+class _CapturedBatches:
+    """Batches (`_fit`'s layout) read from captured feature data (training/feature_data.py): sequences padded
+    to the batch's longest; the features are the data's final normed layer (index ``layer`` of its layers);
+    with a draft vocabulary the stored top-k ids become its columns, and ids outside it are dropped (-1,
+    log-probability -inf) so the rest renormalise — a row with none left has no label (mask false)."""
+
+    def __init__(self, layer: int, draft_ids: torch.Tensor | None, vocab: int) -> None:
+        self.layer = layer
+        self.columns = None
+        if draft_ids is not None:
+            self.columns = torch.full((vocab,), -1, dtype=torch.int64)
+            self.columns[draft_ids] = torch.arange(len(draft_ids))
+
+    def __call__(self, data, ids: torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:
+        ids = torch.as_tensor(ids)
+        starts, ends = data.offsets[ids], data.offsets[ids + 1]
+        b, t, k = len(ids), int((ends - starts).max()), data.topk_ids.shape[1]
+        feats = torch.zeros(b, t, data.features.shape[-1])
+        top_ids = torch.zeros(b, t, k, dtype=torch.int64)
+        top_logp = torch.full((b, t, k), float("-inf"))
+        for row, (lo, hi) in enumerate(zip(starts.tolist(), ends.tolist())):
+            feats[row, : hi - lo] = data.features[lo:hi, self.layer].float()
+            top_ids[row, : hi - lo], top_logp[row, : hi - lo] = data.topk_ids[lo:hi], data.topk_logprobs[lo:hi].float()
+        if self.columns is not None:
+            top_ids = self.columns[top_ids]
+            top_logp = torch.where(top_ids >= 0, top_logp, float("-inf"))
+        mask = torch.isfinite(top_logp).any(-1)  # padding rows and rows with no label in the draft vocabulary
+        return {"features": feats.to(device), "mask": mask.to(device), "topk_ids": top_ids.to(device),
+                "topk_logprobs": top_logp.to(device)}
+
+
 def _batch(data: DistillSet, features: _Features, ids: torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:
     lengths = data.lengths[ids]
     t = int(lengths.max())
@@ -212,17 +318,26 @@ def _batch(data: DistillSet, features: _Features, ids: torch.Tensor, device: tor
 
 
 def _head_terms(module: _Trainable, batch, k: int):
-    """Head k on every position t with a label row t + k + 1: (logq [B, T', V], kl [B, T'], mask [B, T'])."""
+    """Head k on every position t with a label row t + k + 1: (logq [B, T', V'], kl [B, T'], mask [B, T']);
+    kl is 0 where mask is false. Label ids of -1 (outside a draft vocabulary) carry log-probability -inf."""
     shift = k + 1
     h = batch["features"]
     if h.shape[1] <= shift:
         return None
     lm = None if module.heads.lm_heads is not None else module.lm_weight
-    logits = module.heads(h[:, : h.shape[1] - shift], lm, heads=1, first=k)[0].float()  # [B, T', V]
+    logits = module.heads(h[:, : h.shape[1] - shift], lm, heads=1, first=k)[0].float()  # [B, T', V']
     logq = torch.log_softmax(logits, dim=-1)
-    logp = torch.log_softmax(batch["topk_logprobs"][:, shift:], dim=-1)  # the target's top-k, renormalised
-    kl = (logp.exp() * (logp - logq.gather(-1, batch["topk_ids"][:, shift:]))).sum(-1)
-    return logq, kl, batch["mask"][:, shift:]
+    mask = batch["mask"][:, shift:]
+    label_ids = batch["topk_ids"][:, shift:]
+    raw = batch["topk_logprobs"][:, shift:]
+    # Labels that are no label (-1 ids, -inf: outside a draft vocabulary; padding) get p = 0 exactly, and every
+    # term stays finite so that no NaN reaches the gradient through a masked-out row.
+    valid = (label_ids >= 0) & torch.isfinite(raw)
+    raw = torch.where(valid, raw, torch.where(valid.any(-1, keepdim=True), float("-inf"), 0.0))
+    logp = torch.log_softmax(raw, dim=-1)  # the target's top-k, renormalised
+    p = torch.where(valid, logp.exp(), 0.0)
+    kl = (p * (torch.where(valid, logp, 0.0) - logq.gather(-1, label_ids.clamp_min(0)))).sum(-1)
+    return logq, torch.where(mask, kl, 0.0), mask
 
 
 def _loss(module: _Trainable, batch, weights: list[float]) -> torch.Tensor:
@@ -233,14 +348,14 @@ def _loss(module: _Trainable, batch, weights: list[float]) -> torch.Tensor:
         if terms is None or not bool(terms[2].any()):
             continue
         _, kl, mask = terms
-        total = total + w * (kl * mask).sum() / mask.sum()
+        total = total + w * kl.sum() / mask.sum()
         norm += w
     if norm == 0.0:
         raise ValueError("the training sequences are too short for the Medusa heads (need > num_heads + 1 tokens)")
     return total / norm
 
 
-def _evaluate(module, evalset: DistillSet, features: _Features, weights, settings: TrainSettings, device):
+def _evaluate(module, batch_of, num_eval: int, weights, settings: TrainSettings):
     """Held-out weighted KL and per-head KL/top-1/top-5, plus rank accuracies for the static tree.
 
     Returns (metrics, ranks): ``ranks[k][j]`` is how often the target's argmax is head k's rank-j
@@ -252,20 +367,21 @@ def _evaluate(module, evalset: DistillSet, features: _Features, weights, setting
     num_heads = len(weights)
     sums = [{"kl": 0.0, "n": 0, "top": torch.zeros(RANKS + 1, dtype=torch.float64),
              "cond": torch.zeros(RANKS + 1, dtype=torch.float64), "chain": 0} for _ in range(num_heads)]
-    limit = min(len(evalset), settings.eval_batches * settings.batch_size)
+    limit = min(num_eval, settings.eval_batches * settings.batch_size)
     for start in range(0, limit, settings.batch_size):
-        batch = _batch(evalset, features, torch.arange(start, min(start + settings.batch_size, limit)), device)
+        batch = batch_of(torch.arange(start, min(start + settings.batch_size, limit)))
         prefix_ok = None  # [B, T_k]: heads 0..k-1 all had the target's argmax at rank 0
         for k in range(num_heads):
             terms = _head_terms(module, batch, k)
             if terms is None:
                 break
             logq, kl, mask = terms
-            best = batch["topk_ids"][:, k + 1 :, 0]  # the target's argmax at the label row
-            rank = (logq > logq.gather(-1, best[..., None])).sum(-1).clamp(max=RANKS)  # [B, T']
+            best = batch["topk_ids"][:, k + 1 :, 0]  # the target's argmax at the label row (-1: not draftable)
+            rank = (logq > logq.gather(-1, best.clamp_min(0)[..., None])).sum(-1).clamp(max=RANKS)  # [B, T']
+            rank = torch.where(best >= 0, rank, RANKS)
             ok = mask if prefix_ok is None else mask & prefix_ok[:, : mask.shape[1]]
             s = sums[k]
-            s["kl"] += float((kl * mask).sum())
+            s["kl"] += float(kl.sum())
             s["n"] += int(mask.sum())
             s["top"] += torch.bincount(rank[mask].cpu(), minlength=RANKS + 1).double()
             s["cond"] += torch.bincount(rank[ok].cpu(), minlength=RANKS + 1).double()
@@ -295,6 +411,8 @@ def _check_spec(spec: dict) -> None:
     if spec["lm_head"] not in LM_HEAD_MODES:
         raise ValueError(f"lm_head must be one of {list(LM_HEAD_MODES)}, got {spec['lm_head']!r}")
     check_float("decay", spec["decay"], 0, 1, low_open=True)
+    if spec["draft_vocab"] is not None:
+        check_int("draft_vocab", spec["draft_vocab"], 1, 1 << 24)
 
 
 def _recorded(out_dir: Path) -> dict:
@@ -311,7 +429,7 @@ def cmd_medusa(args) -> int:
     _set_threads(args.threads)
     summary = train_medusa(
         args.target, args.out, data=args.data, num_heads=args.heads, num_layers=args.layers, lm_head=args.lm_head,
-        decay=args.decay, distill_settings=_distill_settings(args), **run_options(args),
+        decay=args.decay, draft_vocab=args.draft_vocab, distill_settings=_distill_settings(args), **run_options(args),
     )
     _report(summary, args.out)
     return 0

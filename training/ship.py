@@ -14,7 +14,8 @@ import json
 import shutil
 from pathlib import Path
 
-SERVING_FILES = {"eagle": ("eagle_config.json", "eagle_head.safetensors")}
+SERVING_FILES = {"eagle": ("eagle_config.json", "eagle_head.safetensors"),
+                 "medusa": ("medusa_config.json", "medusa_heads.safetensors")}
 SIZE_LIMIT_MB = 25.0
 
 
@@ -26,7 +27,7 @@ def ship(runs: dict[str, str | Path], default_drafter: str, *, out: str | Path |
 
     out_dir = Path(out) if out is not None else drafters_dir()
     if not runs:
-        raise ValueError("nothing to ship: name at least one trained drafter (--eagle DIR)")
+        raise ValueError("nothing to ship: name at least one trained drafter (--eagle DIR, --medusa DIR)")
     records, total = {}, 0
     for name, run in runs.items():
         run = Path(run).expanduser()
@@ -60,6 +61,13 @@ def ship(runs: dict[str, str | Path], default_drafter: str, *, out: str | Path |
         "bytes": total,
         "training": records,
     }
+    try:  # the measurement behind an unchanged default drafter stays with it (`train default-drafter` made it)
+        previous = json.loads((out_dir / MANIFEST).read_text())
+    except (OSError, ValueError):
+        previous = {}
+    if isinstance(previous, dict) and previous.get("default_drafter") == default_drafter \
+            and previous.get("target", {}).get("sha256") == SHA256:
+        manifest |= {k: previous[k] for k in ("default_drafter_options", "default_drafter_eval") if k in previous}
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
 
@@ -89,6 +97,8 @@ def _provenance(run: Path) -> dict:
 
 def add_ship_args(p) -> None:
     p.add_argument("--eagle", default=None, metavar="DIR", help="a finished `train eagle` run for the default model")
+    p.add_argument("--medusa", default=None, metavar="DIR",
+                   help="a finished `train medusa --data FEATURES` run for the default model")
     p.add_argument("--default-drafter", required=True,
                    help="what drafter='auto' runs on the default model (a shipped name, a file-less drafter, or a "
                         "hybrid of those), chosen by measurement")
@@ -97,7 +107,7 @@ def add_ship_args(p) -> None:
 
 
 def cmd_ship(args) -> int:
-    runs = {name: path for name, path in (("eagle", args.eagle),) if path}
+    runs = {name: path for name, path in (("eagle", args.eagle), ("medusa", args.medusa)) if path}
     manifest = ship(runs, args.default_drafter, out=args.out, size_limit_mb=args.size_limit_mb)
     print(json.dumps({k: manifest[k] for k in ("drafters", "default_drafter", "bytes")}))
     return 0

@@ -92,6 +92,29 @@ def fitted_dir(small_vocab_dir, tmp_path_factory):
     return out
 
 
+# A draft vocabulary leaving out 5 of the 16 tokens (some of which the target emits): those are never drafted.
+DRAFT_IDS = [0, 1, 2, 3, 5, 6, 8, 9, 11, 12, 14]
+
+
+def _restricted(heads: MedusaHeads, ids: list[int]) -> MedusaHeads:
+    """The same heads with own LM heads kept to the rows of a draft vocabulary ``ids``."""
+    out = MedusaHeads(heads.hidden_size, heads.vocab_size, heads.num_heads, heads.num_layers, "own", len(ids))
+    with torch.no_grad():
+        out.weight.copy_(heads.weight)
+        out.bias.copy_(heads.bias)
+        out.lm_heads.copy_(heads.lm_heads[:, ids])
+    out.set_draft_vocab(torch.tensor(ids))
+    return out
+
+
+@pytest.fixture(scope="module")
+def vocab_dir(small_vocab_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("medusa_vocab")
+    save_heads(_restricted(_fit_heads(small_vocab_dir), DRAFT_IDS), out, small_vocab_dir,
+               extra={"choices": [[0], [0, 0], [1], [0, 0, 0], [0, 1]]})
+    return out
+
+
 @pytest.fixture(scope="module")
 def reference(small_vocab_dir):
     outs = LLM(small_vocab_dir, device="cpu").generate(PROMPTS, GREEDY)
@@ -114,7 +137,7 @@ def _requests(contexts, temperature=0.0, seed=None, hidden=True, prefix="r"):
 
 
 @pytest.mark.parametrize("batch", [1, 4])
-@pytest.mark.parametrize("heads", ["random", "fitted"])
+@pytest.mark.parametrize("heads", ["random", "fitted", "vocab"])
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_greedy_equals_plain(small_vocab_dir, reference, request, heads, shape, batch):
     path = request.getfixturevalue(f"{heads}_dir")
@@ -122,7 +145,7 @@ def test_greedy_equals_plain(small_vocab_dir, reference, request, heads, shape, 
     outs = llm.generate(PROMPTS[:batch], GREEDY)
     assert [o.token_ids for o in outs] == reference[:batch]
     accepted = sum(sum(o.spec.accepted_per_position) for o in outs)
-    if heads == "fitted":  # agreeing heads: most steps accept something
+    if heads in ("fitted", "vocab"):  # agreeing heads: most steps accept something
         assert accepted >= sum(o.spec.num_steps for o in outs)
     alloc = llm.engine.cache.allocator
     assert alloc.num_free_blocks == alloc.num_blocks
@@ -160,6 +183,8 @@ SAMPLING_CASES = {
     "fitted-dynamic-T0.7-topk": ("fitted_dir", {"tree": "dynamic", "topk": 3, "max_budget": 8},
                                  {"temperature": 0.7, "top_k": 6}),
     "random-static-T1.2-topp-minp": ("random_dir", {}, {"temperature": 1.2, "top_p": 0.9, "min_p": 0.02}),
+    "vocab-static-T1": ("vocab_dir", {}, {"temperature": 1.0}),
+    "vocab-dynamic-T0.8": ("vocab_dir", {"tree": "dynamic", "topk": 3, "max_budget": 8}, {"temperature": 0.8}),
 }
 
 
@@ -174,7 +199,31 @@ def test_sampled_tokens_follow_target_distribution(small_vocab_dir, case, reques
     outs = llm.generate([PROMPT] * N, params)
     assert_follows_target(outs, small_vocab_dir, PROMPT, params[0])
     accepted = sum(sum(o.spec.accepted_per_position) for o in outs)
-    assert accepted > (N if fixture == "fitted_dir" else N // 10)  # drafts were accepted
+    assert accepted > (N if fixture in ("fitted_dir", "vocab_dir") else N // 10)  # drafts were accepted
+
+
+@pytest.mark.parametrize("options", [{}, {"tree": "dynamic", "topk": 4, "max_budget": 12}])
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_a_draft_vocabulary_drafts_only_its_tokens(small_vocab_dir, vocab_dir, options, temperature):
+    """Trees and their draft distributions name target ids, all inside the draft vocabulary; greedy nodes are
+    the heads' top draft-vocabulary tokens (a float64 ranking of the full heads' logits over those ids)."""
+    drafter = create_drafter(f"medusa:{vocab_dir}", target_info(small_vocab_dir), options)
+    requests = _requests([p + [2, 3] for p in PROMPTS], temperature, seed=4)
+    trees = drafter.propose(requests, [12] * len(requests))
+    assert all(t.num_nodes for t in trees)
+    for tree in trees:
+        assert set(tree.tokens.tolist()) <= set(DRAFT_IDS)
+        if temperature > 0:
+            ids = tree.q_ids[tree.q_ids >= 0].tolist()
+            assert ids and set(ids) <= set(DRAFT_IDS)
+    if temperature == 0.0 and not options:
+        heads = load_heads(vocab_dir, hidden_size=64, vocab_size=16).heads.double()
+        for req, tree in zip(requests, trees):
+            with torch.no_grad():
+                logits = heads(req.hidden_states[2][-1].double())  # [K, V']
+            best = [DRAFT_IDS[int(i)] for i in logits.argmax(-1)]
+            kids = tree.children(0)
+            assert int(tree.tokens[kids[0]]) == best[0]  # the static tree's first node: head 0's rank 0
 
 
 # ---- static trees from paths ---------------------------------------------------------------------
@@ -392,6 +441,33 @@ def test_round_trip_gives_the_same_proposals(small_vocab_dir, tmp_path):
     for temperature in (0.0, 0.9):
         assert _proposals(tmp_path / "a", small_vocab_dir, temperature=temperature) == \
             _proposals(tmp_path / "b", small_vocab_dir, temperature=temperature)
+
+
+def test_a_draft_vocabulary_round_trips_and_bad_maps_are_refused(small_vocab_dir, vocab_dir, tmp_path):
+    loaded = load_heads(vocab_dir, hidden_size=64, vocab_size=16, target_dir=small_vocab_dir).heads
+    assert loaded.draft_to_target.tolist() == DRAFT_IDS and loaded.lm_heads.shape == (3, len(DRAFT_IDS), 64)
+    config = json.loads((vocab_dir / "medusa_config.json").read_text())
+    assert config["draft_vocab_size"] == len(DRAFT_IDS)
+    save_heads(loaded, tmp_path / "again", small_vocab_dir, extra={"choices": config["choices"]})
+    for temperature in (0.0, 0.9):
+        assert _proposals(tmp_path / "again", small_vocab_dir, temperature=temperature) == \
+            _proposals(vocab_dir, small_vocab_dir, temperature=temperature)
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(vocab_dir / "medusa_heads.safetensors"))
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "medusa_config.json").write_text((vocab_dir / "medusa_config.json").read_text())
+    for ids, message in ((torch.tensor(DRAFT_IDS[::-1]), "ascending"), (torch.tensor([16] + DRAFT_IDS[1:]), "ascending")):
+        save_file({**tensors, "draft_to_target": ids}, str(bad / "medusa_heads.safetensors"))
+        with pytest.raises(ValueError, match=message):
+            create_drafter(f"medusa:{bad}", target_info(small_vocab_dir))
+    del tensors["draft_to_target"]
+    save_file(tensors, str(bad / "medusa_heads.safetensors"))
+    with pytest.raises(ValueError, match="missing draft_to_target"):
+        create_drafter(f"medusa:{bad}", target_info(small_vocab_dir))
+    with pytest.raises(ValueError, match="needs own LM heads"):
+        MedusaHeads(64, 16, 3, 1, "shared", 8)
 
 
 @pytest.mark.parametrize("suffix", ["safetensors", "pt"])

@@ -67,6 +67,18 @@ def drafters(llama_dir, tmp_path_factory):
     save_heads(heads, medusa, llama_dir)
     out["medusa"] = (f"medusa:{medusa}", {"tree": "dynamic", "topk": 2, "depth": 2})
     out["medusa-static"] = (f"medusa:{medusa}", None)
+    # The same heads over a draft vocabulary of 200 of the 300 tokens: grammar masks map through it.
+    ids = torch.randperm(300, generator=gen)[:200].sort().values
+    vocab_heads = MedusaHeads(64, 300, 3, 1, "own", 200)
+    with torch.no_grad():
+        vocab_heads.weight.copy_(heads.weight)
+        vocab_heads.bias.copy_(heads.bias)
+        vocab_heads.lm_heads.copy_(heads.lm_heads[:, ids])
+    vocab_heads.set_draft_vocab(ids)
+    medusa_vocab = tmp_path_factory.mktemp("medusa_vocab")
+    save_heads(vocab_heads, medusa_vocab, llama_dir)
+    out["medusa-vocab"] = (f"medusa:{medusa_vocab}", None)
+    out["medusa-vocab-dynamic"] = (f"medusa:{medusa_vocab}", {"tree": "dynamic", "topk": 2, "depth": 2})
     return out
 
 
@@ -78,7 +90,8 @@ def plain_reference(llama_dir):
             for kind, spec in CONSTRAINTS.items()}
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "draft", "eagle1", "eagle3", "medusa", "medusa-static"])
+@pytest.mark.parametrize("drafter", ["ngram", "draft", "eagle1", "eagle3", "medusa", "medusa-static", "medusa-vocab",
+                                     "medusa-vocab-dynamic"])
 @pytest.mark.parametrize("mode", ["verify", "aware", "forced"])
 def test_greedy_constrained_speculation_equals_plain(llama_dir, drafters, plain_reference, drafter, mode):
     spec, options = drafters[drafter]
@@ -202,7 +215,7 @@ def _masked_marginals(model_dir, prompt: list[int], params: SamplingParams):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter,mode", [("draft", "aware"), ("eagle3", "forced"), ("ngram", "aware"), ("draft", "verify"),
-                                          ("medusa-static", "aware"), ("medusa", "forced")])
+                                          ("medusa-static", "aware"), ("medusa", "forced"), ("medusa-vocab", "aware")])
 def test_sampled_constrained_output_follows_the_masked_target(llama_dir, drafters, drafter, mode):
     spec, options = drafters[drafter]
     llm = LLM(llama_dir, drafter=spec, drafter_options=options, device="cpu", speculation="static",

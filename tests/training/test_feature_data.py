@@ -7,6 +7,7 @@ beside it). The references are transformers' forward of that file, loaded by tra
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import sysconfig
@@ -160,3 +161,86 @@ def test_stored_features_make_the_batch_the_loss_expects(feature_dir):
         assert int(batch["argmax"][1, t]) == int(data.topk_ids[lo + t, 0])
         torch.testing.assert_close(batch["layers"][2][1, t], data.features[lo + t, 2].float())
     assert not batch["mask"][0, int(lengths[0]):].any()
+
+
+def test_medusa_heads_train_on_captured_features_and_serve_losslessly(target, feature_dir, tmp_path):
+    """`train medusa --data FEATURES` reads the captured final normed layer (no transformers target): own LM
+    heads over a draft vocabulary, recorded for the file's sha256, serving beside that file with greedy output
+    equal to plain decoding, refused beside another file; data without the final layer is refused."""
+    from specserve import LLM, SamplingParams
+
+    heads = tmp_path / "heads"
+    assert main(["train", "medusa", "--target", str(target[1]), "--data", str(feature_dir), "--out", str(heads),
+                 "--heads", "2", "--lm-head", "own", "--draft-vocab", "64", "--max-steps", "4", "--batch-size", "2",
+                 "--threads", "1"]) == 0
+    config = json.loads((heads / "medusa_config.json").read_text())
+    assert config["draft_vocab_size"] == 64 and config["num_heads"] == 2
+    assert config["target"]["file_sha256"] == hashlib.sha256(target[1].read_bytes()).hexdigest()
+    log = [json.loads(line) for line in (heads / "train_log.jsonl").read_text().splitlines()]
+    assert all(np.isfinite(r["loss"]) for r in log if "loss" in r) and "h1_top1" in log[-1]
+
+    prompts = [[5, 17, 33, 2, 9], [40, 41, 42, 43]]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(str(target[1]), drafter=None, threads=1).generate(prompts, params)]
+    for options in ({}, {"tree": "dynamic", "topk": 2}):
+        spec = LLM(str(target[1]), drafter=f"medusa:{heads}", drafter_options=options, speculation="static", threads=1)
+        assert [o.token_ids for o in spec.generate(prompts, params)] == plain
+
+    other_hf = build_model(tmp_path / "other", "llama", hidden_size=64, layers=4, init_std=0.1, seed=1)
+    other = write_gguf(other_hf, tmp_path / "other.gguf", "F32")
+    with pytest.raises(ValueError, match="trained for another target"):
+        LLM(str(other), drafter=f"medusa:{heads}", threads=1)
+
+    no_final = tmp_path / "no-final"
+    no_final.mkdir()
+    for f in feature_dir.iterdir():
+        (no_final / f.name).symlink_to(f)
+    (no_final / "feature_manifest.json").unlink()
+    manifest = json.loads((feature_dir / "feature_manifest.json").read_text())
+    (no_final / "feature_manifest.json").write_text(json.dumps({**manifest, "feature_layers": [1, 2, 3]}))
+    assert main(["train", "medusa", "--target", str(target[1]), "--data", str(no_final), "--out",
+                 str(tmp_path / "bad")]) == 2
+
+
+def test_captured_medusa_labels_and_loss_follow_their_definition(feature_dir):
+    """A batch's labels are the stored top-k mapped into the draft vocabulary (the rest dropped), and each
+    head's KL is sum_i p_i (log p_i - log q_i) over the renormalised labels of row t + k + 1, checked against
+    a float64 loop over rows written here."""
+    from specserve.drafters.medusa_heads import MedusaHeads
+    from specserve.training.feature_data import load_features
+    from specserve.training.medusa import _CapturedBatches, _head_terms, _Trainable
+
+    data, manifest = load_features(feature_dir, "train")
+    layer = manifest["feature_layers"].index(4)
+    draft_ids = torch.tensor(sorted(set(data.tokens.tolist()))[:40])
+    batch = _CapturedBatches(layer, draft_ids, 300)(data, torch.tensor([1, 0]), torch.device("cpu"))
+    heads = MedusaHeads(64, 300, 2, 1, "own", len(draft_ids))
+    heads.set_draft_vocab(draft_ids)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.2)
+    module = _Trainable(heads, torch.zeros(0, 64))
+    reference = copy.deepcopy(heads).double()
+    column = {int(t): j for j, t in enumerate(draft_ids)}
+    for k in range(2):
+        with torch.no_grad():
+            _, kl, mask = _head_terms(module, batch, k)
+        for row, seq in enumerate((1, 0)):
+            lo, n = int(data.offsets[seq]), int(data.lengths[seq])
+            for t in range(n - k - 1):
+                label = lo + t + k + 1
+                probs = {}
+                for tok, logp in zip(data.topk_ids[label].tolist(), data.topk_logprobs[label].double().tolist()):
+                    if tok in column:
+                        probs[column[tok]] = probs.get(column[tok], 0.0) + np.exp(logp)
+                assert bool(mask[row, t]) == bool(probs)
+                if not probs:
+                    assert float(kl[row, t]) == 0.0
+                    continue
+                total = sum(probs.values())
+                with torch.no_grad():
+                    logq = torch.log_softmax(reference(data.features[lo + t, layer].double(), heads=1, first=k)[0], -1)
+                want = sum(p / total * (np.log(p / total) - float(logq[j])) for j, p in probs.items())
+                assert abs(float(kl[row, t]) - want) < 1e-4, (k, row, t)
+            assert not mask[row, n - k - 1:].any()
