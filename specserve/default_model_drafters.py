@@ -7,7 +7,8 @@ Cheap to import (no torch).
                     "default_drafter": what ``drafter="auto"`` runs on the default model, with its
                     "default_drafter_options" (chosen by measurement: `specserve train default-drafter`, its table
                     in "default_drafter_eval"); "training": how each was made (command, data, time)
-    eagle/          an EAGLE-3 head (`specserve train feature-data` + `specserve train eagle`)
+    eagle/          an EAGLE-3 head (`specserve train feature-data` + `specserve train eagle`), when one ships
+    medusa/         Medusa heads (`specserve train feature-data` + `specserve train medusa --data`)
 
 A bare drafter name (``--drafter eagle``) resolves here when the target is the default model's file. The heads
 record the file's sha256 themselves, so one named by path beside another target is refused on load; a
