@@ -77,10 +77,12 @@ class HybridDrafter(Drafter):
                      EAGLE, a draft model) draft for a request only when the cheap parts' merged tree
                      (n-gram, suffix) expects fewer accepted tokens than this, >= 0 (default 2.0;
                      0: cheap parts alone; a large value: every part, every step).
+      part_options:  {part name: that part's options}, e.g. ``{"suffix": {"shared_tokens": 0}}`` for a suffix
+                     part that matches within each request only (default: every part with its defaults).
     """
 
     def __init__(self, target: TargetInfo, path: str | None = None, *, max_budget: int | None = None,
-                 fallback_below: float = DEFAULT_FALLBACK_BELOW) -> None:
+                 fallback_below: float = DEFAULT_FALLBACK_BELOW, part_options: dict | None = None) -> None:
         if not path:
             raise ValueError("the hybrid drafter needs its parts: 'hybrid:suffix+eagle' (drafter specs joined by '+')")
         specs = [spec.strip() for spec in path.split("+")]
@@ -89,7 +91,13 @@ class HybridDrafter(Drafter):
             raise ValueError(f"a hybrid drafter merges two or more drafters, got {path!r}")
         if len(set(names)) != len(names) or "hybrid" in names:
             raise ValueError(f"hybrid drafter parts must be distinct drafters other than hybrid, got {names}")
-        self.parts: list[Drafter] = [create_drafter(spec, target) for spec in specs]
+        part_options = {} if part_options is None else part_options
+        if not isinstance(part_options, dict) or not all(isinstance(v, dict) for v in part_options.values()):
+            raise ValueError(f"hybrid drafter option part_options must map part names to option objects, got {part_options!r}")
+        strangers = sorted(set(part_options) - set(names))
+        if strangers:
+            raise ValueError(f"hybrid drafter option part_options names {strangers}, which are not parts of {names}")
+        self.parts: list[Drafter] = [create_drafter(spec, target, part_options.get(name)) for spec, name in zip(specs, names)]
         self.part_names = tuple(names)
         parts = self.parts
         self.needs_hidden_states = any(p.needs_hidden_states for p in parts)

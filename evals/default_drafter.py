@@ -34,7 +34,8 @@ TIE = 0.02  # speedups this close to the best are a tie: two runs of the same dr
 PER_REQUEST_SUFFIX = "suffix#per-request"
 DEFAULT_CANDIDATES: dict[str, dict[str, dict[str, Any]]] = {
     "default": {"eagle": {}, "medusa": {}, "ngram": {}, PER_REQUEST_SUFFIX: {"shared_tokens": 0}, "suffix": {},
-                "lookahead": {}, "hybrid:ngram+suffix": {}, "hybrid:suffix+eagle": {}, "hybrid:suffix+medusa": {}},
+                "lookahead": {}, "hybrid:ngram+suffix": {}, "hybrid:suffix+eagle": {}, "hybrid:suffix+medusa": {},
+                "hybrid:suffix+medusa#per-request": {"part_options": {"suffix": {"shared_tokens": 0}}}},
     "tiny": {"eagle": {}, "medusa": {}, "draft": {}, "ngram": {}, "suffix": {}, "lookahead": {},
              "hybrid:suffix+eagle": {}, "hybrid:suffix+draft": {}, "hybrid:ngram+suffix": {}},
 }
@@ -138,7 +139,8 @@ def _learns_across_requests(spec: str, options: dict[str, Any]) -> bool:
     names = _drafter_names(spec)
     if len(names) == 1:
         return drafter_class(names[0]).learns_across_requests_with(options)
-    return any(drafter_class(name).learns_across_requests_with({}) for name in names)
+    parts = options.get("part_options") or {}
+    return any(drafter_class(name).learns_across_requests_with(parts.get(name, {})) for name in names)
 
 
 def table_markdown(record: dict) -> str:

@@ -154,6 +154,23 @@ def test_bad_specs_are_clear_errors(spec, message):
         create_drafter(spec, TARGET)
 
 
+def test_part_options_reach_their_parts():
+    """A per-request suffix part (``shared_tokens=0``) makes a hybrid that learns nothing across requests, as
+    `specserve train default-drafter` reads it from the options before building one."""
+    from specserve.evals.default_drafter import _learns_across_requests
+
+    shared = create_drafter("hybrid:ngram+suffix", TARGET)
+    private = create_drafter("hybrid:ngram+suffix", TARGET, {"part_options": {"suffix": {"shared_tokens": 0}}})
+    assert shared.learns_across_requests and shared.parts[1].shared_tokens > 0
+    assert not private.learns_across_requests and private.parts[1].shared_tokens == 0
+    assert _learns_across_requests("hybrid:ngram+suffix", {})
+    assert not _learns_across_requests("hybrid:ngram+suffix", {"part_options": {"suffix": {"shared_tokens": 0}}})
+    for options, message in (({"part_options": {"draft": {}}}, "not parts of"), ({"part_options": {"suffix": 0}}, "option objects"),
+                             ({"part_options": {"suffix": {"nope": 1}}}, r"unknown option\(s\) \['nope'\]")):
+        with pytest.raises(ValueError, match=message):
+            create_drafter("hybrid:ngram+suffix", TARGET, options)
+
+
 # ---- through the engine ---------------------------------------------------------------------------
 
 

@@ -51,7 +51,8 @@ def test_the_default_models_default_is_measured_on_chat_and_recorded_with_its_op
     (cfg,) = seen
     assert cfg.dataset == "builtin:heldout-chat" and cfg.model == str(tmp_path / "model.gguf")
     assert sorted(cfg.drafters) == sorted(figures)  # no drafter ships in this test's folder: the heads do not run
-    assert record["not_run"] == ["eagle", "hybrid:suffix+eagle", "hybrid:suffix+medusa", "medusa"]
+    assert record["not_run"] == ["eagle", "hybrid:suffix+eagle", "hybrid:suffix+medusa", "hybrid:suffix+medusa#per-request",
+                                 "medusa"]
     assert cfg.drafter_options == {PER_REQUEST_SUFFIX: {"shared_tokens": 0}}
     assert record["not_eligible"] == ["hybrid:ngram+suffix", "suffix"]
     assert record["default_drafter"] == "suffix" and record["default_drafter_options"] == {"shared_tokens": 0}
