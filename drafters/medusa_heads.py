@@ -297,6 +297,9 @@ def _load_ours(path: Path) -> LoadedHeads:
             raise ValueError(f"medusa weights in {str(path / WEIGHTS_FILE)!r}: {name!r} is not a floating-point tensor")
     heads.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
     if draft_ids is not None:
+        if draft_ids.is_floating_point() or draft_ids.dtype == torch.bool:
+            raise ValueError(f"medusa weights in {str(path / WEIGHTS_FILE)!r}: draft_to_target must hold integer token ids, "
+                             f"not {draft_ids.dtype}")
         try:
             heads.set_draft_vocab(draft_ids)
         except (ValueError, RuntimeError) as exc:

@@ -458,7 +458,8 @@ def test_a_draft_vocabulary_round_trips_and_bad_maps_are_refused(small_vocab_dir
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "medusa_config.json").write_text((vocab_dir / "medusa_config.json").read_text())
-    for ids, message in ((torch.tensor(DRAFT_IDS[::-1]), "ascending"), (torch.tensor([16] + DRAFT_IDS[1:]), "ascending")):
+    for ids, message in ((torch.tensor(DRAFT_IDS[::-1]), "ascending"), (torch.tensor([16] + DRAFT_IDS[1:]), "ascending"),
+                         (torch.tensor(DRAFT_IDS, dtype=torch.float32), "integer token ids")):
         save_file({**tensors, "draft_to_target": ids}, str(bad / "medusa_heads.safetensors"))
         with pytest.raises(ValueError, match=message):
             create_drafter(f"medusa:{bad}", target_info(small_vocab_dir))
