@@ -29,7 +29,8 @@ import torch
 
 from specserve.drafters.base import Drafter, DraftRequest
 from specserve.drafters.draft_rng import request_generator
-from specserve.drafters.tree_builder import Frontier, TreeBuilder, adjust_level, draft_columns, mask_level
+from specserve.drafters.tree_builder import (Frontier, TreeBuilder, adjust_level, allowed_columns, draft_columns,
+                                             mask_level, to_target_ids)
 from specserve.verify import DraftTree
 
 
@@ -122,18 +123,11 @@ class LevelDrafter(Drafter):
 
     def _target_ids(self, ids: np.ndarray) -> np.ndarray:
         """Draft-vocabulary ids (any shape) as target ids."""
-        return ids if self.id_map is None else self.id_map[ids]
+        return to_target_ids(self.id_map, ids)
 
     def _draft_allowed(self, allowed: np.ndarray) -> np.ndarray:
         """bool[target V] (a grammar's allowed tokens) -> bool[draft V]."""
-        if self.id_map is not None:
-            return allowed[self.id_map]
-        if len(allowed) == self.vocab:
-            return allowed
-        out = np.zeros(self.vocab, dtype=np.bool_)
-        n = min(len(allowed), self.vocab)
-        out[:n] = allowed[:n]
-        return out
+        return allowed_columns(self.id_map, allowed, self.vocab)
 
     def _uniforms(self, work: list[LevelWork], temps: np.ndarray) -> np.ndarray | None:
         """One uniform per generated node for each sampled request, from its own seeded stream."""
@@ -155,10 +149,8 @@ class LevelDrafter(Drafter):
     def _tree(self, tokens: np.ndarray, parents: np.ndarray, q_ids: np.ndarray | None,
               q_probs: np.ndarray | None, scores: np.ndarray) -> DraftTree:
         """A finished request's tree from the builder's draft-vocabulary ids (mapped to target ids)."""
-        if self.id_map is not None:
-            tokens = self.id_map[tokens]
-            if q_ids is not None:  # -1 pads a node's compact q
-                q_ids = np.where(q_ids >= 0, self.id_map[np.maximum(q_ids, 0)], -1)
+        tokens = to_target_ids(self.id_map, tokens)
+        q_ids = None if q_ids is None else to_target_ids(self.id_map, q_ids)  # -1 pads a node's compact q
         q = (torch.from_numpy(q_ids), torch.from_numpy(q_probs)) if q_ids is not None else (None, None)
         return DraftTree(torch.from_numpy(tokens), torch.from_numpy(parents), q_ids=q[0], q_probs=q[1],
                          scores=torch.from_numpy(scores))

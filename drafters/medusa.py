@@ -34,7 +34,8 @@ from specserve.drafters.base import check_int_option, Drafter, DraftRequest, Tar
 from specserve.drafters.medusa_heads import has_heads, load_heads
 from specserve.drafters.medusa_tree import DEFAULT_CHOICES, StaticTree, parse_choices, sample_static_tree
 from specserve.drafters.draft_rng import request_generator
-from specserve.drafters.tree_builder import DRAFT_Q_SUPPORT, TreeBuilder, draw_siblings, mask_level, top_columns
+from specserve.drafters.tree_builder import (DRAFT_Q_SUPPORT, TreeBuilder, allowed_columns, draw_siblings, mask_level,
+                                             to_target_ids, top_columns)
 from specserve.verify import DraftTree
 
 TREES = ("static", "dynamic")
@@ -102,7 +103,7 @@ class MedusaDrafter(Drafter):
         self.tree = tree
         # Tree tokens are columns of the heads' logits; a draft vocabulary maps them to target ids.
         self.id_map = heads.draft_to_target.numpy() if heads.draft_to_target is not None else None
-        vocab = heads.draft_vocab_size or target.vocab_size
+        vocab = self.columns = heads.draft_vocab_size or target.vocab_size
         if tree == "static":
             self.topk = None
             if choices is not None:
@@ -224,11 +225,11 @@ class MedusaDrafter(Drafter):
 
     def _target_ids(self, ids: np.ndarray) -> np.ndarray:
         """Logit columns -> target ids."""
-        return ids if self.id_map is None else self.id_map[ids]
+        return to_target_ids(self.id_map, ids)
 
     def _draft_allowed(self, allowed: np.ndarray) -> np.ndarray:
         """A grammar's bool[target V] mask -> bool[columns]."""
-        return allowed if self.id_map is None else allowed[self.id_map]
+        return allowed_columns(self.id_map, allowed, self.columns)
 
     def _static_trees(self, logits: np.ndarray, reqs: list[DraftRequest], temps: np.ndarray,
                       caps: list[int]) -> list[DraftTree]:
@@ -297,12 +298,12 @@ def _constrained_static_tree(logits: np.ndarray, grammar, parents: np.ndarray, d
             continue
         path, node = [], row
         while node >= 0:
-            path.append(int(tokens[node]) if id_map is None else int(id_map[tokens[node]]))
+            path.append(int(tokens[node]))
             node = int(parents[node])
-        allowed = grammar.allowed(path[::-1])
+        allowed = grammar.allowed(to_target_ids(id_map, np.array(path[::-1], dtype=np.int64)).tolist())
         head = logits[depths[kids[0]] - 1]
         if allowed is not None:
-            allowed = allowed[:len(head)] if id_map is None else allowed[id_map]
+            allowed = allowed_columns(id_map, allowed, len(head))
         masked = np.where(allowed, head, -np.inf).astype(np.float32) if allowed is not None \
             else np.full_like(head, -np.inf)
         if temperature <= 0:
@@ -342,10 +343,8 @@ def _tree(tokens: np.ndarray, parents: np.ndarray, q_ids: np.ndarray | None, q_p
     tokens and q_ids are logit columns, mapped to target ids through ``id_map`` (a draft vocabulary)."""
     if not len(tokens):
         return DraftTree.empty()
-    if id_map is not None:
-        tokens = id_map[tokens]
-        if q_ids is not None:
-            q_ids = np.where(q_ids >= 0, id_map[np.maximum(q_ids, 0)], -1)
+    tokens = to_target_ids(id_map, tokens)
+    q_ids = None if q_ids is None else to_target_ids(id_map, q_ids)
     q = ((torch.from_numpy(np.ascontiguousarray(q_ids)), torch.from_numpy(np.ascontiguousarray(q_probs)))
          if q_ids is not None else (None, None))
     return DraftTree(torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64)),

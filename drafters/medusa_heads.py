@@ -188,17 +188,19 @@ def target_record(model: str | Path) -> dict:
 
 
 def _check_target(recorded: dict, target: str | Path, path: Path) -> None:
-    """ValueError when heads whose config records ``recorded`` were trained for another target than ``target``."""
+    """ValueError when heads whose config records ``recorded`` were trained for another target than ``target``
+    (a GGUF file is named by its sha256, a model directory by `target_fingerprint`; heads that record neither
+    are not checked)."""
     target = Path(target)
+    if recorded.get("file_sha256") is None and recorded.get("fingerprint") is None:
+        return
     if target.is_file():
         from specserve.drafters.eagle_checkpoint import file_sha256
 
-        same = recorded.get("file_sha256") is not None and recorded["file_sha256"] == file_sha256(target)
-        known = recorded.get("file_sha256") is not None or recorded.get("fingerprint") is not None
+        key, have = "file_sha256", file_sha256(target)
     else:
-        same = recorded.get("fingerprint") is not None and recorded["fingerprint"] == target_fingerprint(target)
-        known = recorded.get("fingerprint") is not None or recorded.get("file_sha256") is not None
-    if known and not same:
+        key, have = "fingerprint", target_fingerprint(target)
+    if recorded.get(key) != have:
         raise ValueError(f"medusa heads in {str(path)!r} were trained for another target "
                          f"({recorded.get('path')!r}; fingerprint mismatch): train heads for this one with "
                          "`specserve train medusa`")

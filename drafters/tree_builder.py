@@ -189,6 +189,25 @@ def adjust_level(logits: np.ndarray, adjusters: list, builder: TreeBuilder, fron
             rule.adjust(logits[i, f], path, columns)
 
 
+def to_target_ids(id_map: np.ndarray | None, ids: np.ndarray) -> np.ndarray:
+    """Draft-vocabulary ids (any shape; -1 pads a compact q and stays -1) as target ids (None: the identity)."""
+    if id_map is None:
+        return ids
+    return np.where(ids >= 0, id_map[np.maximum(ids, 0)], -1)
+
+
+def allowed_columns(id_map: np.ndarray | None, allowed: np.ndarray, vocab: int) -> np.ndarray:
+    """bool[target V] (a grammar's allowed tokens) -> bool[vocab] over a drafter's logit columns."""
+    if id_map is not None:
+        return allowed[id_map]
+    if len(allowed) == vocab:
+        return allowed
+    out = np.zeros(vocab, dtype=np.bool_)
+    n = min(len(allowed), vocab)
+    out[:n] = allowed[:n]
+    return out
+
+
 def draft_columns(id_map: np.ndarray | None, vocab: int) -> np.ndarray:
     """int64[target ids]: each target id's column in a drafter's logits over `vocab` columns (draft id ->
     target id `id_map`, None: the identity), -1 where the draft vocabulary lacks it."""

@@ -315,20 +315,10 @@ class _StoredFeatures:
     def __call__(self, data, ids, device) -> dict:
         import torch
 
-        ids = torch.as_tensor(ids)
-        starts, ends = data.offsets[ids], data.offsets[ids + 1]
-        t = int((ends - starts).max())
-        b, k = len(ids), data.topk_ids.shape[1]
-        tokens = torch.zeros(b, t, dtype=torch.int64)
-        mask = torch.zeros(b, t, dtype=torch.bool)
-        feats = torch.zeros(b, t, *data.features.shape[1:], dtype=torch.float32)
-        top_ids = torch.zeros(b, t, k, dtype=torch.int64)
-        top_logp = torch.full((b, t, k), float("-inf"))
-        for row, (lo, hi) in enumerate(zip(starts.tolist(), ends.tolist())):
-            n = hi - lo
-            tokens[row, :n], mask[row, :n] = data.tokens[lo:hi], True
-            feats[row, :n] = data.features[lo:hi].float()
-            top_ids[row, :n], top_logp[row, :n] = data.topk_ids[lo:hi], data.topk_logprobs[lo:hi].float()
+        padded = data.padded(ids)
+        tokens, mask, feats = padded["tokens"], padded["mask"], padded["features"]
+        top_ids, top_logp = padded["topk_ids"], padded["topk_logprobs"]
+        b, t = tokens.shape
         draft = self.to_draft[top_ids.clamp(max=len(self.to_draft) - 1)]
         draft = torch.where(top_ids < len(self.to_draft), draft, torch.full_like(draft, -1))
         weights = torch.where(draft >= 0, top_logp.exp(), torch.zeros(()))

@@ -289,6 +289,26 @@ class FeatureSet:
     def token_counts(self, vocab: int) -> torch.Tensor:
         return torch.bincount(self.tokens, minlength=vocab)
 
+    def padded(self, ids: torch.Tensor, layers: list[int] | None = None) -> dict[str, torch.Tensor]:
+        """Sequences ``ids`` padded to the longest: tokens int64[B, T], mask bool[B, T] (t < length), features
+        float32[B, T, F', H] (the feature layers at indices ``layers``, default all), topk_ids int64[B, T, k] (0
+        past a length) and topk_logprobs float32[B, T, k] (-inf past a length)."""
+        import torch
+
+        ids = torch.as_tensor(ids)
+        starts, ends = self.offsets[ids], self.offsets[ids + 1]
+        b, t, k = len(ids), int((ends - starts).max()), self.topk_ids.shape[1]
+        layers = list(range(self.features.shape[1])) if layers is None else list(layers)
+        out = {"tokens": torch.zeros(b, t, dtype=torch.int64), "mask": torch.zeros(b, t, dtype=torch.bool),
+               "features": torch.zeros(b, t, len(layers), self.features.shape[2]),
+               "topk_ids": torch.zeros(b, t, k, dtype=torch.int64), "topk_logprobs": torch.full((b, t, k), float("-inf"))}
+        for row, (lo, hi) in enumerate(zip(starts.tolist(), ends.tolist())):
+            n = hi - lo
+            out["tokens"][row, :n], out["mask"][row, :n] = self.tokens[lo:hi], True
+            out["features"][row, :n] = self.features[lo:hi, layers].float()  # per sequence: no copy of the whole set
+            out["topk_ids"][row, :n], out["topk_logprobs"][row, :n] = self.topk_ids[lo:hi], self.topk_logprobs[lo:hi].float()
+        return out
+
 
 def load_features(data_dir: str | Path, split: str) -> tuple[FeatureSet | None, dict]:
     """The split's sequences (None when it has none) and the manifest; ValueError when it is not feature data."""

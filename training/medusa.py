@@ -288,15 +288,8 @@ class _CapturedBatches:
             self.columns[draft_ids] = torch.arange(len(draft_ids))
 
     def __call__(self, data, ids: torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:
-        ids = torch.as_tensor(ids)
-        starts, ends = data.offsets[ids], data.offsets[ids + 1]
-        b, t, k = len(ids), int((ends - starts).max()), data.topk_ids.shape[1]
-        feats = torch.zeros(b, t, data.features.shape[-1])
-        top_ids = torch.zeros(b, t, k, dtype=torch.int64)
-        top_logp = torch.full((b, t, k), float("-inf"))
-        for row, (lo, hi) in enumerate(zip(starts.tolist(), ends.tolist())):
-            feats[row, : hi - lo] = data.features[lo:hi, self.layer].float()
-            top_ids[row, : hi - lo], top_logp[row, : hi - lo] = data.topk_ids[lo:hi], data.topk_logprobs[lo:hi].float()
+        padded = data.padded(ids, [self.layer])
+        feats, top_ids, top_logp = padded["features"][:, :, 0], padded["topk_ids"], padded["topk_logprobs"]
         if self.columns is not None:
             top_ids = self.columns[top_ids]
             top_logp = torch.where(top_ids >= 0, top_logp, float("-inf"))
