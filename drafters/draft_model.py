@@ -23,6 +23,12 @@ Each step (the shared loop of `level_drafter`, trees grown by `tree_builder`):
 A draft vocabulary (``draft_vocab.safetensors`` beside the weights, drafters/draft_vocab.py; the
 bundled draft model has one of 2,048 tokens) keeps only those rows of the LM head: each level's logits
 are [rows, Vd], mapped to target ids through `LevelDrafter.id_map`.
+
+A draft cut from its target's own layers (`specserve train draft --data FEATURES`, training/draft_features.py;
+``draft_config.json`` says ``"embedding": "target"``) stores no embedding: it reads through the target's
+own table (the same tensor, no copy), keeps an LM head over its draft vocabulary only, and is refused beside
+any target but the one it was cut from. Beside a GGUF file whose blocks run as stored, a draft model runs
+8-bit products (the target's own layers there are 4- or 8-bit).
 """
 
 from __future__ import annotations
@@ -35,12 +41,16 @@ import numpy as np
 import torch
 
 from specserve.drafters.base import DraftRequest, TargetInfo, check_int_option, register
+from specserve.drafters.draft_vocab import FILE_NAME as DRAFT_VOCAB_FILE
 from specserve.drafters.draft_vocab import load_draft_vocab
 from specserve.drafters.level_drafter import LevelDrafter, LevelWork
 from specserve.drafters.tree_builder import Frontier, TreeBuilder
 from specserve.kv_cache import PagedKVCache
 from specserve.model import LlamaModel
 from specserve.step_batch import StepBatchBuilder
+
+
+DRAFT_CONFIG = "draft_config.json"  # beside the weights: what made the draft (training/draft.py, draft_features.py)
 
 
 def _check(name: str, value: object, low: int, high: int | None = None) -> int:
@@ -88,9 +98,13 @@ class DraftModelDrafter(LevelDrafter):
         self.path = _resolve_path(target, path)
         target_model = target.model
         # The target's attention backend (triton on CUDA): one kernel, and CUDA graphs, for both models.
-        self.model = LlamaModel.from_pretrained(self.path, target.device, target.dtype,
-                                                attention=target_model.backend.name if target_model is not None else None,
-                                                cpu_kernels=False)
+        attention = target_model.backend.name if target_model is not None else None
+        if borrows_target_embedding(self.path):
+            self.model, draft_vocab = load_on_target_embedding(self.path, target, attention)
+        else:
+            self.model = LlamaModel.from_pretrained(self.path, target.device, target.dtype, attention=attention,
+                                                    cpu_kernels=False)
+            draft_vocab = None
         cfg = self.model.config
         if cfg.vocab_size != target.vocab_size:
             raise ValueError(
@@ -98,14 +112,19 @@ class DraftModelDrafter(LevelDrafter):
                 "a draft model must share the target's tokenizer"
             )
         _check_same_tokenizer(self.path, getattr(target, "tokenizer_dir", None) or target.model_dir)
-        draft_vocab = load_draft_vocab(self.path, cfg.vocab_size)  # int64[Vd] target ids, or None: all of them
+        if draft_vocab is None:
+            draft_vocab = load_draft_vocab(self.path, cfg.vocab_size)  # int64[Vd] target ids, or None: all of them
+            if draft_vocab is not None:
+                self.model.restrict_lm_head(draft_vocab)
         if draft_vocab is not None:
-            self.model.restrict_lm_head(draft_vocab)
             self.id_map = draft_vocab.numpy()
         if target_model is None or target_model.kernels is not None:
-            # A quantized target's draft model is quantized the same way: its forwards are most of a draft step,
-            # and a user who chose int8/int4 chose that speed. Output stays the target's (it verifies).
-            self.model.use_cpu_kernels(target_model.kernels.quantization if target_model is not None else None)
+            # A quantized target's draft model is quantized too: its forwards are most of a draft step, and a user
+            # who chose int8/int4 chose that speed. A GGUF file's blocks run as stored (no quantization was asked
+            # for), so its draft gets 8-bit products. Output stays the target's (it verifies).
+            kernels = target_model.kernels if target_model is not None else None
+            quantization = None if kernels is None else kernels.quantization or ("int8" if kernels.quantized else None)
+            self.model.use_cpu_kernels(quantization)
         self.vocab = cfg.vocab_size if draft_vocab is None else len(draft_vocab)
         self.device = target.device
         self.cache = None  # made by `attach_kv` on the engine's allocator
@@ -168,6 +187,66 @@ class DraftModelDrafter(LevelDrafter):
     def __repr__(self) -> str:
         return (f"DraftModelDrafter(path={str(self.path)!r}, depth={self.depth}, topk={self.topk}, width={self.width}, "
                 f"max_budget={self.max_budget})")
+
+
+def borrows_target_embedding(path: Path) -> bool:
+    """Whether the draft model in ``path`` reads through its target's embedding table (`train draft --data
+    FEATURES` writes such drafts: training/draft_features.py), which it does not store."""
+    config = path / DRAFT_CONFIG
+    if not config.is_file():
+        return False
+    try:
+        return json.loads(config.read_text()).get("embedding") == "target"
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{config}: not valid JSON ({exc})") from None
+
+
+def load_on_target_embedding(path: Path, target: TargetInfo, attention: str | None) -> tuple[LlamaModel, torch.Tensor]:
+    """(model, draft vocabulary int64[Vd]) of a draft that borrows its target's embedding: its own layers, norm
+    and LM head over its draft vocabulary (``lm_head.weight`` [Vd, H]) from ``model.safetensors``, the embedding
+    the target's own tensor (shared, not copied). Refused with one line for another target than the one recorded
+    in ``draft_config.json`` (file sha256 for a GGUF file, config and tokenizer fingerprints for a directory)."""
+    from safetensors.torch import load_file
+
+    from specserve.checkpoint import expected_shapes
+    from specserve.config import load_config
+    from specserve.drafters.eagle_checkpoint import target_fingerprint
+
+    if target.model is None:
+        raise ValueError(f"draft model {str(path)!r} reads through its target's embedding: it needs the target's weights")
+    recorded = json.loads((path / DRAFT_CONFIG).read_text()).get("target", {})
+    have = target_fingerprint(target.model_dir)
+    differs = [k for k in ("file_sha256", "config_sha256", "tokenizer") if recorded.get(k) is not None
+               and recorded.get(k) != have.get(k)]
+    if differs:
+        raise ValueError(f"draft model {str(path)!r} was cut from another target ({recorded.get('path')!r}; "
+                         f"{differs[0]} differs): train one for this target with `specserve train draft --data`")
+    cfg = load_config(path)
+    if cfg.vocab_size != target.vocab_size or cfg.hidden_size != target.hidden_size:
+        raise ValueError(f"draft model {str(path)!r} (vocabulary {cfg.vocab_size}, hidden {cfg.hidden_size}) does not fit "
+                         f"the target (vocabulary {target.vocab_size}, hidden {target.hidden_size})")
+    draft_vocab = load_draft_vocab(path, cfg.vocab_size)
+    if draft_vocab is None:
+        raise ValueError(f"draft model {str(path)!r} reads through its target's embedding but has no {DRAFT_VOCAB_FILE}")
+    try:
+        state = load_file(str(path / "model.safetensors"))
+    except Exception as exc:  # safetensors raises its own error types for missing, truncated or corrupt files
+        raise ValueError(f"{path / 'model.safetensors'}: not a readable safetensors file ({exc})") from None
+    expected = expected_shapes(cfg)
+    expected.pop("model.embed_tokens.weight")
+    expected["lm_head.weight"] = (len(draft_vocab), cfg.hidden_size)
+    wrong = sorted(set(expected) ^ set(state)) + sorted(k for k in expected if k in state
+                                                         and tuple(state[k].shape) != expected[k])
+    if wrong:
+        raise ValueError(f"{path / 'model.safetensors'}: tensors missing, unexpected or mis-shaped: {', '.join(wrong[:5])}")
+    state = {k: v.to(target.device, target.dtype) for k, v in state.items()}
+    head = state.pop("lm_head.weight")
+    embed = target.model.embed.data  # float[V, H]: only indexed, shared with the target
+    state["model.embed_tokens.weight"] = state["lm_head.weight"] = embed  # the head's rows are replaced below
+    model = LlamaModel(cfg, target.device, target.dtype, attention)
+    model.load_hf_state(state)
+    model.restrict_lm_head(draft_vocab, weight=head)
+    return model, draft_vocab
 
 
 def _resolve_path(target: TargetInfo, path: str | None) -> Path:

@@ -173,13 +173,14 @@ class LlamaModel(nn.Module):
         return model
 
     @torch.no_grad()
-    def restrict_lm_head(self, rows: torch.Tensor) -> None:
+    def restrict_lm_head(self, rows: torch.Tensor, weight: torch.Tensor | None = None) -> None:
         """Keep only these vocabulary rows of the LM head (a draft model's draft vocabulary, as EAGLE-3 heads
         have): logits come out float32[R, len(rows)], column j for token rows[j]; the embedding keeps every
         row, so any token can still be fed. A tied head is untied (the embedding is not changed). The CPU
         kernels, when on, are repacked; call before `use_cuda_graphs`.
 
-        rows: int64[Vd], distinct token ids in [0, vocab_size)."""
+        rows: int64[Vd], distinct token ids in [0, vocab_size); weight: those rows' own weights [Vd, hidden] (a
+        head trained over the draft vocabulary), default the current head's rows."""
         if self.tp is not None:
             raise ValueError("restrict_lm_head: not under tensor parallelism")
         rows = rows.to(torch.int64).cpu()
@@ -187,9 +188,17 @@ class LlamaModel(nn.Module):
         if rows.ndim != 1 or not len(rows) or int(rows.min()) < 0 or int(rows.max()) >= vocab or \
                 rows.unique().numel() != rows.numel():
             raise ValueError(f"restrict_lm_head needs distinct token ids in [0, {vocab}), got {len(rows)} ids")
-        self.lm_head = nn.Parameter(self.lm_head.data[rows.to(self.lm_head.device)].clone(), requires_grad=False)
-        if "lm_head" in self.quant_blocks:
-            self.quant_blocks["lm_head"] = self.quant_blocks["lm_head"].take_rows(rows)
+        if weight is None:
+            kept = self.lm_head.data[rows.to(self.lm_head.device)].clone()
+            if "lm_head" in self.quant_blocks:
+                self.quant_blocks["lm_head"] = self.quant_blocks["lm_head"].take_rows(rows)
+        else:
+            if tuple(weight.shape) != (len(rows), self.config.hidden_size):
+                raise ValueError(f"restrict_lm_head: weight must be [{len(rows)}, {self.config.hidden_size}], "
+                                 f"got {list(weight.shape)}")
+            kept = weight.to(self.lm_head.device, self.lm_head.dtype).clone()
+            self.quant_blocks.pop("lm_head", None)
+        self.lm_head = nn.Parameter(kept, requires_grad=False)
         if self.kernels is not None:
             self.use_cpu_kernels(self.kernels.quantization)
 

@@ -55,10 +55,20 @@ def add_train_parser(sub, parser_class):
     features.set_defaults(handler=cmd_feature_data)
 
     draft = tsub.add_parser("draft", help="distil a small draft model from a target (serve it as draft:OUT)")
-    draft.add_argument("--target", required=True, help="target model directory (with its tokenizer)")
+    draft.add_argument("--target", default=None,
+                       help="target model: a directory (with its tokenizer), or with --data from `train feature-data` any "
+                            "model the engine loads (default there: the default model)")
     draft.add_argument("--out", required=True, help="output model directory")
-    draft.add_argument("--data", default=None, help="distill-data directory (default: generate one in OUT/distill)")
-    draft.add_argument("--preset", default=None, choices=["draft", "tiny"], help="default: draft (resume: the run's)")
+    draft.add_argument("--data", default=None,
+                       help="distill-data directory (default: generate one in OUT/distill), or `train feature-data` output "
+                            "(the draft is then cut from the target's own layers)")
+    draft.add_argument("--preset", default=None, choices=["draft", "tiny"],
+                       help="a new draft model's shape (default: draft; resume: the run's)")
+    draft.add_argument("--init-layers", default=None,
+                       help="with feature data: the target layers the draft keeps, comma-separated (default: the first "
+                            "two and the last)")
+    draft.add_argument("--draft-vocab", type=int, default=None,
+                       help="with feature data: LM head over the N most frequent tokens of the data (default 4096)")
     _run_args(draft, seq_len=False)
     _distill_args(draft, prefix="distill options (only when --data is not given)")
     draft.set_defaults(handler=cmd_draft)
@@ -219,9 +229,11 @@ def cmd_distill(args: argparse.Namespace) -> int:
 def cmd_draft(args: argparse.Namespace) -> int:
     _set_threads(args.threads)
     from specserve.training.draft import train_draft
+    from specserve.training.draft_features import parse_layers
 
     summary = train_draft(args.target, args.out, data=args.data, preset=args.preset,
-                          distill_settings=_distill_settings(args), **run_options(args))
+                          distill_settings=_distill_settings(args), init_layers=parse_layers(args.init_layers),
+                          draft_vocab=args.draft_vocab, **run_options(args))
     _report(summary, args.out)
     return 0
 

@@ -36,12 +36,32 @@ def train_draft(
     data: str | Path | None = None,
     preset: str | None = None,
     distill_settings: DistillSettings | None = None,
+    init_layers: tuple[int, ...] | None = None,
+    draft_vocab: int | None = None,
     **options,
 ) -> dict:
-    """Train (or resume) a draft model for ``target``; return the run summary. ``options``: `setup.RunOptions`."""
+    """Train (or resume) a draft model for ``target``; return the run summary. ``options``: `setup.RunOptions`.
+
+    ``data``: self-distillation data (`train distill-data`; a new small Llama with ``preset``'s shape) or captured
+    feature data (`train feature-data`; a draft cut from the target's ``init_layers``, with a ``draft_vocab``-token
+    LM head: training/draft_features.py, for any target the engine loads, None the default model)."""
     from transformers import AutoConfig, LlamaForCausalLM
 
+    from specserve.training.feature_data import is_feature_data
+
     run = setup.RunOptions.of("train_draft", options)
+    if is_feature_data(data):
+        if preset is not None:
+            raise ValueError("--preset shapes a new draft model; a draft trained on feature data is cut from the "
+                             "target (--init-layers)")
+        from specserve.training.draft_features import train_draft_on_features
+
+        return train_draft_on_features(target, out, data, init_layers=init_layers, draft_vocab=draft_vocab, run=run)
+    if init_layers is not None or draft_vocab is not None:
+        raise ValueError("--init-layers and --draft-vocab cut a draft from its target: they train on captured feature "
+                         "data (`train feature-data`), passed as --data")
+    if target is None:
+        raise ValueError("--target is required (it may be left out only with --data from `train feature-data`)")
     out_dir = Path(out).expanduser()
     base = recorded_preset(out_dir, preset) if run.resume else get_preset(preset or "draft", "draft")
     recipe = base.with_overrides(**run.overrides())

@@ -14,8 +14,10 @@ import json
 import shutil
 from pathlib import Path
 
+# Each drafter's serving files; the first records the target ("target": {"file_sha256": ...}).
 SERVING_FILES = {"eagle": ("eagle_config.json", "eagle_head.safetensors"),
-                 "medusa": ("medusa_config.json", "medusa_heads.safetensors")}
+                 "medusa": ("medusa_config.json", "medusa_heads.safetensors"),
+                 "draft": ("draft_config.json", "config.json", "model.safetensors", "draft_vocab.safetensors")}
 SIZE_LIMIT_MB = 25.0
 
 
@@ -27,7 +29,7 @@ def ship(runs: dict[str, str | Path], default_drafter: str, *, out: str | Path |
 
     out_dir = Path(out) if out is not None else drafters_dir()
     if not runs:
-        raise ValueError("nothing to ship: name at least one trained drafter (--eagle DIR, --medusa DIR)")
+        raise ValueError("nothing to ship: name at least one trained drafter (--eagle DIR, --medusa DIR, --draft DIR)")
     records, total = {}, 0
     for name, run in runs.items():
         run = Path(run).expanduser()
@@ -99,6 +101,8 @@ def add_ship_args(p) -> None:
     p.add_argument("--eagle", default=None, metavar="DIR", help="a finished `train eagle` run for the default model")
     p.add_argument("--medusa", default=None, metavar="DIR",
                    help="a finished `train medusa --data FEATURES` run for the default model")
+    p.add_argument("--draft", default=None, metavar="DIR",
+                   help="a finished `train draft --data FEATURES` run for the default model")
     p.add_argument("--default-drafter", required=True,
                    help="what drafter='auto' runs on the default model (a shipped name, a file-less drafter, or a "
                         "hybrid of those), chosen by measurement")
@@ -107,7 +111,7 @@ def add_ship_args(p) -> None:
 
 
 def cmd_ship(args) -> int:
-    runs = {name: path for name, path in (("eagle", args.eagle), ("medusa", args.medusa)) if path}
+    runs = {name: path for name, path in (("eagle", args.eagle), ("medusa", args.medusa), ("draft", args.draft)) if path}
     manifest = ship(runs, args.default_drafter, out=args.out, size_limit_mb=args.size_limit_mb)
     print(json.dumps({k: manifest[k] for k in ("drafters", "default_drafter", "bytes")}))
     return 0

@@ -244,3 +244,89 @@ def test_captured_medusa_labels_and_loss_follow_their_definition(feature_dir):
                 want = sum(p / total * (np.log(p / total) - float(logq[j])) for j, p in probs.items())
                 assert abs(float(kl[row, t]) - want) < 1e-4, (k, row, t)
             assert not mask[row, n - k - 1:].any()
+
+
+def test_a_draft_cut_from_all_its_targets_layers_is_the_target(target, tmp_path):
+    """A draft that keeps every target layer and the whole vocabulary, untrained, written as `train draft --data`
+    writes it (no embedding of its own) and loaded by the `draft` drafter beside the GGUF file, gives the target's
+    logits: transformers' forward of the file is the reference. Checks the cut (layer copy), the saved files and
+    the borrowed-embedding loader together; one layer left out changes them."""
+    from transformers import AutoModelForCausalLM
+
+    from specserve.drafters.base import TargetInfo
+    from specserve.drafters.draft_model import load_on_target_embedding
+    from specserve.model import LlamaModel
+    from specserve.training.draft_features import CutDraft, save_cut_draft
+    from specserve.drafters.eagle_checkpoint import target_config
+
+    gguf = target[1]
+    reference = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    vocab = reference.config.vocab_size
+    tokens = torch.tensor([[5, 17, 33, 2, 9, 40, 41]])
+    with torch.no_grad():
+        expected = reference(input_ids=tokens).logits[0].double()
+    engine_target = LlamaModel.from_pretrained(gguf, torch.device("cpu"), torch.float32, cpu_kernels=False)
+    info = TargetInfo(vocab, 64, 4, torch.device("cpu"), torch.float32, model_dir=str(gguf), model=engine_target)
+    for layers, same in (([0, 1, 2, 3], True), ([0, 1, 3], False)):
+        draft = CutDraft.from_target(gguf, layers, torch.arange(vocab))
+        with torch.no_grad():
+            cut_logits = draft(tokens, torch.ones_like(tokens, dtype=torch.bool))[0].double()
+        out = tmp_path / f"cut{len(layers)}"
+        out.mkdir()
+        save_cut_draft(draft, out, gguf, target_config(gguf), extra={})
+        model, ids = load_on_target_embedding(out, info, None)
+        assert torch.equal(ids, torch.arange(vocab))
+        assert model.embed.data_ptr() == engine_target.embed.data_ptr()  # borrowed, not copied
+        served = _full_forward(model, tokens[0])
+        for logits, tol in ((cut_logits, 1e-4), (served, 5e-3)):  # served: float16 files
+            assert torch.allclose(logits, expected, atol=tol) == same
+
+
+def _full_forward(model, tokens: torch.Tensor) -> torch.Tensor:
+    """The engine model's logits float64[T, V] at every position of one sequence (its own KV cache)."""
+    from specserve.kv_cache import BlockAllocator
+    from specserve.step_batch import StepBatchBuilder
+
+    allocator = BlockAllocator(64, 16)
+    cache = model.new_cache(allocator)
+    allocator.allocate("r", len(tokens))
+    batch = StepBatchBuilder(allocator)
+    batch.add("r", 0, tokens.numpy().astype(np.int64), logits="all")
+    with torch.no_grad():
+        return model.forward(batch.build(), cache).logits.double()
+
+
+def test_a_draft_model_trains_on_captured_features_and_serves_losslessly(target, feature_dir, tmp_path):
+    """`train draft --data FEATURES` cuts a draft from the GGUF target's layers with a draft vocabulary, records
+    the file's sha256, serves beside that file (chain and tree) with greedy output equal to plain decoding, and is
+    refused beside another file; bad options are refused in one line."""
+    from specserve import LLM, SamplingParams
+
+    draft = tmp_path / "draft"
+    assert main(["train", "draft", "--target", str(target[1]), "--data", str(feature_dir), "--out", str(draft),
+                 "--init-layers", "0,3", "--draft-vocab", "64", "--max-steps", "4", "--batch-size", "2",
+                 "--threads", "1"]) == 0
+    config = json.loads((draft / "draft_config.json").read_text())
+    assert config["embedding"] == "target" and config["init_layers"] == [0, 3]
+    assert config["target"]["file_sha256"] == hashlib.sha256(target[1].read_bytes()).hexdigest()
+    from safetensors.torch import load_file
+
+    weights = load_file(str(draft / "model.safetensors"))
+    assert "model.embed_tokens.weight" not in weights and weights["lm_head.weight"].shape == (64, 64)
+    log = [json.loads(line) for line in (draft / "train_log.jsonl").read_text().splitlines()]
+    assert all(np.isfinite(r["loss"]) for r in log if "loss" in r) and "chain2" in log[-1]
+
+    prompts = [[5, 17, 33, 2, 9], [40, 41, 42, 43]]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(str(target[1]), drafter=None, threads=1).generate(prompts, params)]
+    for options in ({"depth": 3}, {"depth": 3, "topk": 2, "width": 2}):
+        spec = LLM(str(target[1]), drafter=f"draft:{draft}", drafter_options=options, speculation="static", threads=1)
+        assert [o.token_ids for o in spec.generate(prompts, params)] == plain
+
+    other_hf = build_model(tmp_path / "other", "llama", hidden_size=64, layers=4, init_std=0.1, seed=1)
+    other = write_gguf(other_hf, tmp_path / "other.gguf", "F32")
+    with pytest.raises(ValueError, match="cut from another target"):
+        LLM(str(other), drafter=f"draft:{draft}", threads=1)
+    for bad in (["--init-layers", "0,9"], ["--init-layers", "0,x"], ["--preset", "tiny"], ["--draft-vocab", "0"]):
+        assert main(["train", "draft", "--target", str(target[1]), "--data", str(feature_dir), "--out",
+                     str(tmp_path / "bad"), "--force", *bad]) == 2
