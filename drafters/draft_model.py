@@ -211,6 +211,7 @@ def load_on_target_embedding(path: Path, target: TargetInfo, attention: str | No
     from specserve.checkpoint import expected_shapes
     from specserve.config import load_config
     from specserve.drafters.eagle_checkpoint import target_fingerprint
+    from specserve.drafters.int8_rows import dequantize_rows
 
     if target.model is None:
         raise ValueError(f"draft model {str(path)!r} reads through its target's embedding: it needs the target's weights")
@@ -232,6 +233,7 @@ def load_on_target_embedding(path: Path, target: TargetInfo, attention: str | No
         state = load_file(str(path / "model.safetensors"))
     except Exception as exc:  # safetensors raises its own error types for missing, truncated or corrupt files
         raise ValueError(f"{path / 'model.safetensors'}: not a readable safetensors file ({exc})") from None
+    state = dequantize_rows(state, str(path / "model.safetensors"))  # drafts stored 8-bit (`train draft --storage`)
     expected = expected_shapes(cfg)
     expected.pop("model.embed_tokens.weight")
     expected["lm_head.weight"] = (len(draft_vocab), cfg.hidden_size)

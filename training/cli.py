@@ -69,6 +69,8 @@ def add_train_parser(sub, parser_class):
                             "two and the last)")
     draft.add_argument("--draft-vocab", type=int, default=None,
                        help="with feature data: LM head over the N most frequent tokens of the data (default 4096)")
+    draft.add_argument("--storage", default=None, choices=["float16", "int8"],
+                       help="with feature data: how the weights are written (default float16; int8: half the bytes)")
     _run_args(draft, seq_len=False)
     _distill_args(draft, prefix="distill options (only when --data is not given)")
     draft.set_defaults(handler=cmd_draft)
@@ -233,7 +235,7 @@ def cmd_draft(args: argparse.Namespace) -> int:
 
     summary = train_draft(args.target, args.out, data=args.data, preset=args.preset,
                           distill_settings=_distill_settings(args), init_layers=parse_layers(args.init_layers),
-                          draft_vocab=args.draft_vocab, **run_options(args))
+                          draft_vocab=args.draft_vocab, storage=args.storage, **run_options(args))
     _report(summary, args.out)
     return 0
 

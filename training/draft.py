@@ -38,6 +38,7 @@ def train_draft(
     distill_settings: DistillSettings | None = None,
     init_layers: tuple[int, ...] | None = None,
     draft_vocab: int | None = None,
+    storage: str | None = None,
     **options,
 ) -> dict:
     """Train (or resume) a draft model for ``target``; return the run summary. ``options``: `setup.RunOptions`.
@@ -56,10 +57,11 @@ def train_draft(
                              "target (--init-layers)")
         from specserve.training.draft_features import train_draft_on_features
 
-        return train_draft_on_features(target, out, data, init_layers=init_layers, draft_vocab=draft_vocab, run=run)
-    if init_layers is not None or draft_vocab is not None:
-        raise ValueError("--init-layers and --draft-vocab cut a draft from its target: they train on captured feature "
-                         "data (`train feature-data`), passed as --data")
+        return train_draft_on_features(target, out, data, init_layers=init_layers, draft_vocab=draft_vocab,
+                                       storage=storage or "float16", run=run)
+    if init_layers is not None or draft_vocab is not None or storage is not None:
+        raise ValueError("--init-layers, --draft-vocab and --storage cut a draft from its target: they train on captured "
+                         "feature data (`train feature-data`), passed as --data")
     if target is None:
         raise ValueError("--target is required (it may be left out only with --data from `train feature-data`)")
     out_dir = Path(out).expanduser()

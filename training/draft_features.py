@@ -17,7 +17,8 @@ teacher-forced — what a greedy chain of d drafted tokens needs where the answe
 
 Output directory (served as ``draft:OUT``): ``config.json`` (a Hugging Face Llama config of the kept layers,
 ``vocab_size`` the target's), ``model.safetensors`` (float16; no ``model.embed_tokens.weight``;
-``lm_head.weight`` [Vd, H], row j for token ``draft_to_target[j]``), ``draft_vocab.safetensors`` and
+``lm_head.weight`` [Vd, H], row j for token ``draft_to_target[j]``; ``--storage int8`` writes the matrices as
+int8 rows with float scales, drafters/int8_rows.py), ``draft_vocab.safetensors`` and
 ``draft_config.json`` (``"embedding": "target"`` and the target's identity: file sha256 and tokenizer).
 """
 
@@ -44,6 +45,7 @@ DEFAULT_DRAFT_VOCAB = 4096
 CHAIN_DEPTHS = 4  # chain{1..4} metrics
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "draft_config.json"
+STORAGES = ("float16", "int8")
 
 
 def default_init_layers(num_layers: int) -> tuple[int, ...]:
@@ -62,9 +64,12 @@ def parse_layers(text: str | None) -> tuple[int, ...] | None:
 
 
 def train_draft_on_features(target, out: str | Path, data: str | Path, *, init_layers: tuple[int, ...] | None = None,
-                            draft_vocab: int | None = None, run) -> dict:
+                            draft_vocab: int | None = None, storage: str = "float16", run) -> dict:
     """Train (or resume) a draft model cut from ``target`` (None: the default model) on feature data ``data``;
-    return the run summary. ``run``: `setup.RunOptions`."""
+    return the run summary. ``run``: `setup.RunOptions`; ``storage``: how the matrices are written, "float16" or
+    "int8" (row-wise: half the bytes; a resumed run may write its weights again in the other)."""
+    if storage not in STORAGES:
+        raise ValueError(f"--storage must be one of {', '.join(STORAGES)}, got {storage!r}")
     from specserve.drafters.eagle_checkpoint import target_config
     from specserve.loading import resolve_model
     from specserve.training.outputs import read_json, write_json
@@ -137,8 +142,9 @@ def train_draft_on_features(target, out: str | Path, data: str | Path, *, init_l
                 log.write(json.dumps(record) + "\n")
             summary["last_eval"] = trainer.last_eval
         metrics = {k: round(v, 5) for k, v in trainer.last_eval.items()}
-        identity = save_cut_draft(trainer.module, out_dir, target_path, config, extra={
-            "init_layers": layers, "metrics": metrics, "distill_data": str(data_dir.resolve()), "step": trainer.step})
+        identity = save_cut_draft(trainer.module, out_dir, target_path, config, storage=storage, extra={
+            "init_layers": layers, "metrics": metrics, "distill_data": str(data_dir.resolve()), "step": trainer.step,
+            "storage": storage})
         setup.finish_run(out_dir, summary, started,
                          f"draft: target layers {layers}, draft vocabulary {len(draft_ids)}: KL to the target",
                          kind="draft", draft=spec, target=str(target_path), argv=run.argv, data=str(data_dir.resolve()),
@@ -256,8 +262,10 @@ def _evaluate(model: CutDraft, batches: list[dict]) -> dict[str, float]:
     return out
 
 
-def save_cut_draft(model: CutDraft, out_dir: Path, target: Path, target_cfg: dict, *, extra: dict) -> dict:
-    """Write the serving files (see the module docstring); return the target identity recorded."""
+def save_cut_draft(model: CutDraft, out_dir: Path, target: Path, target_cfg: dict, *, extra: dict,
+                   storage: str = "float16") -> dict:
+    """Write the serving files (see the module docstring), the matrices as ``storage`` ("float16", or "int8":
+    drafters/int8_rows.py); return the target identity recorded."""
     from safetensors.torch import save_file
 
     from specserve.drafters.draft_vocab import save_draft_vocab
@@ -265,7 +273,13 @@ def save_cut_draft(model: CutDraft, out_dir: Path, target: Path, target_cfg: dic
 
     state = {"model." + k: v for k, v in model.body.state_dict().items() if k != "embed_tokens.weight"}
     state["lm_head.weight"] = model.head.weight
-    save_file({k: v.detach().to(torch.float16).contiguous().cpu() for k, v in state.items()}, str(out_dir / WEIGHTS_FILE))
+    state = {k: v.detach().float().cpu() for k, v in state.items()}
+    if storage == "int8":
+        from specserve.drafters.int8_rows import quantize_rows
+
+        state = quantize_rows(state)
+    save_file({k: v.to(torch.float16) if v.is_floating_point() and not k.endswith(".row_scale") else v.contiguous()
+               for k, v in state.items()}, str(out_dir / WEIGHTS_FILE))
     config = model.config.to_dict()
     config.update(vocab_size=int(target_cfg["vocab_size"]), torch_dtype="float16")
     config.pop("dtype", None)

@@ -305,14 +305,15 @@ def test_a_draft_model_trains_on_captured_features_and_serves_losslessly(target,
     draft = tmp_path / "draft"
     assert main(["train", "draft", "--target", str(target[1]), "--data", str(feature_dir), "--out", str(draft),
                  "--init-layers", "0,3", "--draft-vocab", "64", "--max-steps", "4", "--batch-size", "2",
-                 "--threads", "1"]) == 0
+                 "--storage", "int8", "--threads", "1"]) == 0
     config = json.loads((draft / "draft_config.json").read_text())
-    assert config["embedding"] == "target" and config["init_layers"] == [0, 3]
+    assert config["embedding"] == "target" and config["init_layers"] == [0, 3] and config["storage"] == "int8"
     assert config["target"]["file_sha256"] == hashlib.sha256(target[1].read_bytes()).hexdigest()
     from safetensors.torch import load_file
 
     weights = load_file(str(draft / "model.safetensors"))
     assert "model.embed_tokens.weight" not in weights and weights["lm_head.weight"].shape == (64, 64)
+    assert weights["lm_head.weight"].dtype == torch.int8 and weights["model.norm.weight"].dtype == torch.float16
     log = [json.loads(line) for line in (draft / "train_log.jsonl").read_text().splitlines()]
     assert all(np.isfinite(r["loss"]) for r in log if "loss" in r) and "chain2" in log[-1]
 

@@ -69,3 +69,21 @@ def test_ship_refuses_with_one_line(tmp_path, shipped, capsys, case):
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and not shipped.exists()
+
+
+def test_a_draft_model_ships_with_its_four_files_and_resolves_by_name(tmp_path, shipped):
+    """A `train draft --data` run ships config, weights, draft vocabulary and draft_config (which names the file);
+    one cut from another file is refused."""
+    run = tmp_path / "draft-run"
+    run.mkdir()
+    (run / "draft_config.json").write_text(json.dumps({"embedding": "target", "target": {"file_sha256": SHA256}}))
+    for name in ("config.json", "model.safetensors", "draft_vocab.safetensors"):
+        (run / name).write_bytes(b"{}")
+    (run / "run_config.json").write_text(json.dumps({"argv": ["train", "draft"], "data": None}))
+    (run / "train_summary.json").write_text(json.dumps({"step": 3, "last_eval": {"chain1": 0.5}}))
+    assert main(["train", "ship", "--draft", str(run), "--default-drafter", "suffix", "--out", str(shipped)]) == 0
+    assert sorted(p.name for p in (shipped / "draft").iterdir()) == ["config.json", "draft_config.json",
+                                                                     "draft_vocab.safetensors", "model.safetensors"]
+    assert resolve_drafter_path("draft", default_model_file()) == str(shipped / "draft")
+    (run / "draft_config.json").write_text(json.dumps({"embedding": "target", "target": {"file_sha256": "0" * 64}}))
+    assert main(["train", "ship", "--draft", str(run), "--default-drafter", "suffix", "--out", str(shipped)]) == 2
