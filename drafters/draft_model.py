@@ -184,6 +184,17 @@ class DraftModelDrafter(LevelDrafter):
                       np.full(w, length - 2 + level, dtype=np.int64), mask, logits="all")
         return self.model.forward(batch.build(), self.cache).logits.view(len(active), w, -1)
 
+    def describe(self) -> dict:
+        """Drafter options plus what was loaded: layers, draft vocabulary, where the embedding comes from, and the
+        products' storage on the CPU kernels."""
+        cfg = self.model.config
+        out = {**super().describe(), "layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
+               "draft_vocabulary": self.vocab if self.vocab != cfg.vocab_size else "the target's whole vocabulary",
+               "embedding": "the target's (borrowed)" if borrows_target_embedding(self.path) else "its own"}
+        if self.model.kernels is not None:
+            out["products"] = self.model.kernels.storage
+        return out
+
     def __repr__(self) -> str:
         return (f"DraftModelDrafter(path={str(self.path)!r}, depth={self.depth}, topk={self.topk}, width={self.width}, "
                 f"max_budget={self.max_budget})")

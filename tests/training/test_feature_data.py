@@ -323,6 +323,9 @@ def test_a_draft_model_trains_on_captured_features_and_serves_losslessly(target,
     for options in ({"depth": 3}, {"depth": 3, "topk": 2, "width": 2}):
         spec = LLM(str(target[1]), drafter=f"draft:{draft}", drafter_options=options, speculation="static", threads=1)
         assert [o.token_ids for o in spec.generate(prompts, params)] == plain
+    described = spec.engine.drafter.describe()  # what `specserve info --drafter` prints
+    assert (described["layers"], described["draft_vocabulary"]) == (2, 64)
+    assert described["embedding"] == "the target's (borrowed)"
 
     other_hf = build_model(tmp_path / "other", "llama", hidden_size=64, layers=4, init_std=0.1, seed=1)
     other = write_gguf(other_hf, tmp_path / "other.gguf", "F32")
