@@ -99,12 +99,12 @@ class DraftModelDrafter(LevelDrafter):
         target_model = target.model
         # The target's attention backend (triton on CUDA): one kernel, and CUDA graphs, for both models.
         attention = target_model.backend.name if target_model is not None else None
-        if borrows_target_embedding(self.path):
-            self.model, draft_vocab = load_on_target_embedding(self.path, target, attention)
+        recorded = read_draft_config(self.path)
+        self.borrows_embedding = recorded.get("embedding") == "target"
+        if self.borrows_embedding:  # draft_vocab: int64[Vd] target ids, or None: all of them
+            self.model, draft_vocab = load_on_target_embedding(self.path, target, attention, recorded)
         else:
-            self.model = LlamaModel.from_pretrained(self.path, target.device, target.dtype, attention=attention,
-                                                    cpu_kernels=False)
-            draft_vocab = None
+            self.model, draft_vocab = _load_own(self.path, target, attention)
         cfg = self.model.config
         if cfg.vocab_size != target.vocab_size:
             raise ValueError(
@@ -112,19 +112,16 @@ class DraftModelDrafter(LevelDrafter):
                 "a draft model must share the target's tokenizer"
             )
         _check_same_tokenizer(self.path, getattr(target, "tokenizer_dir", None) or target.model_dir)
-        if draft_vocab is None:
-            draft_vocab = load_draft_vocab(self.path, cfg.vocab_size)  # int64[Vd] target ids, or None: all of them
-            if draft_vocab is not None:
-                self.model.restrict_lm_head(draft_vocab)
         if draft_vocab is not None:
             self.id_map = draft_vocab.numpy()
         if target_model is None or target_model.kernels is not None:
             # A quantized target's draft model is quantized too: its forwards are most of a draft step, and a user
             # who chose int8/int4 chose that speed. A GGUF file's blocks run as stored (no quantization was asked
             # for), so its draft gets 8-bit products. Output stays the target's (it verifies).
+            from specserve.kernels import drafter_storage
+
             kernels = target_model.kernels if target_model is not None else None
-            quantization = None if kernels is None else kernels.quantization or ("int8" if kernels.quantized else None)
-            self.model.use_cpu_kernels(quantization)
+            self.model.use_cpu_kernels(None if kernels is None else kernels.quantization or drafter_storage(kernels))
         self.vocab = cfg.vocab_size if draft_vocab is None else len(draft_vocab)
         self.device = target.device
         self.cache = None  # made by `attach_kv` on the engine's allocator
@@ -190,7 +187,7 @@ class DraftModelDrafter(LevelDrafter):
         cfg = self.model.config
         out = {**super().describe(), "layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
                "draft_vocabulary": self.vocab if self.vocab != cfg.vocab_size else "the target's whole vocabulary",
-               "embedding": "the target's (borrowed)" if borrows_target_embedding(self.path) else "its own"}
+               "embedding": "the target's (borrowed)" if self.borrows_embedding else "its own"}
         if self.model.kernels is not None:
             out["products"] = self.model.kernels.storage
         return out
@@ -200,39 +197,47 @@ class DraftModelDrafter(LevelDrafter):
                 f"max_budget={self.max_budget})")
 
 
-def borrows_target_embedding(path: Path) -> bool:
-    """Whether the draft model in ``path`` reads through its target's embedding table (`train draft --data
-    FEATURES` writes such drafts: training/draft_features.py), which it does not store."""
+def read_draft_config(path: Path) -> dict:
+    """``draft_config.json`` beside a draft model's weights (what made it; `train draft` writes it), {} without one."""
     config = path / DRAFT_CONFIG
     if not config.is_file():
-        return False
+        return {}
     try:
-        return json.loads(config.read_text()).get("embedding") == "target"
+        return json.loads(config.read_text())
     except (OSError, ValueError) as exc:
         raise ValueError(f"{config}: not valid JSON ({exc})") from None
 
 
-def load_on_target_embedding(path: Path, target: TargetInfo, attention: str | None) -> tuple[LlamaModel, torch.Tensor]:
+def _load_own(path: Path, target: TargetInfo, attention: str | None) -> tuple[LlamaModel, torch.Tensor | None]:
+    """(model, draft vocabulary int64[Vd] or None: all tokens) of a draft model with its own weights throughout (a
+    Hugging Face directory), its LM head cut to its draft vocabulary when it has one."""
+    model = LlamaModel.from_pretrained(path, target.device, target.dtype, attention=attention, cpu_kernels=False)
+    draft_vocab = load_draft_vocab(path, model.config.vocab_size)
+    if draft_vocab is not None:
+        model.restrict_lm_head(draft_vocab)
+    return model, draft_vocab
+
+
+def load_on_target_embedding(path: Path, target: TargetInfo, attention: str | None,
+                             recorded: dict) -> tuple[LlamaModel, torch.Tensor]:
     """(model, draft vocabulary int64[Vd]) of a draft that borrows its target's embedding: its own layers, norm
     and LM head over its draft vocabulary (``lm_head.weight`` [Vd, H]) from ``model.safetensors``, the embedding
-    the target's own tensor (shared, not copied). Refused with one line for another target than the one recorded
-    in ``draft_config.json`` (file sha256 for a GGUF file, config and tokenizer fingerprints for a directory)."""
+    the target's own tensor (shared, not copied). ``recorded``: its ``draft_config.json``. Refused with one line for
+    another target than the one recorded there (file sha256 for a GGUF file, config and tokenizer fingerprints for
+    a directory)."""
     from safetensors.torch import load_file
 
     from specserve.checkpoint import expected_shapes
     from specserve.config import load_config
-    from specserve.drafters.eagle_checkpoint import target_fingerprint
+    from specserve.drafters.eagle_checkpoint import fingerprint_mismatch
     from specserve.drafters.int8_rows import dequantize_rows
 
     if target.model is None:
         raise ValueError(f"draft model {str(path)!r} reads through its target's embedding: it needs the target's weights")
-    recorded = json.loads((path / DRAFT_CONFIG).read_text()).get("target", {})
-    have = target_fingerprint(target.model_dir)
-    differs = [k for k in ("file_sha256", "config_sha256", "tokenizer") if recorded.get(k) is not None
-               and recorded.get(k) != have.get(k)]
-    if differs:
-        raise ValueError(f"draft model {str(path)!r} was cut from another target ({recorded.get('path')!r}; "
-                         f"{differs[0]} differs): train one for this target with `specserve train draft --data`")
+    differs = fingerprint_mismatch(recorded.get("target", {}), target.model_dir)
+    if differs is not None:
+        raise ValueError(f"draft model {str(path)!r} was cut from another target ({recorded['target'].get('path')!r}; "
+                         f"{differs} differs): train one for this target with `specserve train draft --data`")
     cfg = load_config(path)
     if cfg.vocab_size != target.vocab_size or cfg.hidden_size != target.hidden_size:
         raise ValueError(f"draft model {str(path)!r} (vocabulary {cfg.vocab_size}, hidden {cfg.hidden_size}) does not fit "

@@ -101,6 +101,14 @@ def target_fingerprint(model_dir: str | Path | None) -> dict:
     return out
 
 
+def fingerprint_mismatch(recorded: dict, target: str | Path | None,
+                         keys: tuple[str, ...] = ("file_sha256", "config_sha256", "tokenizer")) -> str | None:
+    """The first of ``keys`` that ``recorded`` (a `target_fingerprint` saved with data or a drafter) names and
+    ``target``'s own fingerprint does not match; None when every recorded one matches."""
+    have = target_fingerprint(target)
+    return next((k for k in keys if recorded.get(k) is not None and recorded.get(k) != have.get(k)), None)
+
+
 def file_sha256(path: str | Path) -> str:
     """sha256 of a file, hashed once per process for a given (path, size, mtime): every head load checks it."""
     path = Path(path).resolve()

@@ -332,13 +332,11 @@ class _HeadKernels:
     """The head's products and its decoder layers on the CPU kernels (weights packed once)."""
 
     def __init__(self, head: EagleHead, target_kernels) -> None:
-        from specserve.kernels import LayerKernels, PackedLinear
+        from specserve.kernels import LayerKernels, PackedLinear, drafter_storage
 
-        storage = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(head.fc.dtype, "float32")
-        if target_kernels is not None and getattr(target_kernels, "quantized", False):
-            # A quantized target's head runs 8-bit too: a draft level streams the head's weights for one or two
-            # rows, so their bytes are its time (SmolLM2's head: 30 MB as float32, 7.5 MB as int8).
-            storage = "int8"
+        # A quantized target's head runs 8-bit too.
+        storage = drafter_storage(target_kernels) or {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(
+            head.fc.dtype, "float32")
         self.head = head
         self.layers = [LayerKernels(layer, storage) for layer in head.layers]
         self.fc = PackedLinear(head.fc, head.fc_bias, storage)

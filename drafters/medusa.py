@@ -364,13 +364,10 @@ class _HeadKernels:
         return cls(heads, kernels, depth)
 
     def __init__(self, heads, target_kernels, depth: int) -> None:
-        from specserve.kernels import PackedLinear
+        from specserve.kernels import PackedLinear, drafter_storage
 
-        storage = target_kernels.storage
-        if getattr(target_kernels, "quantized", False):
-            # A quantized target's heads run 8-bit too (as EAGLE heads do): one step streams every head's weights
-            # for a row or two, so their bytes are its time (3 heads over 4,096 tokens: 31 MB as float32, 8 as int8).
-            storage = "int8"
+        # A quantized target's heads run 8-bit too (3 heads over 4,096 tokens: 31 MB as float32, 8 as int8).
+        storage = drafter_storage(target_kernels) or target_kernels.storage
         self.blocks = [[PackedLinear(heads.weight[k, layer], heads.bias[k, layer], storage)
                         for layer in range(heads.num_layers)] for k in range(depth)]
         self.lm_heads = ([PackedLinear(heads.lm_heads[k], None, storage) for k in range(depth)]

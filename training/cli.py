@@ -231,10 +231,10 @@ def cmd_distill(args: argparse.Namespace) -> int:
 def cmd_draft(args: argparse.Namespace) -> int:
     _set_threads(args.threads)
     from specserve.training.draft import train_draft
-    from specserve.training.draft_features import parse_layers
+    from specserve.training.feature_data import parse_feature_layers
 
     summary = train_draft(args.target, args.out, data=args.data, preset=args.preset,
-                          distill_settings=_distill_settings(args), init_layers=parse_layers(args.init_layers),
+                          distill_settings=_distill_settings(args), init_layers=parse_feature_layers(args.init_layers, "--init-layers"),
                           draft_vocab=args.draft_vocab, storage=args.storage, **run_options(args))
     _report(summary, args.out)
     return 0

@@ -35,7 +35,8 @@ from torch import nn
 from specserve.training import setup
 from specserve.training.data import IndexSampler
 from specserve.training.presets import TrainSettings, check_int
-from specserve.training.trainer import LOG_FILE, Trainer
+from specserve.training.soft_labels import draft_columns, to_columns, topk_kl
+from specserve.training.trainer import Trainer
 
 # Sized for the default model on 2 CPU cores: a 3-layer draft at hidden 576 takes ~2.5 s a step of 8 sequences.
 DEFAULT_SETTINGS = TrainSettings(seq_len=512, batch_size=8, lr=5e-4, max_steps=1200, warmup_steps=30, min_lr_ratio=0.1,
@@ -52,15 +53,6 @@ def default_init_layers(num_layers: int) -> tuple[int, ...]:
     """The target layers a draft starts from: the first two (they turn embeddings into features) and the last
     (it turns features into next-token logits)."""
     return tuple(sorted({0, min(1, num_layers - 1), num_layers - 1}))
-
-
-def parse_layers(text: str | None) -> tuple[int, ...] | None:
-    if text is None:
-        return None
-    try:
-        return tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise ValueError(f"--init-layers takes comma-separated layer numbers, got {text!r}") from None
 
 
 def train_draft_on_features(target, out: str | Path, data: str | Path, *, init_layers: tuple[int, ...] | None = None,
@@ -119,10 +111,7 @@ def train_draft_on_features(target, out: str | Path, data: str | Path, *, init_l
         def batch_fn(step: int, rank: int, world: int):
             return batches(train_set, sampler.ids(step, rank, world), dist.device)
 
-        evaluated_at: dict = {}
-
         def eval_fn(module) -> dict[str, float]:
-            evaluated_at["step"] = trainer.step
             limit = min(len(evalset), settings.eval_batches * settings.batch_size)
             return _evaluate(module, [batches(evalset, torch.arange(s, min(s + settings.batch_size, limit)), dist.device)
                                       for s in range(0, limit, settings.batch_size)])
@@ -135,12 +124,8 @@ def train_draft_on_features(target, out: str | Path, data: str | Path, *, init_l
             desc=f"train draft/{len(layers)} layers",
         )
         summary, started = setup.run_trainer(trainer, run)
-        if evaluated_at.get("step") != trainer.step:  # the run did not end on an evaluation: evaluate now
-            record = {"step": trainer.step, "tokens": trainer.tokens, "elapsed_s": round(trainer.train_seconds, 2)}
-            record.update({k: round(v, 5) for k, v in trainer.evaluate().items()})
-            with open(out_dir / LOG_FILE, "a") as log:
-                log.write(json.dumps(record) + "\n")
-            summary["last_eval"] = trainer.last_eval
+        if trainer.evaluated_step != trainer.step:  # the run did not end on an evaluation: evaluate now
+            summary["last_eval"] = trainer.log_evaluation()
         metrics = {k: round(v, 5) for k, v in trainer.last_eval.items()}
         identity = save_cut_draft(trainer.module, out_dir, target_path, config, storage=storage, extra={
             "init_layers": layers, "metrics": metrics, "distill_data": str(data_dir.resolve()), "step": trainer.step,
@@ -169,13 +154,11 @@ class CutDraft(nn.Module):
     def from_target(cls, target: Path, layers: list[int], draft_ids: torch.Tensor) -> "CutDraft":
         from transformers import LlamaConfig, LlamaModel
 
+        from specserve.drafters.eagle_checkpoint import target_config
         from specserve.loading import open_checkpoint
 
-        checkpoint = open_checkpoint(target)
-        state, _ = checkpoint.load(torch.float32)
-        hf = checkpoint.hf_config  # transformers' config (a directory) or a record of its fields (a GGUF file)
-        hf = hf.to_dict() if hasattr(hf, "to_dict") else dict(hf) if isinstance(hf, dict) else dict(vars(hf))
-        config = LlamaConfig(**{**hf, "num_hidden_layers": len(layers), "tie_word_embeddings": False})
+        state, _ = open_checkpoint(target).load(torch.float32)
+        config = LlamaConfig(**{**target_config(target), "num_hidden_layers": len(layers), "tie_word_embeddings": False})
         # The body's own embedding table is never used (it is fed `inputs_embeds`): keep it one row.
         body = LlamaModel(LlamaConfig(**{**config.to_dict(), "vocab_size": 1}))
         own = {"norm.weight": state["model.norm.weight"]}
@@ -206,13 +189,11 @@ class _Batches:
     topk_logprobs [B, T, k], answer bool[B, T] (the row predicts an answer token), argmax [B, T] (target ids)."""
 
     def __init__(self, draft_ids: torch.Tensor, vocab: int) -> None:
-        self.columns = torch.full((vocab,), -1, dtype=torch.int64)
-        self.columns[draft_ids] = torch.arange(len(draft_ids))
+        self.columns = draft_columns(draft_ids, vocab)
 
     def __call__(self, data, ids: torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:
         padded = data.padded(ids, [])
-        top_ids = self.columns[padded["topk_ids"]]
-        top_logp = torch.where(top_ids >= 0, padded["topk_logprobs"], float("-inf"))
+        top_ids, top_logp = to_columns(self.columns, padded["topk_ids"], padded["topk_logprobs"])
         t = padded["tokens"].shape[1]
         answer = torch.arange(t)[None, :] >= (data.prompt_lengths[ids] - 1)[:, None]
         out = {"tokens": padded["tokens"], "mask": padded["mask"], "label": torch.isfinite(top_logp).any(-1),
@@ -224,14 +205,7 @@ class _Batches:
 def _kl(model: CutDraft, batch) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits float32[B, T, Vd], KL(p || q) [B, T]: 0 where the row has no label)."""
     logits = model(batch["tokens"], batch["mask"])
-    logq = torch.log_softmax(logits, dim=-1)
-    ids, raw = batch["topk_ids"], batch["topk_logprobs"]
-    valid = ids >= 0
-    # A row without a label gets p = 0 and finite terms: no NaN may reach the gradient through it.
-    raw = torch.where(valid, raw, torch.where(valid.any(-1, keepdim=True), float("-inf"), 0.0))
-    logp = torch.log_softmax(raw, dim=-1)
-    p = logp.exp() * valid
-    kl = (p * (torch.where(valid, logp, 0.0) - logq.gather(-1, ids.clamp(min=0)))).sum(-1)
+    kl = topk_kl(torch.log_softmax(logits, dim=-1), batch["topk_ids"], batch["topk_logprobs"])
     return logits, kl * batch["label"]
 
 
@@ -269,16 +243,16 @@ def save_cut_draft(model: CutDraft, out_dir: Path, target: Path, target_cfg: dic
     from safetensors.torch import save_file
 
     from specserve.drafters.draft_vocab import save_draft_vocab
+    from specserve.drafters.int8_rows import SCALE_SUFFIX, quantize_rows
     from specserve.drafters.eagle_checkpoint import target_fingerprint
 
     state = {"model." + k: v for k, v in model.body.state_dict().items() if k != "embed_tokens.weight"}
     state["lm_head.weight"] = model.head.weight
     state = {k: v.detach().float().cpu() for k, v in state.items()}
     if storage == "int8":
-        from specserve.drafters.int8_rows import quantize_rows
-
         state = quantize_rows(state)
-    save_file({k: v.to(torch.float16) if v.is_floating_point() and not k.endswith(".row_scale") else v.contiguous()
+    # Float weights as float16; int8 rows and their float32 scales as they are.
+    save_file({k: v if v.dtype == torch.int8 or k.endswith(SCALE_SUFFIX) else v.to(torch.float16).contiguous()
                for k, v in state.items()}, str(out_dir / WEIGHTS_FILE))
     config = model.config.to_dict()
     config.update(vocab_size=int(target_cfg["vocab_size"]), torch_dtype="float16")

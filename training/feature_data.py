@@ -363,14 +363,15 @@ def add_feature_data_args(p) -> None:
     p.add_argument("--data-seed", type=int, default=d.seed, help="seed of the prompts and sampling (default 0)")
 
 
-def parse_feature_layers(text: str | None) -> tuple[int, ...] | None:
-    """``--feature-layers "2,15,27"`` → (2, 15, 27); None when not given. ValueError (one line) otherwise."""
+def parse_feature_layers(text: str | None, flag: str = "--feature-layers") -> tuple[int, ...] | None:
+    """``--feature-layers "2,15,27"`` (or another ``flag`` naming layers) → (2, 15, 27); None when not given.
+    ValueError (one line) otherwise."""
     if not text:
         return None
     try:
         return tuple(int(x) for x in text.split(","))
     except ValueError as exc:
-        raise ValueError(f"--feature-layers must be comma-separated integers, got {text!r}") from exc
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from exc
 
 
 def cmd_feature_data(args) -> int:

@@ -29,7 +29,6 @@ Output: ``medusa_config.json`` + ``medusa_heads.safetensors`` (fp16; see drafter
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -42,7 +41,8 @@ from specserve.training.data import IndexSampler
 from specserve.training.distill import DistillSet, DistillSettings
 from specserve.training.outputs import read_run_config
 from specserve.training.presets import TrainSettings, check_float, check_int
-from specserve.training.trainer import LOG_FILE, Trainer
+from specserve.training.soft_labels import draft_columns, to_columns, topk_kl
+from specserve.training.trainer import Trainer
 from torch import nn
 
 # Sized for the small default target on 2 CPU cores: ~1.45 s/step in the first epoch (features
@@ -213,11 +213,7 @@ def _fit(dist, run, out_dir: Path, target: Path, data_dir: Path, spec: dict, set
     )
     summary, started = setup.run_trainer(trainer, run)
     if "rank_accuracy" not in latest:  # the run ended right after a log record: evaluate now
-        record = {"step": trainer.step, "tokens": trainer.tokens, "elapsed_s": round(trainer.train_seconds, 2)}
-        record.update({k: round(v, 5) for k, v in trainer.evaluate().items()})
-        with open(out_dir / LOG_FILE, "a") as log:
-            log.write(json.dumps(record) + "\n")
-        summary["last_eval"] = trainer.last_eval
+        summary["last_eval"] = trainer.log_evaluation()
     rank_accuracy = latest["rank_accuracy"]
     choices = choices_from_accuracies(rank_accuracy, TREE_SIZE)
     metrics = {k: round(v, 5) for k, v in trainer.last_eval.items()}
@@ -282,17 +278,13 @@ class _CapturedBatches:
 
     def __init__(self, layer: int, draft_ids: torch.Tensor | None, vocab: int) -> None:
         self.layer = layer
-        self.columns = None
-        if draft_ids is not None:
-            self.columns = torch.full((vocab,), -1, dtype=torch.int64)
-            self.columns[draft_ids] = torch.arange(len(draft_ids))
+        self.columns = None if draft_ids is None else draft_columns(draft_ids, vocab)
 
     def __call__(self, data, ids: torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:
         padded = data.padded(ids, [self.layer])
         feats, top_ids, top_logp = padded["features"][:, :, 0], padded["topk_ids"], padded["topk_logprobs"]
         if self.columns is not None:
-            top_ids = self.columns[top_ids]
-            top_logp = torch.where(top_ids >= 0, top_logp, float("-inf"))
+            top_ids, top_logp = to_columns(self.columns, top_ids, top_logp)
         mask = torch.isfinite(top_logp).any(-1)  # padding rows and rows with no label in the draft vocabulary
         return {"features": feats.to(device), "mask": mask.to(device), "topk_ids": top_ids.to(device),
                 "topk_logprobs": top_logp.to(device)}
@@ -321,15 +313,8 @@ def _head_terms(module: _Trainable, batch, k: int):
     logits = module.heads(h[:, : h.shape[1] - shift], lm, heads=1, first=k)[0].float()  # [B, T', V']
     logq = torch.log_softmax(logits, dim=-1)
     mask = batch["mask"][:, shift:]
-    label_ids = batch["topk_ids"][:, shift:]
-    raw = batch["topk_logprobs"][:, shift:]
-    # Labels that are no label (-1 ids, -inf: outside a draft vocabulary; padding) get p = 0 exactly, and every
-    # term stays finite so that no NaN reaches the gradient through a masked-out row.
-    valid = (label_ids >= 0) & torch.isfinite(raw)
-    raw = torch.where(valid, raw, torch.where(valid.any(-1, keepdim=True), float("-inf"), 0.0))
-    logp = torch.log_softmax(raw, dim=-1)  # the target's top-k, renormalised
-    p = torch.where(valid, logp.exp(), 0.0)
-    kl = (p * (torch.where(valid, logp, 0.0) - logq.gather(-1, label_ids.clamp_min(0)))).sum(-1)
+    # Labels that are no label (-1 ids, -inf: outside a draft vocabulary; padding) get p = 0 exactly.
+    kl = topk_kl(logq, batch["topk_ids"][:, shift:], batch["topk_logprobs"][:, shift:])
     return logq, torch.where(mask, kl, 0.0), mask
 
 

@@ -124,7 +124,7 @@ def start_feature_run(dist, run: RunOptions, target: Path, out_dir: Path, data, 
     """`start_drafter_run` for captured feature data (training/feature_data.py): prepare ``out_dir``, load
     the data; return (data_dir, train set, held-out set or None, manifest). ValueError when the data was
     captured from another target than ``target``."""
-    from specserve.drafters.eagle_checkpoint import target_fingerprint
+    from specserve.drafters.eagle_checkpoint import fingerprint_mismatch
     from specserve.training.feature_data import load_features
     from specserve.training.trainer import barrier
 
@@ -139,11 +139,10 @@ def start_feature_run(dist, run: RunOptions, target: Path, out_dir: Path, data, 
     heldout_set, _ = load_features(data_dir, "heldout")
     if train_set is None:
         raise ValueError(f"{str(data_dir)!r} holds no training sequences")
-    recorded, have = manifest.get("target", {}), target_fingerprint(target)
-    for key in ("file_sha256", "config_sha256"):
-        if recorded.get(key) is not None and recorded.get(key) != have.get(key):
-            raise ValueError(f"the feature data in {str(data_dir)!r} was captured from another target than "
-                             f"{str(target)!r} ({key} differs)")
+    key = fingerprint_mismatch(manifest.get("target", {}), target, keys=("file_sha256", "config_sha256"))
+    if key is not None:
+        raise ValueError(f"the feature data in {str(data_dir)!r} was captured from another target than "
+                         f"{str(target)!r} ({key} differs)")
     if dist.is_main and not manifest.get("complete", False):
         print("warning: the feature data is incomplete (its run stopped early)", file=sys.stderr)
     return data_dir, train_set, heldout_set, manifest

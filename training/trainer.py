@@ -128,6 +128,7 @@ class Trainer:
         self.tokens = 0
         self.train_seconds = 0.0
         self.last_eval: dict[str, float] = {}
+        self.evaluated_step: int | None = None  # the step this process last evaluated at (None: not yet)
         self._saved_step = -1
 
     # ---- checkpoints ----------------------------------------------------------------------------
@@ -183,7 +184,17 @@ class Trainer:
             metrics = {k: float(v) for k, v in self.eval_fn(self.module).items()}
         self.module.train()
         self.last_eval = metrics
+        self.evaluated_step = self.step
         return metrics
+
+    def log_evaluation(self) -> dict[str, float]:
+        """Evaluate now and append the record to the log (a run that ended without evaluating its last step, e.g.
+        stopped right after a log record, or resumed when already finished); return the metrics."""
+        record = {"step": self.step, "tokens": self.tokens, "elapsed_s": round(self.train_seconds, 2)}
+        record.update({k: round(v, 5) for k, v in self.evaluate().items()})
+        with open(self.out_dir / LOG_FILE, "a") as log:
+            log.write(json.dumps(record) + "\n")
+        return self.last_eval
 
     def _autocast(self):
         if self.dist.device.type == "cuda":

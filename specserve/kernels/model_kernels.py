@@ -42,6 +42,13 @@ def move_to_arena(products: list[PackedLinear]):
     return mapping
 
 
+def drafter_storage(target_kernels) -> str | None:
+    """"int8" when the target's kernels run quantized products (a GGUF file's blocks or a quantization asked for),
+    else None: a drafter beside it keeps its own storage. A draft level streams the drafter's weights for a row or
+    two, so their bytes are its time (SmolLM2's EAGLE head: 30 MB as float32, 7.5 MB as int8)."""
+    return "int8" if target_kernels is not None and getattr(target_kernels, "quantized", False) else None
+
+
 def kernels_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
     """Why the CPU kernels cannot run a model, or None when they can."""
     if device.type != "cpu":

@@ -254,7 +254,7 @@ def test_a_draft_cut_from_all_its_targets_layers_is_the_target(target, tmp_path)
     from transformers import AutoModelForCausalLM
 
     from specserve.drafters.base import TargetInfo
-    from specserve.drafters.draft_model import load_on_target_embedding
+    from specserve.drafters.draft_model import load_on_target_embedding, read_draft_config
     from specserve.model import LlamaModel
     from specserve.training.draft_features import CutDraft, save_cut_draft
     from specserve.drafters.eagle_checkpoint import target_config
@@ -274,7 +274,7 @@ def test_a_draft_cut_from_all_its_targets_layers_is_the_target(target, tmp_path)
         out = tmp_path / f"cut{len(layers)}"
         out.mkdir()
         save_cut_draft(draft, out, gguf, target_config(gguf), extra={})
-        model, ids = load_on_target_embedding(out, info, None)
+        model, ids = load_on_target_embedding(out, info, None, read_draft_config(out))
         assert torch.equal(ids, torch.arange(vocab))
         assert model.embed.data_ptr() == engine_target.embed.data_ptr()  # borrowed, not copied
         served = _full_forward(model, tokens[0])
