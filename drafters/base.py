@@ -148,6 +148,12 @@ class Drafter(ABC):
         none): the prefix cache offers blocks with them to later requests that draft."""
         return 0
 
+    def catch_up(self, requests: list[DraftRequest]) -> None:
+        """Write the drafter's own KV entries for what each request committed since it last drafted, without
+        drafting (the engine keeps them within a block of the request's tokens while the budget policy keeps it
+        from drafting, so its blocks stay worth offering to the prefix cache). ``requests`` carry the target
+        features queued for them, as in `propose`. Default: nothing (drafters that keep no KV)."""
+
     def start_from_prefix(self, request_id: str, num_tokens: int) -> None:
         """A new request's first `num_tokens` slots came from the prefix cache, drafter entries included
         (for drafters that keep KV): start its state there, catch up over the rest only. Default: nothing."""

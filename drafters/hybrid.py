@@ -142,6 +142,10 @@ class HybridDrafter(Drafter):
         kept = [p.cached_prefix_len(request_id) for p in self.parts if p.kv_bytes_per_slot() > 0]
         return min(kept) if kept else 0
 
+    def catch_up(self, requests: list[DraftRequest]) -> None:
+        for p in self.parts:  # parts that keep no KV do nothing
+            p.catch_up(requests)
+
     def start_from_prefix(self, request_id: str, num_tokens: int) -> None:
         for p in self.parts:
             p.start_from_prefix(request_id, num_tokens)

@@ -117,6 +117,17 @@ class LevelDrafter(Drafter):
     def start_from_prefix(self, request_id: str, num_tokens: int) -> None:
         self._state[request_id] = self._new_state(num_tokens)
 
+    def catch_up(self, requests: list[DraftRequest]) -> None:
+        """The catch-up forward of `propose` alone, for requests with more than their root to feed (a part
+        of a hybrid that drafted them this step has nothing left to feed: it is skipped)."""
+        work = []
+        for i, req in enumerate(requests):
+            state = self._prepare(req)  # queues the handed-over features either way
+            if len(req.token_ids) - 1 - self.kv_lookahead > state.num_cached:
+                work.append(LevelWork(i, req, 0, 0, state))
+        if work:
+            self._catch_up(work)
+
     @abstractmethod
     def _new_state(self, num_cached: int) -> object:
         """A fresh request state whose first `num_cached` KV slots are valid."""

@@ -28,6 +28,7 @@ class RequestStepRecord:
     depth:    its tree's depth.
     accepted: draft tokens accepted (the step emitted accepted + 1).
     accepted_nodes: the accepted path's node indices in the verified tree.
+    caught_up: its drafter caught up on its backlog this step without drafting (`Drafter.catch_up`).
     """
 
     request_id: str
@@ -36,6 +37,7 @@ class RequestStepRecord:
     depth: int
     accepted: int
     accepted_nodes: tuple[int, ...] = ()
+    caught_up: bool = False
 
 
 @dataclass(frozen=True)

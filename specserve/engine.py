@@ -103,6 +103,8 @@ class Engine:
         if config.enable_prefix_caching:
             keeps_kv = drafter is not None and drafter.kv_bytes_per_slot() > 0
             self.prefix_cache = PrefixCache(self.allocator, drafter.kv_lookahead if keeps_kv else None)
+            if keeps_kv:  # its blocks are offered to drafting requests only with the drafter's entries written
+                self.speculator.drafter_kv_lag_limit = config.block_size
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_prefill_tokens,
                                    self.speculator.slots_past_root, self.prefix_cache)
         self.runner = ModelRunner(model, self.cache, self.speculator.hidden_layers)

@@ -28,7 +28,9 @@ message: they run the same forwards on the same block tables).
 
 Drafters with their own KV (draft model, EAGLE head: `Drafter.kv_bytes_per_slot() > 0`) keep it in the
 same blocks. A block is offered to requests that will draft only when the drafter's entries in it are
-valid too: the request that filled it had its drafter caught up past it (`Drafter.cached_prefix_len`).
+valid too: the request that filled it had its drafter caught up past it (`Drafter.cached_prefix_len`). A
+drafter the budget policy keeps from drafting still catches up within a block of the request's tokens
+(`Speculator.drafter_kv_lag_limit`), so a chat's next turn finds its history cached whether or not it drafted.
 An entry may depend on tokens after its block (EAGLE's pair at slot i is (feature i, token i+1):
 `Drafter.kv_lookahead`); those tokens are stored with the block and must match the new prompt's. A hit
 then tells the drafter where its own entries start (`Drafter.start_from_prefix`), and it catches up over

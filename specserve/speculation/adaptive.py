@@ -340,7 +340,8 @@ class AdaptiveBudget:
             if state is None:
                 continue
             if state.backlog is not None:
-                state.backlog = rec.accepted + 1 + (0 if rec.request_id in drafted else state.backlog)
+                fed = rec.request_id in drafted or rec.caught_up  # its drafter is current up to this step's root
+                state.backlog = rec.accepted + 1 + (0 if fed else state.backlog)
             if state.pending is None:
                 continue
             terms, parents, sampled, predicted = state.pending

@@ -47,6 +47,7 @@ class Proposal:
     depth:     the plan's tree depth (0 when nobody drafted).
     draft_s:   wall time of drafting (forced tokens, the drafter, tree filters; not the plan or the cut).
     drafted_at: `time.perf_counter()` when drafting ended (the step's verify time counts from it).
+    caught_up: ids of requests whose drafter caught up without drafting (`Speculator.drafter_kv_lag_limit`).
     """
 
     trees: list[DraftTree]
@@ -55,6 +56,7 @@ class Proposal:
     depth: int
     draft_s: float
     drafted_at: float
+    caught_up: frozenset[str] = frozenset()
 
 
 class Speculator:
@@ -85,6 +87,14 @@ class Speculator:
         # Fault isolation: drafter calls that raised; ids of requests the drafter is done with.
         self.drafter_failures = 0
         self._drafter_off: set[str] = set()
+        # Prefix caching offers a block to drafting requests only with the drafter's own KV entries in it
+        # (specserve/prefix_cache.py). A request the policy keeps from drafting would leave them unwritten, and
+        # the next turn of its chat would find none of its history cached: 288 of 5,214 prompt tokens over a
+        # 10-turn chat with a draft model, TTFT 2.8 s by turn 10 (BENCHMARKS.md). So once a request's drafter
+        # entries lag this many tokens behind its KV, the drafter catches up without drafting: one batched
+        # forward per block of tokens. 0: never (the engine sets its block size when prefix caching is on and
+        # the drafter keeps KV).
+        self.drafter_kv_lag_limit = 0
 
     def check_parts(self, parts: tuple[str, ...] | None) -> None:
         """ValueError unless ``parts`` (a request's choice among a hybrid drafter's parts) are parts of it."""
@@ -124,6 +134,7 @@ class Speculator:
             else:
                 for i, tree in zip(drafting, proposed):
                     trees[i] = self.hooks.filter_tree(decodes[i], tree)
+        caught_up = self._keep_drafter_kv_current(decodes)
         drafted_at = time.perf_counter()
         predicted: list[float | None] = [None] * len(decodes)
         if decodes:
@@ -133,14 +144,17 @@ class Speculator:
                     raise RuntimeError("the budget policy's cut added nodes to a tree")
             trees, predicted = list(cut), list(predicted)
         depth = self._draft_depth(depth) if any(budgets) else 0
-        return Proposal(trees, budgets, predicted, depth, drafted_at - t0, drafted_at)
+        return Proposal(trees, budgets, predicted, depth, drafted_at - t0, drafted_at, caught_up)
+
+    def _view(self, r: Request) -> DraftRequest:
+        """What the drafter sees of a request; hands over its queued target features."""
+        return DraftRequest(r.request_id, r.token_ids, r.params.temperature, self._take_features(r.request_id),
+                            r.params.seed, self.hooks.draft_mask(r), r.drafter_parts, self.hooks.draft_logits(r))
 
     def _draft(self, reqs: list[Request], budgets: list[int], depth: int | None) -> list[DraftTree] | None:
         """The drafter's trees for the requests drafting this step; None when it raised (they are then
         done with the drafter and decode plainly)."""
-        views = [DraftRequest(r.request_id, r.token_ids, r.params.temperature, self._take_features(r.request_id),
-                              r.params.seed, self.hooks.draft_mask(r), r.drafter_parts, self.hooks.draft_logits(r))
-                 for r in reqs]
+        views = [self._view(r) for r in reqs]
         try:
             proposed = self.drafter.propose(views, budgets, depth=depth)
         except Exception:
@@ -153,6 +167,24 @@ class Speculator:
             if tree.num_nodes and int(tree.tokens.max()) >= self.vocab_size:
                 raise RuntimeError(f"drafter {self.drafter.name!r} proposed token ids outside the vocabulary")
         return list(proposed)
+
+    def _keep_drafter_kv_current(self, decodes: list[Request]) -> frozenset[str]:
+        """Catch the drafter up (`Drafter.catch_up`) on decodes whose drafter KV lags `drafter_kv_lag_limit`
+        tokens or more behind their own (those that drafted this step do not, unless a hybrid's costly part sat
+        them out); their ids. Its time counts as drafting time."""
+        limit = self.drafter_kv_lag_limit
+        if not limit or not decodes:
+            return frozenset()
+        behind = [r for r in decodes if r.speculate and r.request_id not in self._drafter_off
+                  and r.num_cached - self.drafter.cached_prefix_len(r.request_id) >= limit]
+        if not behind:
+            return frozenset()
+        try:
+            self.drafter.catch_up([self._view(r) for r in behind])
+        except Exception:
+            self._drafter_failed(behind, "catch_up")
+            return frozenset()
+        return frozenset(r.request_id for r in behind)
 
     def _draft_depth(self, plan_depth: int | None) -> int:
         depth = self.drafter.depth
@@ -210,7 +242,7 @@ class Speculator:
         budgets = proposal.budgets + [0] * (len(out.verifying) - len(proposal.budgets))
         self.policy.observe(StepRecord(
             requests=tuple(RequestStepRecord(r.request_id, b, t.num_nodes, t.max_depth, res.num_accepted,
-                                             tuple(res.accepted_nodes))
+                                             tuple(res.accepted_nodes), r.request_id in proposal.caught_up)
                            for r, b, t, res in zip(out.verifying, budgets, out.trees, results)),
             num_tokens=out.num_tokens,
             num_prefill_tokens=step.num_prefill_tokens,

@@ -124,6 +124,53 @@ def test_greedy_with_cache_equals_without(small_vocab_dir, reference, kind, requ
         assert sum(o.spec.num_drafted for o in outs) > 0
 
 
+class _DraftsEvery:
+    """A budget policy drafting on every `period`-th step only (None: never), as adaptive speculation does
+    where drafting does not pay: the steps between leave a drafter's own KV behind."""
+
+    wants_calibration = False
+
+    def __init__(self, period: int | None) -> None:
+        self.period, self.steps = period, 0
+
+    def plan(self, requests, fixed_rows):
+        from specserve.budget import DraftPlan
+
+        self.steps += 1
+        drafts = self.period is not None and self.steps % self.period == 0
+        return DraftPlan([3 if drafts else 0] * len(requests))
+
+    def cut(self, requests, trees, budgets, fixed_rows, draft_s):
+        return trees, [None] * len(trees)
+
+    def observe(self, record) -> None:
+        pass
+
+    def release(self, request_id) -> None:
+        pass
+
+
+@pytest.mark.parametrize("period", [None, 3], ids=["never-drafts", "drafts-every-third-step"])
+@pytest.mark.parametrize("kind", ["draft", "eagle", "hybrid"])
+def test_chat_history_stays_cached_while_the_drafter_sits_out(small_vocab_dir, reference, kind, period, request):
+    """A drafter keeping KV catches up within a block of each request's tokens even on steps it does not draft,
+    so the next turn of a chat finds its whole history but the last block or two (before: none of it, with a
+    drafter that never drafted); output stays the plain reference."""
+    llm = _llm(small_vocab_dir, _drafter_spec(kind, request))
+    llm.engine.speculator.policy = _DraftsEvery(period)
+    turn, before = list(SYSTEM), None
+    for _ in range(3):
+        out = llm.generate([turn], GREEDY)[0]
+        assert out.token_ids == reference[tuple(turn)]
+        if before is not None:
+            committed = (len(before.prompt_token_ids) + len(before.token_ids) - 1) // BLOCK * BLOCK
+            assert committed - 2 * BLOCK <= out.num_cached_tokens <= committed
+        before, turn = out, turn + out.token_ids + [5, 5, 1]
+        assert (out.spec.num_drafted > 0) == (period is not None)
+    assert llm.engine.speculator.drafter_failures == 0
+    llm.engine.allocator.check()
+
+
 @pytest.mark.parametrize("chunk", [3, 4, 6], ids=["inside-block", "block-edge", "across-blocks"])
 @pytest.mark.parametrize("kind", ["none", "eagle"])
 def test_chunked_prefill_with_cache(small_vocab_dir, reference, chunk, kind, request):
