@@ -147,6 +147,22 @@ def test_high_cost_means_plain_decoding():
     assert plan.budgets == [0]
 
 
+def test_a_catch_up_without_drafting_clears_the_backlog():
+    """A request's backlog (what its drafter must feed before drafting, priced into a probe) grows by each step's
+    tokens while it sits out, and falls to that step's tokens when its drafter caught up without drafting
+    (prefix caching's `Drafter.catch_up`)."""
+    policy = AdaptiveBudget(max_budget=6, max_depth=6, verify_cost=_cost(per_row=5.0), draft_cost=FreeDrafting())
+    policy.plan([_Req("a", length=40)], 1)
+
+    def sits_out(caught_up: bool) -> int:
+        policy.observe(StepRecord(requests=(RequestStepRecord("a", 0, 0, 0, 0, (), caught_up),), num_tokens=1,
+                                  num_prefill_tokens=0, draft_s=0.0, verify_s=0.0))
+        return policy._requests["a"].backlog
+
+    assert sits_out(False) == 41 and sits_out(False) == 42
+    assert sits_out(True) == 1 and sits_out(False) == 2
+
+
 def test_budget_grows_with_acceptance():
     def kept_after(accepted: int) -> int:
         policy = AdaptiveBudget(max_budget=6, max_depth=6, verify_cost=_cost(per_row=0.25), draft_cost=FreeDrafting())
