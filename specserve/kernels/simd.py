@@ -329,6 +329,9 @@ def _host_has(feature: str) -> bool:
 
 
 HAS_AVX2 = _host_has("avx2")
+# 16 vector registers (AVX2; no AVX-512): a 16-lane float32 vector takes two of them, so a float tile of 4 rows x 2
+# blocks (8 accumulators, 16 registers) spills; `linear.linear_rows_float` then takes 4 rows x 1 block.
+FEW_REGISTERS = not _host_has("avx512f")
 _HALF_BYTES = ir.VectorType(ir.IntType(8), 2 * LANES)  # one 256-bit register of bytes
 _HALF_WORDS = ir.VectorType(ir.IntType(16), LANES)
 _HALF_INTS = ir.VectorType(_I32, LANES // 2)
