@@ -394,7 +394,8 @@ def test_streamed_reply_renders_markdown_end_to_end(server, tmp_path):
         text = page.eval(f"{LAST}.dataset.text")
         assert re.fullmatch(shape, text), text
         content = f"{LAST}.querySelector('.content')"
-        assert page.eval(f"{content}.innerHTML") == fresh_render(page, text)
+        final = page.eval(f"{content}.innerHTML")
+        assert final == fresh_render(page, text)
         got = page.eval(f"""(() => {{ const d = {content}; return {{
             h1: d.querySelector('h1')?.textContent, strong: d.querySelector('p strong')?.textContent,
             code: d.querySelector('p code')?.textContent, items: [...d.querySelectorAll('ul > li')].map((li) => li.textContent),
@@ -404,7 +405,10 @@ def test_streamed_reply_renders_markdown_end_to_end(server, tmp_path):
                        "code": re.search(r"`(\w+)`", text)[1], "items": [lines[4][2:], lines[5][2:]], "block": lines[8], "copy": True}
         seen = page.eval("window.seen")
         assert len(seen) >= 3  # re-rendered as deltas came
-        assert any("<li>" in html and "codeblock" not in html for html in seen)  # rendered while still streaming
+        # Rendered while still streaming: some earlier view already holds rendered Markdown. (Not a particular
+        # partial view, such as the list before the code block: deltas that arrive within one frame are drawn
+        # together, so which partial views appear depends on how fast the server streams.)
+        assert any(re.search(r"<(h1|strong|li)>", html) and html != final for html in seen)
         assert all("**" not in re.sub("<[^>]+>", "", html) for html in seen)
         page.screenshot(tmp_path / "reply.png")  # to look at when this test is debugged
 
