@@ -187,6 +187,22 @@ def linear_rows(x, w, scales, bias, out, accumulate):
     _product(x, w, scales, bias, out, accumulate)
 
 
+@numba.njit(inline="always")
+def _four_rows_one_block(wt, offset, step, num_in, x0, x1, x2, x3, w_flat, fetch):
+    """The FMA chains of one block (input k's 16 weights at wt[k * step + offset]) for the rows x0 .. x3: each load
+    feeds 4 FMAs. fetch >= 0: also `prefetch` w_flat[fetch + k * 16] at step k (the next tile, in address order)."""
+    a0 = vzero(); a1 = vzero(); a2 = vzero(); a3 = vzero()
+    for k in range(num_in):
+        if fetch >= 0:
+            prefetch(w_flat, fetch + k * LANES)
+        u = vload(wt, k * step + offset)
+        a0 = vfma(vbroadcast(x0[k]), u, a0)
+        a1 = vfma(vbroadcast(x1[k]), u, a1)
+        a2 = vfma(vbroadcast(x2[k]), u, a2)
+        a3 = vfma(vbroadcast(x3[k]), u, a3)
+    return a0, a1, a2, a3
+
+
 #: Float products of up to this many rows fetch the next tile while computing this one, on hosts with
 #: `FEW_REGISTERS` (see `linear_rows_float`).
 PREFETCH_ROWS = 32
@@ -222,16 +238,8 @@ def linear_rows_float(x, w, bias, out, accumulate):
             valid = min(4, num_rows - m)
             x0, x1, x2, x3 = x[m], x[m + 1], x[m + 2], x[m + min(3, valid - 1)]
             for i in range(count):
-                a0 = vzero(); a1 = vzero(); a2 = vzero(); a3 = vzero()
-                fetch = ahead + i * num_in * LANES  # this sweep's share of the next tile, in address order
-                for k in range(num_in):
-                    if ahead >= 0:
-                        prefetch(w_flat, fetch + k * LANES)
-                    u = vload(wt, k * step + i * LANES)
-                    a0 = vfma(vbroadcast(x0[k]), u, a0)
-                    a1 = vfma(vbroadcast(x1[k]), u, a1)
-                    a2 = vfma(vbroadcast(x2[k]), u, a2)
-                    a3 = vfma(vbroadcast(x3[k]), u, a3)
+                fetch = ahead + i * num_in * LANES if ahead >= 0 else -1  # this sweep's share of the next tile
+                a0, a1, a2, a3 = _four_rows_one_block(wt, i * LANES, step, num_in, x0, x1, x2, x3, w_flat, fetch)
                 store_block_rows(out, m, (first + i) * LANES, a0, a1, a2, a3, bias, accumulate, valid)
             ahead = -1
             m += valid
@@ -253,15 +261,8 @@ def linear_rows_float(x, w, bias, out, accumulate):
                 store_block_rows(out, m, base + LANES, c0, c1, c2, c3, bias, accumulate)
                 i += 2
             if i < count:
-                a0 = vzero(); a1 = vzero(); a2 = vzero(); a3 = vzero()
-                for k in range(num_in):
-                    u = vload(wt, k * step + i * LANES)
-                    a0 = vfma(vbroadcast(x0[k]), u, a0)
-                    a1 = vfma(vbroadcast(x1[k]), u, a1)
-                    a2 = vfma(vbroadcast(x2[k]), u, a2)
-                    a3 = vfma(vbroadcast(x3[k]), u, a3)
-                base = (first + i) * LANES
-                store_block_rows(out, m, base, a0, a1, a2, a3, bias, accumulate)
+                a0, a1, a2, a3 = _four_rows_one_block(wt, i * LANES, step, num_in, x0, x1, x2, x3, w_flat, -1)
+                store_block_rows(out, m, (first + i) * LANES, a0, a1, a2, a3, bias, accumulate)
             m += 4
         if m + 2 <= num_rows:  # 2 rows x 2 blocks: 4 chains (2-3 rows left)
             x0, x1 = x[m], x[m + 1]
