@@ -38,8 +38,8 @@ from specserve.kernels.quant_packing import (
     unpack_q4_1, unpack_q8,
 )
 from specserve.kernels.simd import (
-    FEW_REGISTERS, LANES, prefetch, store_block_rows, store_lanes, store_row_blocks, tile_blocks, tiled_rows, vbroadcast,
-    vfma, vload, vzero,
+    FEW_REGISTERS, LANES, PREFETCH_ROWS, prefetch, store_block_rows, store_lanes, store_row_blocks, tile_blocks,
+    tiled_rows, vbroadcast, vfma, vload, vzero,
 )
 from specserve.numba_cache import CALLS_PARALLEL_KERNELS
 
@@ -201,11 +201,6 @@ def _four_rows_one_block(wt, offset, step, num_in, x0, x1, x2, x3, w_flat, fetch
         a2 = vfma(vbroadcast(x2[k]), u, a2)
         a3 = vfma(vbroadcast(x3[k]), u, a3)
     return a0, a1, a2, a3
-
-
-#: Float products of up to this many rows fetch the next tile while computing this one, on hosts with
-#: `FEW_REGISTERS` (see `linear_rows_float`).
-PREFETCH_ROWS = 32
 
 
 @numba.njit(parallel=True, boundscheck=False, cache=True)

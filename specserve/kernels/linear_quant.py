@@ -30,13 +30,14 @@ Tiles: 4 rows x 2 blocks share each weight load where AVX-512 VNNI's 32 register
 rows (in all, or left over) take that pass too with the last row repeated (a pass costs about what a 1-row pass over
 the tile does: one pass instead of one per row); on AVX2 (16 registers, `simd.PAIR_SUMS`) 4 rows x 1 block, with
 4-bit weights summed in int16 pairs and 8-bit ones as signed products (`wdot`: the same integers, fewer
-instructions), 2-3 rows in all taking that pass with the last row repeated, leftover rows one by one. A single row takes the 1-row x 4-block pass. Each pass over a tile
-prefetches its share of the next tile line by line (`fetch_pair`): a few-row pass computes long enough that the
-hardware prefetchers stop running ahead, and the weight stream would otherwise wait for the arithmetic (`specserve
-bench verify` measures the floor these passes are held to). The AVX2 pass sweeps one block at a time, so it fetches
-the next tile in address order instead (`fetch_in_order`): fetched in its own strided order the stream ran at about
-half the sequential rate (the default model's 1 + 3 verify rows 1.40-1.49x one row, now 1.17-1.19x). Integer sums are exact, so how rows and blocks are grouped
-never changes a bit.
+instructions), 2-3 rows in all taking that pass with the last row repeated, leftover rows one by one. A single row
+takes the 1-row x 4-block pass. Each pass over a tile prefetches its share of the next tile line by line
+(`fetch_pair`): a few-row pass computes long enough that the hardware prefetchers stop running ahead, and the weight
+stream would otherwise wait for the arithmetic (`specserve bench verify` measures the floor these passes are held
+to). The AVX2 pass sweeps one block at a time, so it fetches the next tile in address order instead
+(`fetch_in_order`): fetched in its own strided order the stream ran at about half the sequential rate (the default
+model's 1 + 3 verify rows 1.40-1.49x one row, now 1.17-1.19x). Integer sums are exact, so how rows and blocks are
+grouped never changes a bit.
 
 The stored weights are unsigned (vpdpbusd multiplies unsigned by signed bytes), offset by o: Σ (q + o) · qx =
 Σ q · qx + o · Σ qx with o = 128 (Q8_0), 8 (Q4_0: the stored nibble is the signed weight + 8, as llama.cpp stores
@@ -58,9 +59,10 @@ from specserve.kernels.quant_packing import (  # noqa: F401 (the packing API, re
     pack_q8_blocks, quantize_q4, quantize_q4_1, quantize_q8, unpack_q4, unpack_q4_1, unpack_q8,
 )
 from specserve.kernels.simd import (
-    LANES, PAIR_SUMS, I16x32Type, prefetch, store_block_rows, store_lanes, store_row_blocks, vbroadcast, vbroadcast_bytes, vdot2_pairs,
-    vdot4, vdot4_signed, vfma, vhigh_nibbles, visub_scalar, visum, vizero, vload, vload_bytes, vlow_nibbles,
-    vmax_abs, vmul, vpairs_widen, vpairs_zero, vround_to_int, vstore_int8, vtofloat, vzero,
+    LANES, PAIR_SUMS, PREFETCH_ROWS, I16x32Type, prefetch, store_block_rows, store_lanes, store_row_blocks,
+    vbroadcast, vbroadcast_bytes, vdot2_pairs, vdot4, vdot4_signed, vfma, vhigh_nibbles, visub_scalar, visum, vizero,
+    vload, vload_bytes, vlow_nibbles, vmax_abs, vmul, vpairs_widen, vpairs_zero, vround_to_int, vstore_int8, vtofloat,
+    vzero,
 )
 
 
@@ -241,11 +243,6 @@ def _wdot(w, acc, a, b):
             return lambda w, acc, a, b: vdot2_pairs(acc, a, b)
         return lambda w, acc, a, b: vdot4_signed(acc, a, b)
     return lambda w, acc, a, b: vdot4(acc, a, b)
-
-
-#: Products of up to this many rows prefetch the next tile (a verify, a decode batch). More rows (a prompt's chunk)
-#: compute long enough per tile for the hardware prefetchers: 400 rows ran 7 % slower prefetching.
-PREFETCH_ROWS = 32
 
 
 @numba.njit(parallel=True, boundscheck=False, cache=True)
