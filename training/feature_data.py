@@ -53,6 +53,9 @@ class FeatureSettings:
     batch_size: int = 16
     shard_size: int = 64
     seed: int = 0
+    # Every kind of question each definition allows (training/chat_prompts.py), not one drawn kind: ~3.4x
+    # the prompts, the way past one question per definition when a drafter needs more data.
+    every_kind: bool = False
 
     def validate(self) -> "FeatureSettings":
         from specserve.defaults import MAX_LOGPROBS
@@ -121,8 +124,8 @@ def make_feature_data(
             return manifest
 
     source = build_corpus(corpus, heldout_fraction=heldout_fraction)
-    prompts = {"train": chat_prompts(source, "train", settings.num_prompts, settings.seed),
-               "heldout": chat_prompts(source, "heldout", settings.heldout_prompts, settings.seed)}
+    prompts = {split: chat_prompts(source, split, count, settings.seed, every_kind=settings.every_kind)
+               for split, count in (("train", settings.num_prompts), ("heldout", settings.heldout_prompts))}
     stats = manifest.setdefault("stats", {"prompts_too_long": 0, "new_tokens": 0, "tokens": 0, "generate_s": 0.0,
                                           "pack_s": 0.0})
     started = time.perf_counter()
@@ -361,6 +364,9 @@ def add_feature_data_args(p) -> None:
     p.add_argument("--gen-batch-size", type=int, default=d.batch_size,
                    help=f"prompts answered per engine batch (default {d.batch_size})")
     p.add_argument("--data-seed", type=int, default=d.seed, help="seed of the prompts and sampling (default 0)")
+    p.add_argument("--every-kind", action="store_true",
+                   help="ask every kind of question each corpus definition allows (write, explain, review, edit), "
+                        "not one drawn kind: ~3.4x the prompts")
 
 
 def parse_feature_layers(text: str | None, flag: str = "--feature-layers") -> tuple[int, ...] | None:
@@ -381,7 +387,7 @@ def cmd_feature_data(args) -> int:
     settings = FeatureSettings(num_prompts=args.num_prompts, heldout_prompts=args.heldout_prompts,
                                new_tokens=args.new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                                greedy_fraction=args.greedy_fraction, temperature=args.temperature, topk=args.topk,
-                               batch_size=args.gen_batch_size, seed=args.data_seed)
+                               batch_size=args.gen_batch_size, seed=args.data_seed, every_kind=args.every_kind)
     manifest = make_feature_data(args.model, args.out, settings, feature_layers=layers, corpus=args.corpus,
                                  heldout_fraction=args.heldout_fraction, threads=args.threads,
                                  max_minutes=args.max_minutes, resume=args.resume, force=args.force)

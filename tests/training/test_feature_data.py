@@ -101,6 +101,30 @@ def test_chat_prompts_follow_the_corpus_split(feature_dir):
         chat_prompts(corpus, "train", 5, kinds=("poem",))
 
 
+
+def test_every_kind_asks_each_definition_every_question_it_allows():
+    """--every-kind: each definition gives write and explain, and review and edit too where its source is
+    short enough to quote (the quoted source is what those prompts show); the one drawn kind is among them,
+    and the split still holds."""
+    from specserve.training.chat_prompts import MAX_SOURCE_LINES, chat_prompts
+    from specserve.training.corpus import build_corpus
+
+    corpus = build_corpus(corpus_args()[1::2], heldout_fraction=0.4)
+    one = chat_prompts(corpus, "train", 10_000)
+    every = chat_prompts(corpus, "train", 10_000, every_kind=True)
+    kinds: dict[tuple[str, str], list[str]] = {}
+    for p in every:
+        kinds.setdefault((p.module, p.name), []).append(p.kind)
+    assert set(kinds) == {(p.module, p.name) for p in one}
+    assert {(p.module, p.name, p.kind) for p in one} <= {(p.module, p.name, p.kind) for p in every}
+    for (module, name), asked in kinds.items():
+        assert sorted(asked) in (["explain", "write"], ["edit", "explain", "review", "write"]), (module, name, asked)
+    quoted = [p for p in every if p.kind in ("review", "edit")]
+    assert quoted and all(p.text.split("```python\n")[1].count("\n") <= MAX_SOURCE_LINES for p in quoted)
+    assert len(every) > 2 * len(one)
+    heldout = chat_prompts(corpus, "heldout", 10_000, every_kind=True)
+    assert heldout and {p.module for p in heldout} <= corpus.modules("heldout")
+
 def test_an_eagle3_head_trains_on_captured_features_and_serves_losslessly(target, feature_dir, tmp_path):
     """`train eagle --data FEATURES` trains without transformers' target; the head records the file's sha256,
     serves beside that file with greedy output equal to plain decoding, and is refused beside another file."""
