@@ -44,10 +44,9 @@ import sys
 import time
 from pathlib import Path
 
-from specserve.evals.common import forget_shared, machine, parse_batch_sizes, set_threads, sync, write_json
+from specserve.evals.common import forget_shared, machine, model_label, parse_batch_sizes, set_threads, sync, write_json
 from specserve.evals.metrics import SpecCounts
 from specserve.cli import MODEL_HELP
-from specserve.loading.default_model import DESCRIPTION as DEFAULT_MODEL_DESCRIPTION
 
 DEFAULT_DRAFTERS = "eagle,draft,medusa,ngram"
 EDITING_DRAFTERS = "ngram,suffix"
@@ -357,7 +356,7 @@ def run(args: argparse.Namespace) -> int:
     warm_up(control)
     result: dict = {
         "machine": machine(plain),
-        "model": args.model or DEFAULT_MODEL_DESCRIPTION,
+        "model": model_label(args.model),
         "settings": {
             "drafters": [s for s, _ in drafters], "batch_sizes": sizes, "temperatures": temps,
             "workload": args.workload,

@@ -13,9 +13,8 @@ import argparse
 import statistics
 import time
 
-from specserve.evals.common import parse_batch_sizes, set_threads, sync, write_json
+from specserve.evals.common import model_label, parse_batch_sizes, set_threads, sync, write_json
 from specserve.cli import MODEL_HELP
-from specserve.loading.default_model import DESCRIPTION as DEFAULT_MODEL_DESCRIPTION
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -80,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     base = rows[0]["decode_tokens_per_s"]
     for r in rows:
         r["relative_to_smallest"] = r["decode_tokens_per_s"] / base
-    result = {"model": args.model or DEFAULT_MODEL_DESCRIPTION, "drafter": args.drafter,
+    result = {"model": model_label(args.model), "drafter": args.drafter,
               "prompt_tokens": args.prompt_tokens, "max_tokens": t, "repeats": args.repeats, "device": str(device), "dtype": str(llm.dtype),
               "threads": torch.get_num_threads(), "batches": rows}
     print(f"throughput vs batch size ({args.drafter or 'plain'} decoding, prompt {args.prompt_tokens}, "

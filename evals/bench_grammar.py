@@ -43,10 +43,9 @@ import sys
 import time
 from pathlib import Path
 
-from specserve.evals.common import machine, parse_batch_sizes, set_threads, sync, write_json
+from specserve.evals.common import machine, model_label, parse_batch_sizes, set_threads, sync, write_json
 from specserve.evals.metrics import SpecCounts
 from specserve.cli import MODEL_HELP
-from specserve.loading.default_model import DESCRIPTION as DEFAULT_MODEL_DESCRIPTION
 
 MODES = ("verify", "aware", "forced")
 SPECULATION = ("static", "adaptive")
@@ -274,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
                 llm.generate([list(p.token_ids) for p in chunk], _params(chunk, t, args.max_tokens, 0))
     result: dict = {
         "machine": machine(plain),
-        "model": args.model or DEFAULT_MODEL_DESCRIPTION,
+        "model": model_label(args.model),
         "settings": {
             "dataset": args.dataset, "drafters": drafters, "modes": modes, "speculation": speculation,
             "batch_sizes": sizes, "temperatures": temps, "max_tokens": args.max_tokens, "repeats": args.repeats,

@@ -37,6 +37,13 @@ def write_json(result: dict, path: str | None) -> None:
         Path(path).write_text(json.dumps(result, indent=2))
 
 
+def model_label(model: str | None) -> str:
+    """What a report calls the target: the path or name given, else the default model's description."""
+    from specserve.loading.default_model import DESCRIPTION
+
+    return model or DESCRIPTION
+
+
 def host() -> dict:
     """The platform string and processor of this machine."""
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine()}

@@ -40,13 +40,12 @@ from specserve.evals.datasets import (
     load_dataset,
 )
 from specserve.evals import llamacpp_peer
-from specserve.evals.common import forget_shared, set_threads, sync
+from specserve.evals.common import forget_shared, model_label, set_threads, sync
 from specserve.evals.peers import LLAMA_CPP_PEERS, parse_peers, resolve_peer_draft
 from specserve.evals.structured import check_output, constraint_kwargs
 from specserve.evals.report import write_json, write_report
 from specserve.evals.summary import PLAIN, RunData, summarize
 from specserve.cli import MODEL_HELP
-from specserve.loading.default_model import DESCRIPTION as DEFAULT_MODEL_DESCRIPTION
 
 WRITE_EVERY_S = 5.0
 
@@ -372,7 +371,7 @@ def _settings(cfg: EvalConfig, data: RunData | None, threads: int) -> dict:
         return v if len(text) <= 200 else text[:200] + "..."
 
     return {
-        "model": cfg.model or DEFAULT_MODEL_DESCRIPTION, "drafters": list(cfg.drafters), "dataset": cfg.dataset,
+        "model": model_label(cfg.model), "drafters": list(cfg.drafters), "dataset": cfg.dataset,
         "num_prompts": len(data.prompts) if data else None, "max_prompts": cfg.max_prompts, "max_tokens": cfg.max_tokens,
         "temperature": cfg.temperature, "batch_size": cfg.batch_size, "repeats": cfg.repeats, "peers": list(cfg.peers),
         "peer_draft": cfg.peer_draft, "prompt_lookup_tokens": cfg.prompt_lookup_tokens,
