@@ -56,7 +56,7 @@ def chat_prompts(corpus, split: str, count: int, seed: int = 0, kinds: tuple[str
     return [p for p in every if p.kind in kinds][:count]
 
 
-def _file_prompts(source: str, rel: str, module: str, rng: random.Random, every_kind: bool = False) -> list[ChatPrompt]:
+def _file_prompts(source: str, rel: str, module: str, rng: random.Random, every_kind: bool) -> list[ChatPrompt]:
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
@@ -76,20 +76,24 @@ def _file_prompts(source: str, rel: str, module: str, rng: random.Random, every_
         code = "\n".join(lines[node.lineno - 1 : node.end_lineno])
         short = node.end_lineno - node.lineno + 1 <= MAX_SOURCE_LINES
         kinds = [k for k in KINDS if short or k in ("write", "explain")]
-        drawn = rng.choice(kinds)
-        for kind in (kinds if every_kind else [drawn]):
-            if kind == "write":
-                what = "class" if isinstance(node, ast.ClassDef) else "function"
-                signature = node.name if isinstance(node, ast.ClassDef) else f"{node.name}({ast.unparse(node.args)})"
-                text = f"Write a Python {what} `{signature}`. {summary[0].upper()}{summary[1:]}"
-            elif kind == "explain":
-                text = f"Explain what `{dotted}.{node.name}` does in Python, with a short example."
-            elif kind == "review":
-                text = f"What does this Python code do?\n\n```python\n{_undocumented(code, node)}\n```"
-            else:
-                text = f"Add type hints and a one-line docstring to this function:\n\n```python\n{_undocumented(code, node)}\n```"
-            out.append(ChatPrompt(kind, module, node.name, text))
+        drawn = rng.choice(kinds)  # drawn either way, so the seeded order does not depend on every_kind
+        out.extend(ChatPrompt(kind, module, node.name, _question(kind, node, dotted, summary, code))
+                   for kind in (kinds if every_kind else [drawn]))
     return out
+
+
+def _question(kind: str, node, dotted: str, summary: str, code: str) -> str:
+    """The user message of one kind of question about a definition (``node``, its source ``code``, its
+    docstring's first paragraph ``summary``, its module's dotted name)."""
+    if kind == "write":
+        what = "class" if isinstance(node, ast.ClassDef) else "function"
+        signature = node.name if isinstance(node, ast.ClassDef) else f"{node.name}({ast.unparse(node.args)})"
+        return f"Write a Python {what} `{signature}`. {summary[0].upper()}{summary[1:]}"
+    if kind == "explain":
+        return f"Explain what `{dotted}.{node.name}` does in Python, with a short example."
+    if kind == "review":
+        return f"What does this Python code do?\n\n```python\n{_undocumented(code, node)}\n```"
+    return f"Add type hints and a one-line docstring to this function:\n\n```python\n{_undocumented(code, node)}\n```"
 
 
 def _undocumented(code: str, node) -> str:
