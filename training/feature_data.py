@@ -117,7 +117,9 @@ def make_feature_data(
                 "prompt_source": "training/chat_prompts.py over the corpus' splits", "complete": False}
     if resume and (out_dir / MANIFEST).is_file():
         old = read_json(out_dir / MANIFEST)
-        if old.get("settings") != manifest["settings"] or old.get("target") != target or old.get("feature_layers") != list(layers):
+        # A setting added since the data was made reads as its default (data made before --every-kind resumes).
+        old_settings = {**FeatureSettings().__dict__, **old.get("settings", {})}
+        if old_settings != manifest["settings"] or old.get("target") != target or old.get("feature_layers") != list(layers):
             raise ValueError(f"--resume: {str(out_dir)!r} was made with other settings, layers or another target")
         manifest = old
         if manifest.get("complete"):

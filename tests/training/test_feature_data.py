@@ -101,7 +101,6 @@ def test_chat_prompts_follow_the_corpus_split(feature_dir):
         chat_prompts(corpus, "train", 5, kinds=("poem",))
 
 
-
 def test_every_kind_asks_each_definition_every_question_it_allows():
     """--every-kind: each definition gives write and explain, and review and edit too where its source is
     short enough to quote (the quoted source is what those prompts show); the one drawn kind is among them,
@@ -124,6 +123,27 @@ def test_every_kind_asks_each_definition_every_question_it_allows():
     assert len(every) > 2 * len(one)
     heldout = chat_prompts(corpus, "heldout", 10_000, every_kind=True)
     assert heldout and {p.module for p in heldout} <= corpus.modules("heldout")
+
+
+def test_data_made_before_a_setting_existed_resumes_and_other_settings_are_refused(target, feature_dir, tmp_path):
+    """--resume reads a setting the manifest does not record (data made before it existed) as its default;
+    a setting that differs is still refused with one line."""
+    import shutil
+
+    from specserve.training.feature_data import MANIFEST
+
+    old = tmp_path / "old"
+    shutil.copytree(feature_dir, old)
+    manifest = json.loads((old / MANIFEST).read_text())
+    del manifest["settings"]["every_kind"]
+    (old / MANIFEST).write_text(json.dumps(manifest))
+    args = ["train", "feature-data", "--model", str(target[1]), "--out", str(old), "--num-prompts", "6",
+            "--heldout-prompts", "2", "--new-tokens", "12", "--gen-batch-size", "3", "--topk", "8",
+            "--feature-layers", ",".join(map(str, LAYERS)), "--heldout-fraction", "0.4", "--threads", "1",
+            "--max-prompt-tokens", "480", "--resume", *corpus_args()]
+    assert main(args) == 0
+    assert main([*args, "--every-kind"]) == 2
+
 
 def test_an_eagle3_head_trains_on_captured_features_and_serves_losslessly(target, feature_dir, tmp_path):
     """`train eagle --data FEATURES` trains without transformers' target; the head records the file's sha256,
