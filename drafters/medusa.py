@@ -7,6 +7,8 @@ target is the bundled default model. The heads read the target's final normed hi
 (transformers' hidden layer ``num_layers``, what its LM head reads) at the last committed position,
 whose next token is the root: head 0 proposes the depth-1 nodes (the token after the root), head k the
 depth-(k+1) nodes. No draft forward, no draft KV: one small matmul per step for the whole batch.
+Root-token heads (`medusa_heads`) also read the target's embedding of the root, which the request
+already holds, so they cost one more small product and no extra pass.
 
 Trees (``tree=``):
 
@@ -129,6 +131,12 @@ class MedusaDrafter(Drafter):
         self.device, self.dtype = target.device, target.dtype
         self.heads = heads.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
         self.lm_weight = None
+        self.root_embed = None  # the target's token embeddings [V, H], for heads that read the root token
+        if heads.root_token:
+            if target.model is None or getattr(target.model, "embed", None) is None:
+                raise ValueError(f"medusa heads in {self.path!r} read the root token through the target's embeddings, "
+                                 "but the target model is not available")
+            self.root_embed = target.model.embed.detach()
         if heads.lm_heads is None:
             if target.model is None or getattr(target.model, "lm_head", None) is None:
                 raise ValueError(f"medusa heads in {self.path!r} share the target's LM head, but the target model is "
@@ -169,10 +177,14 @@ class MedusaDrafter(Drafter):
         reach = self.depth if self.static is None else int(self.static.depths[: max(c for _, _, c in work)].max())
         with torch.inference_mode():
             feats = torch.stack([self._features[req.request_id][0] for _, req, _ in work])  # [A, H]
+            roots = None
+            if self.root_embed is not None:  # [A, H]: each request's root token, embedded as the target does
+                root_ids = torch.tensor([int(req.token_ids[-1]) for _, req, _ in work], dtype=torch.int64)
+                roots = self.root_embed[root_ids.to(self.root_embed.device)].to(self.device, self.dtype)
             if self.kernels is not None:
-                logits = self.kernels(feats, reach)  # [A, reach, V']
+                logits = self.kernels(feats, reach, roots)  # [A, reach, V']
             else:
-                logits = self.heads(feats, self.lm_weight, heads=reach).transpose(0, 1).float()
+                logits = self.heads(feats, self.lm_weight, heads=reach, root_embed=roots).transpose(0, 1).float()
         logits = np.asarray(logits) if isinstance(logits, np.ndarray) else logits.cpu().numpy()
         temps = np.array([req.temperature for _, req, _ in work], dtype=np.float32)
         reqs, caps = [req for _, req, _ in work], [cap for _, _, cap in work]
@@ -370,18 +382,21 @@ class _HeadKernels:
         storage = drafter_storage(target_kernels) or target_kernels.storage
         self.blocks = [[PackedLinear(heads.weight[k, layer], heads.bias[k, layer], storage)
                         for layer in range(heads.num_layers)] for k in range(depth)]
+        self.roots = ([PackedLinear(heads.root_weight[k], None, storage) for k in range(depth)]
+                      if heads.root_weight is not None else None)
         self.lm_heads = ([PackedLinear(heads.lm_heads[k], None, storage) for k in range(depth)]
                          if heads.lm_heads is not None else None)
         self.shared = target_kernels.lm_head
         self.depth = depth
 
-    def __call__(self, feats: torch.Tensor, depth: int | None = None) -> np.ndarray:
-        """feats float[A, H] -> logits float32[A, depth, V'] of the first ``depth`` heads (default all built)."""
+    def __call__(self, feats: torch.Tensor, depth: int | None = None, roots: torch.Tensor | None = None) -> np.ndarray:
+        """feats float[A, H] (and, for root-token heads, roots float[A, H]: the root tokens' embeddings) ->
+        logits float32[A, depth, V'] of the first ``depth`` heads (default all built)."""
         depth = self.depth if depth is None else depth
         h = feats.float()
         xs = []
-        for blocks in self.blocks[:depth]:
-            x = h
+        for k, blocks in enumerate(self.blocks[:depth]):
+            x = h if self.roots is None else h + self.roots[k](roots.float())
             for block in blocks:
                 y = block(x)
                 x = x + y * torch.sigmoid(y)  # x + SiLU(W x + b)

@@ -2,16 +2,23 @@
 
 **Ours** (written by ``specserve train medusa``)::
 
-    medusa_config.json          {"format": "specserve-medusa", "version": 1, "num_heads", "num_layers",
+    medusa_config.json          {"format": "specserve-medusa", "version": 1 | 2, "num_heads", "num_layers",
                                  "hidden_size", "vocab_size", "lm_head": "own" | "shared",
-                                 optional "draft_vocab_size",
+                                 optional "draft_vocab_size", "root_token" (version 2),
                                  "target": {"path", "model_type", "hidden_size", "vocab_size",
                                             "num_layers", "fingerprint" (a directory) or
                                             "file_sha256" + "tokenizer" (a GGUF file)},
                                  optional "choices", "metrics"}
     medusa_heads.safetensors    "weight" [K, L, H, H], "bias" [K, L, H], and with own LM heads
                                 "lm_heads" [K, V', H]; with a draft vocabulary "draft_to_target"
-                                int64[V'] (ascending target ids), else V' = V
+                                int64[V'] (ascending target ids), else V' = V; with "root_token"
+                                "root_weight" [K, H, H]
+
+Root-token heads (``root_token``, written as version 2; version 1 files have none) also read the
+embedding of the root — the token the target has just chosen after the feature's position, which
+plain Medusa heads must guess. Head 0 then predicts the token after a known one, EAGLE's depth-1
+question, instead of marginalising over the root as well (on the default model's held-out data:
+training/README). The embedding is the target's own table, so the heads store none.
 
 A draft vocabulary (own LM heads only) keeps each head's LM head to the V' most frequent target tokens,
 as EAGLE-3 heads do: on SmolLM2 (V = 49,152) a full own LM head per head would cost a target LM head's
@@ -46,7 +53,8 @@ from specserve.drafters.medusa_public import (
 from torch import nn
 
 FORMAT = "specserve-medusa"
-VERSION = 1
+VERSION = 2  # what `save_heads` writes when the heads read the root token; heads that do not stay version 1
+VERSIONS = (1, 2)
 CONFIG_FILE = "medusa_config.json"
 WEIGHTS_FILE = "medusa_heads.safetensors"
 LM_HEAD_MODES = ("own", "shared")
@@ -57,9 +65,10 @@ _ARCH_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_h
 class MedusaHeads(nn.Module):
     """K Medusa heads over the target's final normed hidden state h (what its LM head reads).
 
-    Head k: ``x <- x + SiLU(W[k, l] x + b[k, l])`` for each of ``num_layers`` blocks, then
-    ``logits = U_k x`` with U_k [V', H] its own LM head (``lm_head="own"``) or the target's
-    (``"shared"``, passed to `forward`). Blocks start at zero, so a fresh head is the target's LM
+    Head k: ``x = h`` (root-token heads: ``x = h + R[k] e`` with e the target's embedding of the root,
+    the token at t + 1), then ``x <- x + SiLU(W[k, l] x + b[k, l])`` for each of ``num_layers`` blocks,
+    then ``logits = U_k x`` with U_k [V', H] its own LM head (``lm_head="own"``) or the target's
+    (``"shared"``, passed to `forward`). Blocks and R start at zero, so a fresh head is the target's LM
     head. Head k at the feature of position t predicts the token at t + k + 2.
 
     draft_vocab_size: own LM heads only, V' < V rows scoring the target ids in the buffer
@@ -67,7 +76,7 @@ class MedusaHeads(nn.Module):
     """
 
     def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int, lm_head: str = "own",
-                 draft_vocab_size: int | None = None) -> None:
+                 draft_vocab_size: int | None = None, root_token: bool = False) -> None:
         super().__init__()
         if lm_head not in LM_HEAD_MODES:
             raise ValueError(f"lm_head must be one of {LM_HEAD_MODES}, got {lm_head!r}")
@@ -84,6 +93,8 @@ class MedusaHeads(nn.Module):
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
         self.num_heads, self.num_layers, self.lm_head_mode = num_heads, num_layers, lm_head
         self.draft_vocab_size = draft_vocab_size
+        self.root_token = bool(root_token)
+        self.root_weight = nn.Parameter(torch.zeros(num_heads, hidden_size, hidden_size)) if root_token else None  # [K, H, H]
         self.weight = nn.Parameter(torch.zeros(num_heads, num_layers, hidden_size, hidden_size))  # [K, L, H, H]
         self.bias = nn.Parameter(torch.zeros(num_heads, num_layers, hidden_size))  # [K, L, H]
         rows = vocab_size if draft_vocab_size is None else draft_vocab_size
@@ -111,16 +122,22 @@ class MedusaHeads(nn.Module):
             self.draft_to_target.copy_(ids.to(self.draft_to_target.device))
 
     def forward(self, h: torch.Tensor, lm_weight: torch.Tensor | None = None, heads: int | None = None,
-                first: int = 0) -> torch.Tensor:
+                first: int = 0, root_embed: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [n, ..., V'] of heads ``first .. first + n - 1`` (n = ``heads``, default all) for h [..., H]
         (V' = V without a draft vocabulary; column j scores target id ``draft_to_target[j]`` with one).
 
-        lm_weight: the target's LM head [V, H], needed when the heads share it.
+        lm_weight: the target's LM head [V, H], needed when the heads share it. root_embed [..., H]: the
+        target's embedding of each feature's root token, needed by root-token heads (ignored by others).
         """
         n = self.num_heads - first if heads is None else heads
         idx = slice(first, first + n)
         shape = h.shape[:-1]
         x = h.reshape(1, -1, self.hidden_size).expand(n, -1, -1)  # [n, M, H]
+        if self.root_weight is not None:
+            if root_embed is None:
+                raise ValueError("these Medusa heads read the root token: pass root_embed")
+            e = root_embed.reshape(1, -1, self.hidden_size).expand(n, -1, -1)
+            x = x + torch.bmm(e, self.root_weight[idx].transpose(1, 2))
         for layer in range(self.num_layers):
             x = x + F.silu(torch.baddbmm(self.bias[idx, layer, None, :], x, self.weight[idx, layer].transpose(1, 2)))
         if self.lm_heads is not None:
@@ -219,13 +236,17 @@ def save_heads(heads: MedusaHeads, out_dir: str | Path, target_dir: str | Path, 
     tensors = {"weight": heads.weight, "bias": heads.bias}
     if heads.lm_heads is not None:
         tensors["lm_heads"] = heads.lm_heads
+    if heads.root_weight is not None:
+        tensors["root_weight"] = heads.root_weight
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in tensors.items()}
     vocab = {}
     if heads.draft_to_target is not None:
         tensors["draft_to_target"] = heads.draft_to_target.detach().to("cpu", torch.int64).contiguous()
         vocab = {"draft_vocab_size": heads.draft_vocab_size}
-    config = {"format": FORMAT, "version": VERSION, "num_heads": heads.num_heads, "num_layers": heads.num_layers,
-              "hidden_size": heads.hidden_size, "vocab_size": heads.vocab_size, "lm_head": heads.lm_head_mode, **vocab,
+    root = {"root_token": True} if heads.root_token else {}
+    config = {"format": FORMAT, "version": VERSION if heads.root_token else 1, "num_heads": heads.num_heads,
+              "num_layers": heads.num_layers, "hidden_size": heads.hidden_size, "vocab_size": heads.vocab_size,
+              "lm_head": heads.lm_head_mode, **vocab, **root,
               "dtype": str(dtype).removeprefix("torch."), "target": target_record(target_dir), **(extra or {})}
     tmp = out_dir / (WEIGHTS_FILE + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": "pt"})
@@ -279,11 +300,15 @@ def _load_ours(path: Path) -> LoadedHeads:
     config = _read_json(path / CONFIG_FILE, "medusa config")
     if config.get("format") != FORMAT:
         raise ValueError(f"{str(path / CONFIG_FILE)!r} is not a specserve Medusa config (format {config.get('format')!r})")
-    if config.get("version") != VERSION:
-        raise ValueError(f"{str(path / CONFIG_FILE)!r} has version {config.get('version')!r}; this specserve reads {VERSION}")
+    if config.get("version") not in VERSIONS:
+        raise ValueError(f"{str(path / CONFIG_FILE)!r} has version {config.get('version')!r}; this specserve reads "
+                         f"{' and '.join(map(str, VERSIONS))}")
+    root_token = config.get("root_token", False)
+    if root_token not in (False, True) or (root_token and config["version"] < 2):
+        raise ValueError(f"{str(path / CONFIG_FILE)!r}: root_token must be true or false, and true only in version 2")
     try:
         heads = MedusaHeads(config["hidden_size"], config["vocab_size"], config["num_heads"], config["num_layers"],
-                            config["lm_head"], config.get("draft_vocab_size"))
+                            config["lm_head"], config.get("draft_vocab_size"), root_token)
         if not isinstance(config["target"], dict):
             raise TypeError("target must be an object")
     except (KeyError, TypeError) as exc:
@@ -385,6 +410,8 @@ def describe_heads(path: str | Path, target: str | Path | None = None) -> dict[s
         out = {"format": f"specserve Medusa heads ({CONFIG_FILE})", "version": str(config.get("version")),
                "weights": str(path / WEIGHTS_FILE), "heads": str(config.get("num_heads")), "layers per head": str(config.get("num_layers")),
                "lm head": "own, one per head" if mode == "own" else "shared: the target's",
+               "reads": "the final feature and the root token's embedding" if config.get("root_token")
+                        else "the final feature",
                "hidden size": str(config.get("hidden_size")), "vocabulary": str(config.get("vocab_size")),
                "trained for": str(recorded.get("path"))}
         if config.get("draft_vocab_size") is not None:

@@ -101,6 +101,9 @@ def add_train_parser(sub, parser_class):
     medusa.add_argument("--decay", type=float, default=None, help="head k's loss weight is decay**k (default 0.8)")
     medusa.add_argument("--draft-vocab", type=int, default=None,
                         help="own LM heads over the N most frequent tokens of feature data (default: the whole vocabulary)")
+    medusa.add_argument("--root-token", action="store_true", default=None,
+                        help="heads also read the target's embedding of the root token (the one the target just chose), "
+                             "so head 0 predicts the token after a known one instead of guessing both")
     _run_args(medusa, seq_len=False)
     _distill_args(medusa, prefix="distill options (only when --data is not given)")
     medusa.set_defaults(handler=cmd_medusa)

@@ -21,7 +21,8 @@ the first epoch pays for them once, later epochs read them. With captured featur
 and soft labels (the stored top-k) are read from the data, so any target the engine loads trains heads —
 a GGUF file included. ``--draft-vocab N`` (own LM heads) keeps each head's LM head to the N most frequent
 tokens of the data (EAGLE-3's choice, see training/eagle.py): labels outside it are dropped and the rest
-renormalised, as eagle3 heads are trained.
+renormalised, as eagle3 heads are trained. ``--root-token`` heads also read the target's embedding of the
+token at t + 1 (the root, known when they draft): see drafters/medusa_heads.py.
 
 Output: ``medusa_config.json`` + ``medusa_heads.safetensors`` (fp16; see drafters/medusa_heads.py),
 ``train_log.jsonl``, ``loss_curve.png``, ``train_summary.json``, ``run_config.json``, ``checkpoint/``.
@@ -52,7 +53,8 @@ from torch import nn
 DEFAULT_SETTINGS = TrainSettings(seq_len=256, batch_size=8, lr=2e-3, max_steps=800, warmup_steps=30, min_lr_ratio=0.1,
                                  weight_decay=0.0, log_every=10, eval_every=100, eval_batches=4, checkpoint_every=50,
                                  max_minutes=20.0)
-DEFAULT_HEADS = {"num_heads": 3, "num_layers": 1, "lm_head": "shared", "decay": 0.8, "draft_vocab": None}
+DEFAULT_HEADS = {"num_heads": 3, "num_layers": 1, "lm_head": "shared", "decay": 0.8, "draft_vocab": None,
+                 "root_token": False}
 RANKS = 10  # rank accuracies measured per head (for the static tree)
 TREE_SIZE = 20  # nodes of the static tree written into the checkpoint
 CACHE_LIMIT_BYTES = 4 << 30  # cache target features up to this size (fp16), else recompute each batch
@@ -68,6 +70,7 @@ def train_medusa(
     lm_head: str | None = None,
     decay: float | None = None,
     draft_vocab: int | None = None,
+    root_token: bool | None = None,
     distill_settings: DistillSettings | None = None,
     **options,
 ) -> dict:
@@ -81,10 +84,10 @@ def train_medusa(
     run = setup.RunOptions.of("train_medusa", options)
     out_dir = Path(out).expanduser()
     given_heads = {"num_heads": num_heads, "num_layers": num_layers, "lm_head": lm_head, "decay": decay,
-                   "draft_vocab": draft_vocab}
+                   "draft_vocab": draft_vocab, "root_token": root_token}
     if run.resume:
         recorded = _recorded(out_dir)
-        spec = {"draft_vocab": None, **recorded["heads"]}
+        spec = {"draft_vocab": None, "root_token": False, **recorded["heads"]}  # settings added since read as defaults
         changed = sorted(k for k, v in given_heads.items() if v is not None and v != spec[k])
         if changed:
             raise ValueError(f"--resume: the run in {str(out_dir)!r} was started with other {', '.join(changed)}")
@@ -121,10 +124,11 @@ def train_medusa(
         teacher = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).to(dist.device).eval()
         teacher.requires_grad_(False)
         lm_weight = teacher.get_output_embeddings().weight.detach()
+        embed = teacher.get_input_embeddings().weight.detach()
         evalset = heldout_set if heldout_set is not None else train_set.take(settings.eval_batches * settings.batch_size)
         features = {"train": _Features(teacher.model, train_set, dist.device),
                     "eval": _Features(teacher.model, evalset, dist.device)}
-        return _fit(dist, run, out_dir, target_dir, data_dir, spec, settings, lm_weight, None,
+        return _fit(dist, run, out_dir, target_dir, data_dir, spec, settings, lm_weight, embed, None,
                     train=(len(train_set), float(train_set.lengths.float().mean()),
                            lambda ids: _batch(train_set, features["train"], ids, dist.device)),
                     heldout=(len(evalset), lambda ids: _batch(evalset, features["eval"], ids, dist.device)))
@@ -157,37 +161,39 @@ def _train_on_features(target, out_dir: Path, data, spec: dict, settings: TrainS
         if not run.resume:
             write_json(out_dir / setup.RUN_CONFIG_FILE, setup.run_record(
                 "train medusa", run, dist, target_path, data, heads=spec, settings=asdict(settings)))
-        lm_weight = TargetWeights.of(target_path, True, dist.device).lm_head
+        weights = TargetWeights.of(target_path, True, dist.device)
         draft_ids = draft_vocabulary(train_set, vocab, spec["draft_vocab"]) if spec["draft_vocab"] else None
         evalset = heldout_set if heldout_set is not None else train_set
         batches = _CapturedBatches(layers.index(num_layers), draft_ids, vocab)
-        return _fit(dist, run, out_dir, target_path, data_dir, spec, settings, lm_weight, draft_ids,
+        return _fit(dist, run, out_dir, target_path, data_dir, spec, settings, weights.lm_head, weights.embed, draft_ids,
                     train=(len(train_set), float(train_set.lengths.float().mean()),
                            lambda ids: batches(train_set, ids, dist.device)),
                     heldout=(len(evalset), lambda ids: batches(evalset, ids, dist.device)))
 
 
 def _fit(dist, run, out_dir: Path, target: Path, data_dir: Path, spec: dict, settings: TrainSettings,
-         lm_weight: torch.Tensor, draft_ids: torch.Tensor | None, *, train, heldout) -> dict:
+         lm_weight: torch.Tensor, embed: torch.Tensor, draft_ids: torch.Tensor | None, *, train, heldout) -> dict:
     """Train the heads and write them with their tree and records; return the run summary.
 
-    lm_weight: the target's LM head [V, H] (float32); draft_ids: the draft vocabulary int64[V'] or None;
-    train: (sequences, mean length, ids -> batch); heldout: (sequences, ids -> batch). A batch holds
-    features float32[B, T, H], mask bool[B, T] (row t has a label), topk_ids int64[B, T, k] (columns of the
+    lm_weight, embed: the target's LM head and token embeddings [V, H] (float32); draft_ids: the draft vocabulary
+    int64[V'] or None; train: (sequences, mean length, ids -> batch); heldout: (sequences, ids -> batch). A batch
+    holds tokens int64[B, T], features float32[B, T, H], mask bool[B, T] (row t has a label), topk_ids int64[B, T, k] (columns of the
     heads' logits, -1 outside a draft vocabulary) and topk_logprobs float32[B, T, k] (-inf there)."""
     hidden, vocab = lm_weight.shape[1], lm_weight.shape[0]
     torch.manual_seed(settings.seed)
     heads = MedusaHeads(hidden, vocab, spec["num_heads"], spec["num_layers"], spec["lm_head"],
-                        None if draft_ids is None else len(draft_ids))
+                        None if draft_ids is None else len(draft_ids), spec["root_token"])
     if draft_ids is not None:
         heads.set_draft_vocab(draft_ids)
     heads.init_lm_heads(lm_weight)
-    model = _Trainable(heads, lm_weight if spec["lm_head"] == "shared" else lm_weight[:0])
+    model = _Trainable(heads, lm_weight if spec["lm_head"] == "shared" else lm_weight[:0],
+                       embed if spec["root_token"] else embed[:0])
     num_train, mean_len, train_batch = train
     num_eval, eval_batch = heldout
     weights = [spec["decay"] ** k for k in range(spec["num_heads"])]
     sampler = IndexSampler(num_train, settings.batch_size, settings.seed)
-    vocab_note = f", draft vocabulary {len(draft_ids)}" if draft_ids is not None else ""
+    vocab_note = (f", draft vocabulary {len(draft_ids)}" if draft_ids is not None else "") \
+        + (", reading the root token" if spec["root_token"] else "")
     print(f"medusa: {spec['num_heads']} heads x {spec['num_layers']} block(s), {spec['lm_head']} LM head{vocab_note}, "
           f"{sum(p.numel() for p in heads.parameters()) / 1e6:.2f}M trainable parameters; {num_train} train / "
           f"{num_eval} held-out sequences", file=sys.stderr)
@@ -233,12 +239,14 @@ def _fit(dist, run, out_dir: Path, target: Path, data_dir: Path, spec: dict, set
 
 
 class _Trainable(nn.Module):
-    """The heads plus the target's frozen LM head (a non-persistent buffer: not trained, not saved)."""
+    """The heads plus the target's frozen LM head and token embeddings (non-persistent buffers: not trained, not
+    saved; each empty where the heads do not read it)."""
 
-    def __init__(self, heads: MedusaHeads, lm_weight: torch.Tensor) -> None:
+    def __init__(self, heads: MedusaHeads, lm_weight: torch.Tensor, embed: torch.Tensor) -> None:
         super().__init__()
         self.heads = heads
         self.register_buffer("lm_weight", lm_weight.clone(), persistent=False)
+        self.register_buffer("embed", embed.clone(), persistent=False)
 
 
 class _Features:
@@ -286,8 +294,8 @@ class _CapturedBatches:
         if self.columns is not None:
             top_ids, top_logp = to_columns(self.columns, top_ids, top_logp)
         mask = torch.isfinite(top_logp).any(-1)  # padding rows and rows with no label in the draft vocabulary
-        return {"features": feats.to(device), "mask": mask.to(device), "topk_ids": top_ids.to(device),
-                "topk_logprobs": top_logp.to(device)}
+        return {"tokens": padded["tokens"].to(device), "features": feats.to(device), "mask": mask.to(device),
+                "topk_ids": top_ids.to(device), "topk_logprobs": top_logp.to(device)}
 
 
 def _batch(data: DistillSet, features: _Features, ids: torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:
@@ -295,6 +303,7 @@ def _batch(data: DistillSet, features: _Features, ids: torch.Tensor, device: tor
     t = int(lengths.max())
     mask = torch.arange(t)[None, :] < lengths[:, None]
     return {
+        "tokens": data.tokens[ids, :t].long().to(device),
         "features": features.get(ids, t),
         "mask": mask.to(device),
         "topk_ids": data.topk_ids[ids, :t].to(device),
@@ -310,7 +319,10 @@ def _head_terms(module: _Trainable, batch, k: int):
     if h.shape[1] <= shift:
         return None
     lm = None if module.heads.lm_heads is not None else module.lm_weight
-    logits = module.heads(h[:, : h.shape[1] - shift], lm, heads=1, first=k)[0].float()  # [B, T', V']
+    count = h.shape[1] - shift
+    # The root of the feature at t is the token at t + 1 (what the target chose there: known when drafting).
+    roots = module.embed[batch["tokens"][:, 1 : count + 1]] if module.heads.root_token else None  # [B, T', H]
+    logits = module.heads(h[:, :count], lm, heads=1, first=k, root_embed=roots)[0].float()  # [B, T', V']
     logq = torch.log_softmax(logits, dim=-1)
     mask = batch["mask"][:, shift:]
     # Labels that are no label (-1 ids, -inf: outside a draft vocabulary; padding) get p = 0 exactly.
@@ -391,6 +403,8 @@ def _check_spec(spec: dict) -> None:
     check_float("decay", spec["decay"], 0, 1, low_open=True)
     if spec["draft_vocab"] is not None:
         check_int("draft_vocab", spec["draft_vocab"], 1, 1 << 24)
+    if spec["root_token"] not in (False, True):
+        raise ValueError(f"root_token must be true or false, got {spec['root_token']!r}")
 
 
 def _recorded(out_dir: Path) -> dict:
@@ -407,7 +421,7 @@ def cmd_medusa(args) -> int:
     _set_threads(args.threads)
     summary = train_medusa(
         args.target, args.out, data=args.data, num_heads=args.heads, num_layers=args.layers, lm_head=args.lm_head,
-        decay=args.decay, draft_vocab=args.draft_vocab, distill_settings=_distill_settings(args), **run_options(args),
+        decay=args.decay, draft_vocab=args.draft_vocab, root_token=args.root_token, distill_settings=_distill_settings(args), **run_options(args),
     )
     _report(summary, args.out)
     return 0

@@ -2,7 +2,8 @@
 tree buffers from paths, dynamic selection, budgets, checkpoints in both layouts, wrong targets.
 
 Heads here are tiny (hidden 64, vocabulary 16): random ones that disagree with the target, and ones
-fitted in a second to the target's own greedy continuations, which agree often.
+fitted in a second to the target's own greedy continuations, which agree often — plain, and reading the
+root token's embedding as well (``root_token``).
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ SHAPES = {
 }
 
 
-def _random_heads(seed: int, lm_head: str = "own", num_heads: int = 3) -> MedusaHeads:
-    heads = MedusaHeads(64, 16, num_heads, 1, lm_head)
+def _random_heads(seed: int, lm_head: str = "own", num_heads: int = 3, root_token: bool = False) -> MedusaHeads:
+    heads = MedusaHeads(64, 16, num_heads, 1, lm_head, root_token=root_token)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in heads.parameters():
@@ -48,9 +49,10 @@ def _random_heads(seed: int, lm_head: str = "own", num_heads: int = 3) -> Medusa
     return heads
 
 
-def _fit_heads(target_dir, num_heads: int = 3) -> MedusaHeads:
+def _fit_heads(target_dir, num_heads: int = 3, root_token: bool = False) -> MedusaHeads:
     """Heads fitted in a second to the target's greedy continuations of the test prompts (hard labels
-    t + k + 2): a random tiny target is chaotic, so they memorise these rather than generalise."""
+    t + k + 2; root-token heads also read the embedding of the token at t + 1): a random tiny target is
+    chaotic, so they memorise these rather than generalise."""
     llm = LLM(target_dir, device="cpu")
     prompts = PROMPTS + [PROMPT]
     outs = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
@@ -60,14 +62,16 @@ def _fit_heads(target_dir, num_heads: int = 3) -> MedusaHeads:
     hf = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
     with torch.no_grad():
         feats = hf.model(input_ids=seqs).last_hidden_state  # [B, T, H]
-    heads = MedusaHeads(64, 16, num_heads, 1, "own")
+    embed = hf.model.embed_tokens.weight.detach()
+    heads = MedusaHeads(64, 16, num_heads, 1, "own", root_token=root_token)
     heads.init_lm_heads(hf.lm_head.weight)
     torch.manual_seed(0)
     opt = torch.optim.Adam(heads.parameters(), lr=2e-2)
     for _ in range(300):
         loss = 0.0
         for k in range(num_heads):
-            logits = heads(feats[:, : -(k + 2)], heads=1, first=k)[0]
+            roots = embed[seqs[:, 1 : seqs.shape[1] - (k + 1)]] if root_token else None
+            logits = heads(feats[:, : -(k + 2)], heads=1, first=k, root_embed=roots)[0]
             loss = loss + torch.nn.functional.cross_entropy(logits.reshape(-1, 16), seqs[:, k + 2 :].reshape(-1))
         opt.zero_grad()
         loss.backward()
@@ -89,6 +93,14 @@ def random_dir(small_vocab_dir, tmp_path_factory):
 def fitted_dir(small_vocab_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("medusa_fitted")
     save_heads(_fit_heads(small_vocab_dir), out, small_vocab_dir, extra={"choices": [[0], [0, 0], [1], [0, 0, 0], [0, 1]]})
+    return out
+
+
+@pytest.fixture(scope="module")
+def root_dir(small_vocab_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("medusa_root")
+    save_heads(_fit_heads(small_vocab_dir, root_token=True), out, small_vocab_dir,
+               extra={"choices": [[0], [0, 0], [1], [0, 0, 0], [0, 1]]})
     return out
 
 
@@ -137,7 +149,7 @@ def _requests(contexts, temperature=0.0, seed=None, hidden=True, prefix="r"):
 
 
 @pytest.mark.parametrize("batch", [1, 4])
-@pytest.mark.parametrize("heads", ["random", "fitted", "vocab"])
+@pytest.mark.parametrize("heads", ["random", "fitted", "vocab", "root"])
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_greedy_equals_plain(small_vocab_dir, reference, request, heads, shape, batch):
     path = request.getfixturevalue(f"{heads}_dir")
@@ -145,7 +157,7 @@ def test_greedy_equals_plain(small_vocab_dir, reference, request, heads, shape, 
     outs = llm.generate(PROMPTS[:batch], GREEDY)
     assert [o.token_ids for o in outs] == reference[:batch]
     accepted = sum(sum(o.spec.accepted_per_position) for o in outs)
-    if heads in ("fitted", "vocab"):  # agreeing heads: most steps accept something
+    if heads in ("fitted", "vocab", "root"):  # agreeing heads: most steps accept something
         assert accepted >= sum(o.spec.num_steps for o in outs)
     alloc = llm.engine.cache.allocator
     assert alloc.num_free_blocks == alloc.num_blocks
@@ -185,6 +197,7 @@ SAMPLING_CASES = {
     "random-static-T1.2-topp-minp": ("random_dir", {}, {"temperature": 1.2, "top_p": 0.9, "min_p": 0.02}),
     "vocab-static-T1": ("vocab_dir", {}, {"temperature": 1.0}),
     "vocab-dynamic-T0.8": ("vocab_dir", {"tree": "dynamic", "topk": 3, "max_budget": 8}, {"temperature": 0.8}),
+    "root-static-T1": ("root_dir", {}, {"temperature": 1.0}),
 }
 
 
@@ -199,7 +212,7 @@ def test_sampled_tokens_follow_target_distribution(small_vocab_dir, case, reques
     outs = llm.generate([PROMPT] * N, params)
     assert_follows_target(outs, small_vocab_dir, PROMPT, params[0])
     accepted = sum(sum(o.spec.accepted_per_position) for o in outs)
-    assert accepted > (N if fixture in ("fitted_dir", "vocab_dir") else N // 10)  # drafts were accepted
+    assert accepted > (N if fixture in ("fitted_dir", "vocab_dir", "root_dir") else N // 10)  # drafts were accepted
 
 
 @pytest.mark.parametrize("options", [{}, {"tree": "dynamic", "topk": 4, "max_budget": 12}])
@@ -337,6 +350,34 @@ def test_greedy_trees_take_each_heads_top_ranks(small_vocab_dir, random_dir):
     assert not tree.has_q
 
 
+def test_root_token_heads_read_each_requests_own_root(small_vocab_dir, tmp_path):
+    """Root-token heads: two requests with the same feature and different roots (their last token) get the
+    trees a float64 evaluation of the heads' definition gives with the target's embedding of THAT root."""
+    save_heads(_random_heads(11, root_token=True), tmp_path / "h", small_vocab_dir)
+    llm = LLM(small_vocab_dir, drafter=f"medusa:{tmp_path / 'h'}", drafter_options={"tree": "dynamic", "topk": 3},
+              device="cpu")
+    drafter = llm.engine.drafter
+    feature = torch.randn(len(PROMPT), 64, generator=torch.Generator().manual_seed(2))
+    roots = [4, 13]
+    requests = [DraftRequest(f"q{root}", np.asarray(PROMPT + [root], dtype=np.int64), 0.0, {2: feature}, None)
+                for root in roots]
+    trees = drafter.propose(requests, [12, 12])
+    heads = load_heads(tmp_path / "h", hidden_size=64, vocab_size=16).heads.double()
+    hf = AutoModelForCausalLM.from_pretrained(str(small_vocab_dir), dtype=torch.float64)
+    firsts = []
+    for root, tree in zip(roots, trees):
+        h, e = feature[-1].double(), hf.model.embed_tokens.weight[root].detach()
+        x = h + heads.root_weight[0] @ e
+        x = x + torch.nn.functional.silu(heads.weight[0, 0] @ x + heads.bias[0, 0])
+        logits = heads.lm_heads[0] @ x  # head 0 written out: the depth-1 nodes' scores
+        with torch.no_grad():
+            assert torch.allclose(heads(h, heads=1, root_embed=e)[0], logits)
+        kids = tree.children(0)
+        assert tree.tokens[kids].tolist() == logits.topk(len(kids)).indices.tolist()
+        firsts.append(logits)
+    assert not torch.allclose(firsts[0], firsts[1])  # the root changed what head 0 scores
+
+
 def test_sampled_tree_probs_are_what_each_node_was_drawn_from(small_vocab_dir, random_dir):
     drafter = create_drafter(f"medusa:{random_dir}", target_info(small_vocab_dir), {"max_budget": 17})
     req = _requests([PROMPT], temperature=0.7)[0]
@@ -441,6 +482,23 @@ def test_round_trip_gives_the_same_proposals(small_vocab_dir, tmp_path):
     for temperature in (0.0, 0.9):
         assert _proposals(tmp_path / "a", small_vocab_dir, temperature=temperature) == \
             _proposals(tmp_path / "b", small_vocab_dir, temperature=temperature)
+
+
+def test_root_token_heads_round_trip_as_version_2(small_vocab_dir, tmp_path):
+    heads = _random_heads(6, root_token=True)
+    config = save_heads(heads, tmp_path / "a", small_vocab_dir)
+    assert config["version"] == 2 and config["root_token"] is True
+    assert json.loads((tmp_path / "a" / "medusa_config.json").read_text())["root_token"] is True
+    loaded = load_heads(tmp_path / "a", hidden_size=64, vocab_size=16, target_dir=small_vocab_dir).heads
+    assert loaded.root_token and torch.equal(loaded.root_weight, heads.root_weight)
+    assert save_heads(_random_heads(6), tmp_path / "b", small_vocab_dir)["version"] == 1  # plain heads stay version 1
+    bad = json.loads((tmp_path / "a" / "medusa_config.json").read_text())
+    (tmp_path / "a" / "medusa_config.json").write_text(json.dumps({**bad, "version": 1}))
+    with pytest.raises(ValueError, match="root_token"):
+        load_heads(tmp_path / "a", hidden_size=64, vocab_size=16)
+    (tmp_path / "a" / "medusa_config.json").write_text(json.dumps({**bad, "version": 3}))
+    with pytest.raises(ValueError, match="reads 1 and 2"):
+        load_heads(tmp_path / "a", hidden_size=64, vocab_size=16)
 
 
 def test_a_draft_vocabulary_round_trips_and_bad_maps_are_refused(small_vocab_dir, vocab_dir, tmp_path):

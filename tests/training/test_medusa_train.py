@@ -83,18 +83,54 @@ def test_training_writes_heads_that_serve_losslessly(target, trained):
         assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
 
 
-def test_resumed_run_matches_an_uninterrupted_one(target, data, tmp_path):
-    base = ["train", "medusa", "--target", str(target), "--data", str(data), *RUN, "--lm-head", "own"]
+@pytest.mark.parametrize("root_token", [False, True])
+def test_resumed_run_matches_an_uninterrupted_one(target, data, tmp_path, root_token):
+    base = ["train", "medusa", "--target", str(target), "--data", str(data), *RUN, "--lm-head", "own",
+            *(["--root-token"] if root_token else [])]
     assert main([*base, "--out", str(tmp_path / "a")]) == 0
     assert main([*base, "--out", str(tmp_path / "b"), "--stop-at-step", "15"]) == 0
     assert main(["train", "medusa", "--target", str(target), "--out", str(tmp_path / "b"), "--resume"]) == 0
     a = load_file(str(tmp_path / "a" / "medusa_heads.safetensors"))
     b = load_file(str(tmp_path / "b" / "medusa_heads.safetensors"))
-    assert sorted(a) == ["bias", "lm_heads", "weight"]
+    assert sorted(a) == sorted(["bias", "lm_heads", "weight"] + (["root_weight"] if root_token else []))
     for key in a:
         assert torch.equal(a[key], b[key]), key
     heads = load_heads(tmp_path / "a", hidden_size=64, vocab_size=300, target_dir=target).heads
-    assert heads.lm_heads is not None and heads.num_heads == 3
+    assert heads.lm_heads is not None and heads.num_heads == 3 and heads.root_token == root_token
+    if root_token:
+        assert heads.root_weight.abs().max() > 0  # the root's embedding was trained in
+        prompts = ["def wrap(text, width=70):", "import re\n"]
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        plain = LLM(target, device="cpu").generate(prompts, params)
+        spec = LLM(target, drafter=f"medusa:{tmp_path / 'a'}", device="cpu", speculation="static").generate(prompts, params)
+        assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+
+
+def test_each_head_reads_the_root_that_follows_its_feature(target, data):
+    """The loss's alignment, against the definition: head k at the feature of t reads the embedding of the
+    token at t + 1 and is scored on the label row t + k + 1 (the distribution of the token at t + k + 2)."""
+    from specserve.drafters.medusa_heads import MedusaHeads
+    from specserve.training.distill import load_distill
+    from specserve.training.medusa import _batch, _Features, _head_terms, _Trainable
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    train_set = load_distill(data, "train")[0]
+    heads = MedusaHeads(64, 300, 2, 1, "own", root_token=True)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in heads.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+    module = _Trainable(heads, hf.lm_head.weight[:0], hf.model.embed_tokens.weight.detach())
+    batch = _batch(train_set, _Features(hf.model, train_set, torch.device("cpu")), torch.tensor([0, 1]), torch.device("cpu"))
+    tokens, feats = batch["tokens"], batch["features"]
+    for k in range(2):
+        logq, _, mask = _head_terms(module, batch, k)
+        for b, t in ((0, 0), (1, 3), (0, int(mask[0].nonzero().max()))):
+            e = hf.model.embed_tokens.weight[tokens[b, t + 1]]
+            x = feats[b, t] + heads.root_weight[k] @ e
+            x = x + torch.nn.functional.silu(heads.weight[k, 0] @ x + heads.bias[k, 0])
+            assert torch.allclose(logq[b, t], torch.log_softmax(heads.lm_heads[k] @ x, -1), atol=1e-5)
 
 
 def test_bad_input_is_one_line_and_exit_2(target, data, trained, tmp_path, capsys):
