@@ -100,6 +100,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
               max_model_len=args.max_model_len, speculation=args.speculation, grammar_drafting=args.grammar_drafting,
               attention=args.attention, cuda_graphs=args.cuda_graphs, tensor_parallel_size=args.tensor_parallel,
               enable_prefix_caching=args.prefix_caching, quantization=args.quantization)
+    from specserve import progress
+
+    progress.begin("warming up (a greedy and a sampled request)")
+    llm.warm_up()  # the first clients would otherwise wait for kernels compiling on first use
+    progress.end()
     server = SpecServer(llm, config)
     try:
         return asyncio.run(_serve(server))

@@ -241,6 +241,30 @@ class LLM:
 
         return self._tp.describe(describe_rank(self.model, self.engine.cache))
 
+    def warm_up(self) -> float:
+        """Run one short greedy and one short sampled request through the engine (the drafter drafting, top-k /
+        top-p / min-p filtering and logprobs in the sampled one), so a server's first clients do not wait while
+        the kernels their requests first reach compile: numba compiles each kernel on its first call in a fresh
+        install (seconds; a first sampled chat request took 8.8 s instead of ~1, BENCHMARKS.md) and loads it
+        from its disk cache after. Nothing it does is kept: the prompt is shorter than a cache block (the prefix
+        cache keeps none of it), and the budget policy is put back as it was — a step that compiled is no
+        cost sample. Returns the seconds it took."""
+        import copy
+        import time
+
+        t0 = time.perf_counter()
+        speculator = self.engine.speculator
+        policy = copy.deepcopy(speculator.policy)
+        prompt = list(range(1, min(8, self.engine.config.block_size)))  # < one block: never offered to the cache
+        runs = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                SamplingParams(max_tokens=8, temperature=1.0, top_k=40, top_p=0.95, min_p=0.01, seed=0, logprobs=1,
+                               ignore_eos=True)]
+        try:
+            self.generate([prompt] * len(runs), runs)
+        finally:
+            speculator.policy = policy
+        return time.perf_counter() - t0
+
     def close(self) -> None:
         """End the other tensor-parallel ranks (nothing to do on one device). The LLM is unusable after."""
         if self._tp is not None:
