@@ -264,7 +264,7 @@ def test_captured_medusa_labels_and_loss_follow_their_definition(feature_dir):
     with torch.no_grad():
         for p in heads.parameters():
             p.normal_(0, 0.2)
-    module = _Trainable(heads, torch.zeros(0, 64))
+    module = _Trainable(heads, torch.zeros(0, 64), torch.zeros(0, 64))  # neither the LM head nor embeddings used
     reference = copy.deepcopy(heads).double()
     column = {int(t): j for j, t in enumerate(draft_ids)}
     for k in range(2):
