@@ -62,6 +62,10 @@ class MedusaDrafter(Drafter):
       depth:      heads used = deepest tree level, in [1, num_heads] (default all heads).
       max_budget: most nodes per tree, >= 1 (default 8, or the whole tree when smaller).
       seed:       seeds the per-request samplers (temperature > 0), with the request's seed or id.
+      storage:    how the CPU kernels store the heads' weights (`specserve.kernels.STORAGES`: "int8", "q4_1",
+                  "int4", "float16", ...; default int8 beside a quantized target, else the target's storage).
+                  The heads' bytes are their time: each drafting step streams them cold after the target's
+                  forward (BENCHMARKS.md, "Medusa heads that read the root token").
     """
 
     needs_hidden_states = True
@@ -78,6 +82,7 @@ class MedusaDrafter(Drafter):
         depth: int | None = None,
         max_budget: int | None = None,
         seed: int = 0,
+        storage: str | None = None,
     ) -> None:
         if tree not in TREES:
             raise ValueError(f"medusa drafter option tree must be one of {list(TREES)}, got {tree!r}")
@@ -92,6 +97,11 @@ class MedusaDrafter(Drafter):
         if tree == "dynamic" and choices is not None:
             raise ValueError("medusa drafter option choices applies to tree='static'")
         self.seed = _check("seed", seed, 0, 2**63 - 1)
+        if storage is not None:
+            from specserve.kernels.linear import STORAGES
+
+            if storage not in STORAGES:
+                raise ValueError(f"medusa drafter option storage must be one of {list(STORAGES)}, got {storage!r}")
         model_type = getattr(getattr(target.model, "config", None), "model_type", None)
         loaded = load_heads(path, hidden_size=target.hidden_size, vocab_size=target.vocab_size, model_type=model_type,
                             target_dir=target.model_dir)
@@ -142,7 +152,7 @@ class MedusaDrafter(Drafter):
                 raise ValueError(f"medusa heads in {self.path!r} share the target's LM head, but the target model is "
                                  "not available")
             self.lm_weight = target.model.lm_head.detach()
-        self.kernels = _HeadKernels.build(self.heads, target, self.depth)
+        self.kernels = _HeadKernels.build(self.heads, target, self.depth, storage)
         self.feature_layer = target.num_layers
         self.hidden_layers = (target.num_layers,)
         self._features: dict[str, tuple[torch.Tensor, int]] = {}  # request -> (feature [H], its position)
@@ -369,17 +379,20 @@ class _HeadKernels:
     for every head's row together when the heads share the target's (the target's packed weights)."""
 
     @classmethod
-    def build(cls, heads, target, depth: int) -> "_HeadKernels | None":
+    def build(cls, heads, target, depth: int, storage: str | None = None) -> "_HeadKernels | None":
+        """None off the CPU kernels (the heads then run as torch modules; a storage asked for is refused)."""
         kernels = getattr(target.model, "kernels", None) if target.model is not None else None
         if kernels is None:
+            if storage is not None:
+                raise ValueError("medusa drafter option storage applies to the CPU kernels, which this target does not run on")
             return None
-        return cls(heads, kernels, depth)
+        return cls(heads, kernels, depth, storage)
 
-    def __init__(self, heads, target_kernels, depth: int) -> None:
+    def __init__(self, heads, target_kernels, depth: int, storage: str | None = None) -> None:
         from specserve.kernels import PackedLinear, drafter_storage
 
         # A quantized target's heads run 8-bit too (3 heads over 4,096 tokens: 31 MB as float32, 8 as int8).
-        storage = drafter_storage(target_kernels) or target_kernels.storage
+        storage = storage or drafter_storage(target_kernels) or target_kernels.storage
         self.blocks = [[PackedLinear(heads.weight[k, layer], heads.bias[k, layer], storage)
                         for layer in range(heads.num_layers)] for k in range(depth)]
         self.roots = ([PackedLinear(heads.root_weight[k], None, storage) for k in range(depth)]

@@ -378,6 +378,17 @@ def test_root_token_heads_read_each_requests_own_root(small_vocab_dir, tmp_path)
     assert not torch.allclose(firsts[0], firsts[1])  # the root changed what head 0 scores
 
 
+@pytest.mark.parametrize("storage", ["int8", "q4_1", "int4"])
+def test_heads_stored_in_any_kernel_storage_stay_lossless(small_vocab_dir, reference, root_dir, storage):
+    """The heads' products in the storage asked for (the target's stay float32): greedy output equals plain."""
+    llm = LLM(small_vocab_dir, drafter=f"medusa:{root_dir}", drafter_options={"storage": storage}, device="cpu",
+              speculation="static")
+    kernels = llm.engine.drafter.kernels
+    assert {q.storage for q in kernels.lm_heads + kernels.roots + [b for bs in kernels.blocks for b in bs]} == {storage}
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+
+
 def test_sampled_tree_probs_are_what_each_node_was_drawn_from(small_vocab_dir, random_dir):
     drafter = create_drafter(f"medusa:{random_dir}", target_info(small_vocab_dir), {"max_budget": 17})
     req = _requests([PROMPT], temperature=0.7)[0]
@@ -618,6 +629,8 @@ def test_wrong_targets_and_broken_files_are_clear_errors(small_vocab_dir, llama_
     ({"choices": [[16]]}, "vocabulary has 16"),
     ({"choices": [[0, 1]]}, "needs its prefix"),
     ({"branching": 2}, "unknown option"),
+    ({"storage": "int3"}, "storage must be one of"),
+    ({"storage": "int8"}, "applies to the CPU kernels"),  # this target_info has no model, so no kernels
 ])
 def test_bad_options(small_vocab_dir, random_dir, options, message):
     with pytest.raises(ValueError, match=message):
