@@ -255,10 +255,13 @@ class LLM:
         t0 = time.perf_counter()
         speculator = self.engine.speculator
         policy = copy.deepcopy(speculator.policy)
-        prompt = list(range(1, min(8, self.engine.config.block_size)))  # < one block: never offered to the cache
-        runs = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
-                SamplingParams(max_tokens=8, temperature=1.0, top_k=40, top_p=0.95, min_p=0.01, seed=0, logprobs=1,
-                               ignore_eos=True)]
+        # Prompt and answer together stay under one block, so no block fills and none is offered to the cache.
+        block = self.engine.config.block_size
+        prompt = list(range(1, 1 + max(1, min(4, (block - 1) // 2))))
+        new_tokens = max(1, min(8, block - 1 - len(prompt)))
+        runs = [SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True),
+                SamplingParams(max_tokens=new_tokens, temperature=1.0, top_k=40, top_p=0.95, min_p=0.01, seed=0,
+                               logprobs=1, ignore_eos=True)]
         try:
             self.generate([prompt] * len(runs), runs)
         finally:

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import pickle
 
+import pytest
+
 from specserve import LLM, SamplingParams
 
 
-def test_warm_up_leaves_no_trace(small_vocab_dir):
-    llm = LLM(small_vocab_dir, drafter="ngram", device="cpu")  # adaptive speculation: a policy that learns
+@pytest.mark.parametrize("block_size", [16, 8])
+def test_warm_up_leaves_no_trace(small_vocab_dir, block_size):
+    # adaptive speculation: a policy that learns
+    llm = LLM(small_vocab_dir, drafter="ngram", device="cpu", block_size=block_size)
     engine = llm.engine
     before = pickle.dumps(engine.speculator.policy)
     assert llm.warm_up() > 0
