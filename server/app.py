@@ -476,7 +476,10 @@ class BackgroundServer:
 
     def start(self) -> BackgroundServer:
         self._thread.start()
-        asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(timeout=60)
+        from specserve.server.replicas import READY_TIMEOUT_S
+
+        # Starting waits for child replicas to build and warm up (kernels compiling in a fresh install).
+        asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(timeout=READY_TIMEOUT_S + 60)
         return self
 
     def stop(self) -> None:

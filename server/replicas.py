@@ -7,7 +7,8 @@ there, whose updates travel back over a pipe (`_ChildLoop`). In the server proce
 stands in for each child with `EngineWorker`'s interface, and `ReplicaPool` — also with that interface,
 so the rest of the server does not know how many engines there are — routes:
 
-- a new request goes to the live replica with the fewest requests in flight, except that a websocket
+- a new request goes to the live replica with the fewest requests in flight (ties: the one that has
+  served fewest, so requests that each finish before the next arrives still spread), except that a websocket
   session sticks to the replica of its first request while that replica lives (its next turns find
   what the engine learnt from the earlier ones — the suffix drafter's index — warm). HTTP clients are
   not pinned: many of them share one peer address (a proxy, a benchmark), which would pin them all;
@@ -63,7 +64,7 @@ class _ChildLoop:
 
 
 def _replica_main(conn, llm_args: dict, index: int) -> None:
-    """A child replica: build the LLM, run an EngineWorker, apply the parent's commands until "stop"."""
+    """A child replica: build the LLM, warm it up, run an EngineWorker, apply the parent's commands until "stop"."""
     import torch
 
     from specserve.llm import LLM
@@ -74,6 +75,9 @@ def _replica_main(conn, llm_args: dict, index: int) -> None:
         llm_args = {**llm_args, "device": f"cuda:{index % torch.cuda.device_count()}"}
     try:
         llm = LLM(**llm_args)
+        # As `specserve serve` does for replica 0 before it listens: "ready" means ready to answer, not ready
+        # to spend its first requests compiling kernels (a fresh install: a minute on two cores).
+        llm.warm_up()
     except BaseException as exc:
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
@@ -318,7 +322,9 @@ class ReplicaPool:
         prefix = hash(tuple(prompt_ids[:PREFIX_AFFINITY_TOKENS])) if len(prompt_ids) >= PREFIX_AFFINITY_TOKENS else None
         home = self._prefix_home.get(prefix) if prefix is not None else None
         in_flight = Counter(self._owner.values())  # one walk over the requests in flight, not one per replica
-        least = min(live, key=in_flight.__getitem__)  # ties: the lowest index
+        # Ties on load go to the replica that has served fewest: short requests that each finish before the next
+        # arrives leave every replica idle, and "the lowest index" would send them all to replica 0.
+        least = min(live, key=lambda r: (in_flight[r], self.served[self.replicas.index(r)]))
         if sticky is not None and sticky.alive:
             choice = sticky
         elif home is not None and home.alive and in_flight[home] <= in_flight[least] + PREFIX_AFFINITY_SLACK:

@@ -50,6 +50,16 @@ def test_requests_go_to_the_least_loaded_replica_and_sessions_stay_put():
     assert "s3" not in home.submitted and any("s3" in r.submitted for r in pool.replicas if r.alive)
 
 
+def test_requests_that_finish_before_the_next_arrives_still_spread():
+    """Nothing in flight at each arrival (short requests, one after another): ties go to the replica that has
+    served fewest, not always to replica 0."""
+    pool = _pool(3)
+    for i in range(6):
+        pool.submit(f"r{i}", [1], None, False, 0.0, lambda u: None, None, f"conn:10.0.0.{i}:5000")
+        pool._owner.clear()  # r{i} finished before the next request arrived
+    assert [r.submitted for r in pool.replicas] == [["r0", "r3"], ["r1", "r4"], ["r2", "r5"]]
+
+
 def test_a_prompt_goes_where_its_prefix_went_load_permitting():
     """Prefix caching: prompts that start alike (a system prompt) follow the first one's replica, whose cache
     holds their blocks — until that replica is PREFIX_AFFINITY_SLACK requests busier than the least loaded."""
