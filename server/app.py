@@ -475,6 +475,9 @@ class BackgroundServer:
         return f"ws://127.0.0.1:{self.port}{WS_PATH}"
 
     def start(self) -> BackgroundServer:
+        # As `specserve serve` does before it listens: the first requests would otherwise wait for kernels
+        # compiling on first use (a fresh install: up to a minute each on two cores).
+        self.server.llm.warm_up()
         self._thread.start()
         from specserve.server.replicas import READY_TIMEOUT_S
 
