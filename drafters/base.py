@@ -101,9 +101,10 @@ class Drafter(ABC):
                            only for such drafters.
       wants_row_argmax:    `on_commit` also gets the verified tree and the target's argmax at each of its
                            rows (lookahead: the rows of its Jacobi window are the next guesses).
-      drafts_by_level:     each tree level costs one drafter forward (draft model, EAGLE), so the
-                           adaptive policy chooses a depth; others draft their whole tree at once
-                           (n-gram, suffix, Medusa's heads) and are always asked for all of it.
+      drafts_by_level:     each tree level costs the drafter work of its own (a forward of a draft model
+                           or EAGLE head, one Medusa head's products), so the adaptive policy chooses a
+                           depth; others draft their whole tree for about the cost of one level (n-gram,
+                           suffix) and are always asked for all of it.
     `max_budget` is the most nodes one tree may have; the engine's budgets never exceed it; `depth` the
     most levels its trees have; `part_names` the parts a request may choose among (a hybrid's).
     """

@@ -70,6 +70,10 @@ class MedusaDrafter(Drafter):
 
     needs_hidden_states = True
     gives_probs = True
+    # Each tree level is one head's products (its block, root product and LM head: a third of the heads'
+    # bytes each), so a shallower tree drafts for less: the adaptive policy chooses the depth. At T = 1 on
+    # the default model the third level was seldom accepted yet cost as much as the first.
+    drafts_by_level = True
 
     def __init__(
         self,
@@ -156,6 +160,7 @@ class MedusaDrafter(Drafter):
         self.feature_layer = target.num_layers
         self.hidden_layers = (target.num_layers,)
         self._features: dict[str, tuple[torch.Tensor, int]] = {}  # request -> (feature [H], its position)
+        self._static_by_depth: dict[int, StaticTree] = {}  # the static tree limited to fewer levels
         self._generators: dict[str, torch.Generator] = {}
 
     # ---- the protocol ---------------------------------------------------------------------------
@@ -165,9 +170,9 @@ class MedusaDrafter(Drafter):
         self._generators.pop(request_id, None)
 
     def propose(self, requests: list[DraftRequest], budgets: list[int], depth: int | None = None) -> list[DraftTree]:
-        """The heads the trees can reach run in one pass: a static tree cut to the largest budget reaches only its
-        first levels (a 1-node tree reads head 0 alone, a third of three heads' bytes); `depth` is left to the
-        policy's cut."""
+        """Trees of at most `depth` levels (None: every head's), each cut to its budget. The heads the trees can
+        reach run in one pass: a static tree cut to the largest budget reaches only its first levels (a 1-node
+        tree reads head 0 alone, a third of three heads' bytes)."""
         if len(budgets) != len(requests):
             raise ValueError(f"propose got {len(requests)} requests but {len(budgets)} budgets")
         trees = [DraftTree.empty() for _ in requests]
@@ -184,7 +189,9 @@ class MedusaDrafter(Drafter):
                 work.append((i, req, min(budget, self.max_budget)))
         if not work:
             return trees
-        reach = self.depth if self.static is None else int(self.static.depths[: max(c for _, _, c in work)].max())
+        levels = self.depth if depth is None else max(1, min(int(depth), self.depth))
+        static = self._static_tree(levels)
+        reach = levels if static is None else int(static.depths[: max(c for _, _, c in work)].max())
         with torch.inference_mode():
             feats = torch.stack([self._features[req.request_id][0] for _, req, _ in work])  # [A, H]
             roots = None
@@ -198,7 +205,10 @@ class MedusaDrafter(Drafter):
         logits = np.asarray(logits) if isinstance(logits, np.ndarray) else logits.cpu().numpy()
         temps = np.array([req.temperature for _, req, _ in work], dtype=np.float32)
         reqs, caps = [req for _, req, _ in work], [cap for _, _, cap in work]
-        made = (self._dynamic_trees if self.static is None else self._static_trees)(logits, reqs, temps, caps)
+        if static is None:
+            made = self._dynamic_trees(logits, reqs, temps, caps, levels)
+        else:
+            made = self._static_trees(logits, reqs, temps, caps, static)
         for (i, _, _), tree in zip(work, made):
             trees[i] = tree
         return trees
@@ -225,20 +235,30 @@ class MedusaDrafter(Drafter):
                 out[a] = torch.rand(size, generator=self._generator(req), dtype=torch.float64).numpy()
         return out
 
+    def _static_tree(self, levels: int) -> StaticTree | None:
+        """The static tree without nodes below `levels` (None for dynamic trees); built once per depth."""
+        if self.static is None or levels >= self.static.max_depth:
+            return self.static
+        tree = self._static_by_depth.get(levels)
+        if tree is None:
+            tree = self._static_by_depth[levels] = self.static.limited_to(levels)
+        return tree
+
     def _dynamic_trees(self, logits: np.ndarray, reqs: list[DraftRequest], temps: np.ndarray,
-                       caps: list[int]) -> list[DraftTree]:
-        """logits: float32[A, D, V]. The shared builder grows every request's tree from its heads' logits:
-        all nodes of depth d read head d-1 (they share the target feature), so a level's rows repeat it."""
+                       caps: list[int], levels: int) -> list[DraftTree]:
+        """logits: float32[A, D >= levels, V]. The shared builder grows every request's tree from its heads'
+        logits, `levels` deep: all nodes of depth d read head d-1 (they share the target feature), so a level's
+        rows repeat it."""
         width = max(caps)
-        size = self.topk + (self.depth - 1) * width * self.topk
-        builder = TreeBuilder(self.topk, self.depth, width, temps, self._uniforms(reqs, temps, size), logits.shape[-1])
+        size = self.topk + (levels - 1) * width * self.topk
+        builder = TreeBuilder(self.topk, levels, width, temps, self._uniforms(reqs, temps, size), logits.shape[-1])
         grammars = [req.mask for req in reqs]
         constrained = any(g is not None for g in grammars)
         level = logits[:, 0][:, None].copy()
         if constrained:
             mask_level(level, grammars, builder, None, None, self._target_ids, self._draft_allowed)
         front = builder.add_level(level)
-        for d in range(1, self.depth):
+        for d in range(1, levels):
             level = np.repeat(logits[:, d][:, None], width, axis=1)
             if constrained:
                 mask_level(level, grammars, builder, front, None, self._target_ids, self._draft_allowed)
@@ -254,10 +274,9 @@ class MedusaDrafter(Drafter):
         return allowed_columns(self.id_map, allowed, self.columns)
 
     def _static_trees(self, logits: np.ndarray, reqs: list[DraftRequest], temps: np.ndarray,
-                      caps: list[int]) -> list[DraftTree]:
-        """The static tree's prefix of each cap: greedy nodes take their depth's head's rank-j token;
+                      caps: list[int], s: StaticTree) -> list[DraftTree]:
+        """The static tree `s`'s prefix of each cap: greedy nodes take their depth's head's rank-j token;
         sampled nodes are their parent's j-th draw without replacement from that head's compact q."""
-        s = self.static
         out = []
         uniforms = self._uniforms(reqs, temps, s.num_nodes)
         for a, cap in enumerate(caps):

@@ -335,6 +335,31 @@ def test_budgets_cut_trees_to_a_prefix(small_vocab_dir, random_dir):
         assert t.tokens.tolist() == trees[3].tokens[: t.num_nodes].tolist()
 
 
+@pytest.mark.parametrize("tree", ["static", "dynamic"])
+def test_a_depth_asked_for_limits_the_trees_and_the_heads_run(small_vocab_dir, random_dir, tree):
+    """`propose(..., depth=d)` (the adaptive policy's chosen depth) drafts only levels 1..d and runs only the
+    first d heads; greedy trees keep their nodes' tokens: the full tree's nodes of depth <= d, in its order."""
+    options = {"max_budget": 1000, **({"tree": "dynamic", "topk": 2} if tree == "dynamic" else {})}
+    drafter = create_drafter(f"medusa:{random_dir}", target_info(small_vocab_dir), options)
+    heads_run = []  # how many heads each propose ran (through the CPU kernels or the torch module)
+    if drafter.kernels is not None:
+        kernels = drafter.kernels
+        drafter.kernels = lambda feats, reach, roots: heads_run.append(reach) or kernels(feats, reach, roots)
+    else:
+        module = drafter.heads
+        drafter.heads = lambda *args, heads, **kw: heads_run.append(heads) or module(*args, heads=heads, **kw)
+    req = _requests([PROMPT])[0]
+    (full,) = drafter.propose([req], [1000])
+    for depth in (1, 2):
+        (limited,) = drafter.propose([req], [1000], depth=depth)
+        assert int(limited.depths.max()) == depth and heads_run[-1] == depth
+        keep = np.flatnonzero(full.depths.numpy() <= depth)
+        assert limited.num_nodes == len(keep)
+        assert limited.tokens.tolist() == full.tokens[keep].tolist()
+    (capped,) = drafter.propose([req], [1], depth=2)  # one node: head 0 alone
+    assert capped.num_nodes == 1 and heads_run[-1] == (1 if tree == "static" else 2)
+
+
 def test_greedy_trees_take_each_heads_top_ranks(small_vocab_dir, random_dir):
     drafter = create_drafter(f"medusa:{random_dir}", target_info(small_vocab_dir), {"tree": "dynamic", "topk": 3})
     req = _requests([PROMPT])[0]
