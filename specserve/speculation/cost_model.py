@@ -76,30 +76,46 @@ class VerifyCost:
                 y[j] = y[j - 1]
 
 
+# Calibration timings are taken in interleaved rounds (every row count in turn, then again), never one row count's
+# repeats back to back: on a shared host a few milliseconds of contention then hit one round, not every timing of
+# one knot. Measured on the default model (2026-12-03): a start-up calibration that timed each knot's repeats in a
+# row read 2 rows as 1.20x one row (interleaved timings: 1.01x) and a tree's overhead as 6.6 ms (0.2-0.7 ms),
+# which kept an adaptive engine from drafting for its whole life — both are only ever corrected by drafting steps.
+CALIBRATION_ROUNDS = 5  # up to 16 rows, where the differences that decide small trees are a few hundred µs
+CALIBRATION_ROUNDS_LARGE = 2  # above: the forward is long, and compute-bound
+
+
 def calibrate_verify_cost(time_forward: Callable[[int], float], max_rows: int) -> VerifyCost:
-    """Time the target forward at rows 1, 2, 4, ... up to max_rows (best of 3 up to 16 rows, where the
-    differences that decide small trees are a few hundred microseconds, best of 2 above; after two
-    warm-up forwards): the starting point the online corrections refine."""
+    """Time the target forward at rows 1, 2, 4, ... up to max_rows (after two warm-up forwards): the fastest of
+    interleaved rounds per row count, the starting point the online corrections refine."""
     max_rows = max(1, max_rows)
     knots = sorted({min(1 << i, max_rows) for i in range(int(math.log2(max_rows)) + 2)})
     time_forward(1)
     time_forward(2)
-    return VerifyCost(knots, [min(time_forward(k) for _ in range(3 if k <= 16 else 2)) for k in knots])
+    best = {k: math.inf for k in knots}
+    for round_index in range(CALIBRATION_ROUNDS):
+        for k in knots:
+            if k <= 16 or round_index < CALIBRATION_ROUNDS_LARGE:
+                best[k] = min(best[k], time_forward(k))
+    return VerifyCost(knots, [best[k] for k in knots])
 
 
 def calibrate_tree_cost(time_forward: Callable[[int], float], time_tree: Callable[[int], float], nodes: int) -> float:
     """What verifying one tree costs beyond its rows: a chain of `nodes` draft tokens verified (tree
-    mask, tree acceptance) against a plain forward of as many rows (best of 3 each, after a warm-up
-    of the tree path). Measured at start because learning it only online never started: a request
-    that decodes plainly verifies trees only in its rare probes, which run the tree path cold
-    (1.3-3.5 ms per tree measured, against 0.6-0.8 ms in steady drafting), and a cost learned from
-    them kept speculation off where it paid 2.8x (suffix drafting on repetitive text)."""
+    mask, tree acceptance) against a plain forward of as many rows — the median of interleaved pairs' differences
+    (after a warm-up of the tree path), so a moment of contention in either timing moves nothing. Measured at
+    start because learning it only online never started: a request that decodes plainly verifies trees only in
+    its rare probes, which run the tree path cold (1.3-3.5 ms per tree measured, against 0.6-0.8 ms in steady
+    drafting), and a cost learned from them kept speculation off where it paid 2.8x (suffix drafting on
+    repetitive text)."""
     nodes = max(1, nodes)
     time_tree(nodes)
     time_tree(nodes)
-    tree = min(time_tree(nodes) for _ in range(3))
-    rows = min(time_forward(nodes + 1) for _ in range(3))
-    return max(tree - rows, 0.0)
+    differences = []
+    for _ in range(CALIBRATION_ROUNDS):
+        tree = time_tree(nodes)
+        differences.append(tree - time_forward(nodes + 1))
+    return max(float(np.median(differences)), 0.0)
 
 
 class DraftCost:
