@@ -236,7 +236,7 @@ class MedusaDrafter(Drafter):
         return out
 
     def _static_tree(self, levels: int) -> StaticTree | None:
-        """The static tree without nodes below `levels` (None for dynamic trees); built once per depth."""
+        """The static tree without its nodes deeper than `levels` (None for dynamic trees); built once per depth."""
         if self.static is None or levels >= self.static.max_depth:
             return self.static
         tree = self._static_by_depth.get(levels)
