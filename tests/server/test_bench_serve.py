@@ -23,7 +23,9 @@ def test_bench_serve_smoke(llama_dir, tmp_path, capsys):
         assert level["ttft_ms"]["p50"] > 0 and level["aggregate_tokens_per_s"] > 0
         assert level["itl_ms"]["n"] > 0  # the HTTP chunks' token counts are known (continuous usage)
     assert [p["concurrency"] for p in figures["pacing"]] == [1, 2]
-    assert figures["pacing"][0]["gap_cv_off"]["n"] == 2 and figures["pacing"][0]["step_ms"]["p50"] > 0
+    # A request whose tokens came in fewer than three messages has no gap CV: on a loaded host the server
+    # coalesces deltas (a test worker beside it once left one of the two with two messages).
+    assert 1 <= figures["pacing"][0]["gap_cv_off"]["n"] <= 2 and figures["pacing"][0]["step_ms"]["p50"] > 0
 
 
 def test_bench_serve_bad_input_is_one_line(capsys):
