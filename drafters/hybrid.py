@@ -103,7 +103,10 @@ class HybridDrafter(Drafter):
         self.needs_hidden_states = any(p.needs_hidden_states for p in parts)
         self.hidden_layers = tuple(sorted({layer for p in parts if p.needs_hidden_states for layer in p.hidden_layers}))
         self.gives_probs = any(p.gives_probs for p in parts)
-        costly = [p.catches_up or p.drafts_by_level for p in parts]
+        # Costly: parts with a model of their own that catch up on the context and run a forward per level (EAGLE,
+        # a draft model). Medusa's heads also draft by level, but a level is one small product: a cheap part, as
+        # it was before it drafted by level (as a fallback only, the suffix+medusa hybrid fell from 1.19x to 1.11x).
+        costly = [p.catches_up for p in parts]
         # With a cheap part, the hybrid itself decides when its costly parts run (fallback_below) and they
         # draft at their own depth: to the budget policy it is a whole-tree drafter whose measured cost
         # averages the steps that ran them and those that did not. Costly parts alone: theirs.
@@ -119,7 +122,7 @@ class HybridDrafter(Drafter):
         if isinstance(fallback_below, bool) or not isinstance(fallback_below, (int, float)) or not fallback_below >= 0:
             raise ValueError(f"hybrid drafter option fallback_below must be a number >= 0, got {fallback_below!r}")
         self.fallback_below = float(fallback_below)
-        self._costly = [p.catches_up or p.drafts_by_level for p in parts]
+        self._costly = costly
         self._guessed = np.zeros(len(parts))
         self._accepted = np.zeros(len(parts))
         self._last: dict[str, _Proposal] = {}
