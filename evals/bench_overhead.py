@@ -11,6 +11,11 @@ the step (ARCHITECTURE.md): schedule (Scheduler), draft (Speculator.propose, the
 work included), batch (ModelRunner.run: the StepBatch; its forward is a null one), accept
 (Verifier.accept), commit (KV move, Speculator.commit, prefix cache), emit (detokenise, stop checks),
 observe (the policy's record). Medians over --repeats replays.
+
+`--cold` replays as the CPU runs: before each replayed target forward a `CacheFlusher` streams the target's weight
+bytes through the caches (untimed), as the real forward's weights do. Host work then meets cold caches, as it does
+between real forwards: on the default model a greedy verify's acceptance took 64-82 µs warm and 350-630 µs after an
+80 MB stream (BENCHMARKS.md, "Where a drafting step's time goes").
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import dataclasses
 import statistics
 import time
 from collections import defaultdict
+
+import numpy as np
 
 from specserve.evals.common import forget_shared, machine, parse_batch_sizes, set_threads, write_json
 
@@ -33,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=48, help="tokens per request")
     p.add_argument("--repeats", type=int, default=3, help="replays per cell (the median is reported)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--cold", action="store_true",
+                   help="before each replayed target forward, stream the target's weight bytes through the caches "
+                        "(untimed), as the real forward does: host work as it runs between real forwards on the CPU")
     p.add_argument("--json", default=None, metavar="FILE")
 
 
@@ -41,10 +51,12 @@ class NullForwards:
 
     While recording, each call runs the real forward and keeps a detached copy of its output (kernels
     may reuse output buffers); while replaying, each call returns the next recorded output without
-    computing anything — so a replayed run costs only the host work around the forwards."""
+    computing anything — so a replayed run costs only the host work around the forwards. flush: called before
+    each replayed output of the first target (the target model's forward), e.g. a `CacheFlusher`."""
 
-    def __init__(self, targets: list[tuple[object, str]]) -> None:
+    def __init__(self, targets: list[tuple[object, str]], flush=None) -> None:
         self.targets = targets
+        self.flush = flush
         self.recorded: dict[int, list] = defaultdict(list)
         self.replaying = False
         self._next: dict[int, int] = {}
@@ -54,6 +66,8 @@ class NullForwards:
     def _wrap(self, k: int, real):
         def forward(*args, **kwargs):
             if self.replaying:
+                if k == 0 and self.flush is not None:
+                    self.flush()
                 i = self._next[k]
                 self._next[k] = i + 1
                 return self.recorded[k][i]
@@ -69,6 +83,23 @@ class NullForwards:
 
     def all_replayed(self) -> bool:
         return all(self._next[k] == len(self.recorded[k]) for k in range(len(self.targets)))
+
+
+class CacheFlusher:
+    """Streams `nbytes` through the caches on each call, as a forward's weight stream does, and keeps the seconds it
+    took (`seconds`, `calls`) so that a timed replay can leave them out."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = int(nbytes)
+        self.buffer = np.ones(max(self.nbytes // 4, 1), dtype=np.float32)
+        self.seconds = 0.0
+        self.calls = 0
+
+    def __call__(self) -> None:
+        t0 = time.perf_counter()
+        self.buffer.sum()  # reads every cache line of the buffer once
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
 
 
 def _detached(out):
@@ -161,8 +192,10 @@ def forward_targets(llm) -> list[tuple[object, str]]:
     return targets
 
 
-def measure(drafter: str | None, batch: int, max_tokens: int, repeats: int, prompts: list[str]) -> tuple[dict, object]:
-    """One cell: the real run, a checked replay, then `repeats` timed null-forward replays. Returns the
+def measure(drafter: str | None, batch: int, max_tokens: int, repeats: int, prompts: list[str],
+            cold: bool = False) -> tuple[dict, object]:
+    """One cell: the real run, a checked replay, then `repeats` timed null-forward replays (cold: each replayed
+    target forward streams the target's weight bytes through the caches first, its time left out). Returns the
     figures and the LLM."""
     from specserve import LLM, SamplingParams
 
@@ -171,7 +204,8 @@ def measure(drafter: str | None, batch: int, max_tokens: int, repeats: int, prom
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
     llm.generate(batch_prompts[:1], params)  # warm-up: kernels compiled, first-call costs paid
-    nulls = NullForwards(forward_targets(llm))
+    flusher = CacheFlusher(llm.model.bytes_read_per_token()) if cold else None
+    nulls = NullForwards(forward_targets(llm), flush=flusher)
     trees = TreeLog(llm.engine.speculator)
     clock = PhaseClock(llm.engine)
 
@@ -192,9 +226,15 @@ def measure(drafter: str | None, batch: int, max_tokens: int, repeats: int, prom
     rounds = []
     for _ in range(repeats):
         clock.reset()
+        if flusher is not None:
+            flusher.seconds, flusher.calls = 0.0, 0
         nulls.replay()
         run()
-        rounds.append(dict(clock.seconds, steps=clock.steps))
+        seconds = dict(clock.seconds)
+        if flusher is not None:  # the stream ran inside the batch phase (the runner's null forward): not host work
+            seconds["batch"] -= flusher.seconds
+            seconds["step"] -= flusher.seconds
+        rounds.append(dict(seconds, steps=clock.steps))
     steps = rounds[0]["steps"]
     per_step_ms = {p: statistics.median(r.get(p, 0.0) for r in rounds) / steps * 1e3 for p in PHASES + ("step",)}
     per_step_ms["other"] = per_step_ms["step"] - sum(per_step_ms[p] for p in PHASES)
@@ -204,6 +244,8 @@ def measure(drafter: str | None, batch: int, max_tokens: int, repeats: int, prom
             "real_ms_per_step": round(real_s / real_steps * 1e3, 4),
             "host_share": round(per_step_ms["step"] / (real_s / real_steps * 1e3), 3),
             "tokens_per_step": round(tokens / steps / batch, 3),
+            "cold_bytes": flusher.nbytes if flusher is not None else 0,
+            "cold_streams": flusher.calls if flusher is not None else 0,  # in the last replay: one per step
             "goal_ms": GOALS_MS.get(batch)}, llm
 
 
@@ -221,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
           + f" {'other':>7} {'host ms':>8} {'real ms':>8} {'host %':>7} goal")
     for drafter in drafters:
         for batch in batches:
-            cell, llm = measure(drafter, batch, args.max_tokens, args.repeats, prompts)
+            cell, llm = measure(drafter, batch, args.max_tokens, args.repeats, prompts, cold=args.cold)
             cells.append(cell)
             ms = cell["host_ms_per_step"]
             goal = cell["goal_ms"]

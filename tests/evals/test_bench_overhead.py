@@ -40,3 +40,15 @@ def test_a_replay_that_departs_from_the_real_run_is_refused(monkeypatch):
     monkeypatch.setattr(NullForwards, "replay", perturbed_replay)
     with pytest.raises(RuntimeError, match="diverged"):
         measure(None, batch=1, max_tokens=8, repeats=1, prompts=PROMPTS)
+
+
+def test_a_cold_replay_streams_the_targets_weights_before_each_of_its_forwards_and_leaves_that_time_out():
+    cell, llm = measure("ngram", batch=1, max_tokens=10, repeats=2, prompts=PROMPTS, cold=True)
+    ms = cell["host_ms_per_step"]
+    assert cell["tokens"] == 10  # the checked replay still emitted what the real run did
+    assert cell["cold_bytes"] == llm.model.bytes_read_per_token() > 0
+    assert cell["cold_streams"] == cell["steps"]  # one stream per replayed target forward (one per step)
+    assert all(ms[p] >= 0 for p in PHASES)  # the streams' time came out of the batch phase, not below zero
+    assert ms["step"] == pytest.approx(sum(ms[p] for p in PHASES) + ms["other"], abs=1e-3)
+    warm, _ = measure("ngram", batch=1, max_tokens=10, repeats=2, prompts=PROMPTS)
+    assert warm["cold_bytes"] == warm["cold_streams"] == 0
