@@ -394,8 +394,9 @@ def _tree(tokens: np.ndarray, parents: np.ndarray, q_ids: np.ndarray | None, q_p
 
 
 class _HeadKernels:
-    """The heads' products on the CPU kernels: each head's residual blocks, then ONE pass over the LM head
-    for every head's row together when the heads share the target's (the target's packed weights)."""
+    """The heads' products on the CPU kernels, all in ONE compiled call (`kernels.medusa_heads`): each head's root
+    product and residual blocks, then its own LM head — or ONE pass over the target's LM head for every head's rows
+    together when the heads share it (the target's packed weights)."""
 
     @classmethod
     def build(cls, heads, target, depth: int, storage: str | None = None) -> "_HeadKernels | None":
@@ -420,21 +421,38 @@ class _HeadKernels:
                          if heads.lm_heads is not None else None)
         self.shared = target_kernels.lm_head
         self.depth = depth
+        self.hidden = heads.weight.shape[-1]
+        # The compiled call takes each kind of product stacked along a first axis; the PackedLinears keep views.
+        self._blocks = _stacked([b for bs in self.blocks for b in bs])
+        self._roots = _stacked(self.roots) if self.roots is not None else _no_products(self._blocks)
+        self._lm = _stacked(self.lm_heads) if self.lm_heads is not None else _stacked([self.shared], views=False)
+        self.vocab = (self.lm_heads[0] if self.lm_heads is not None else self.shared).out_features
 
     def __call__(self, feats: torch.Tensor, depth: int | None = None, roots: torch.Tensor | None = None) -> np.ndarray:
         """feats float[A, H] (and, for root-token heads, roots float[A, H]: the root tokens' embeddings) ->
         logits float32[A, depth, V'] of the first ``depth`` heads (default all built)."""
+        from specserve.kernels.medusa_heads import medusa_heads
+
         depth = self.depth if depth is None else depth
-        h = feats.float()
-        xs = []
-        for k, blocks in enumerate(self.blocks[:depth]):
-            x = h if self.roots is None else h + self.roots[k](roots.float())
-            for block in blocks:
-                y = block(x)
-                x = x + y * torch.sigmoid(y)  # x + SiLU(W x + b)
-            xs.append(x)
-        if self.lm_heads is not None:
-            logits = [lm(x) for lm, x in zip(self.lm_heads, xs)]
-            return torch.stack(logits, dim=1).numpy()
-        flat = self.shared(torch.cat(xs))  # [D * A, V]: the LM head streamed once for every head
-        return flat.view(depth, feats.shape[0], -1).transpose(0, 1).contiguous().numpy()
+        h = np.ascontiguousarray(feats.float().numpy())
+        r = (np.ascontiguousarray(roots.float().numpy()) if self.roots is not None
+             else np.zeros((0, self.hidden), dtype=np.float32))
+        out = np.empty((h.shape[0], depth, self.vocab), dtype=np.float32)
+        medusa_heads(h, r, *self._roots, *self._blocks, len(self.blocks[0]), *self._lm, self.lm_heads is None, out)
+        return out
+
+
+def _stacked(products: list, views: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(weights, scales, biases) of same-shaped `PackedLinear`s stacked along a new first axis. views: point each
+    product's arrays at its slice (one copy of the weights in memory)."""
+    stacked = tuple(np.ascontiguousarray(np.stack([getattr(p, name) for p in products]))
+                    for name in ("weight", "scales", "bias"))
+    if views:
+        for i, p in enumerate(products):
+            p.weight, p.scales, p.bias = (a[i] for a in stacked)
+    return stacked
+
+
+def _no_products(like: tuple[np.ndarray, np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Empty stacks with `like`'s dtypes and dimensions (heads without root products)."""
+    return tuple(np.zeros((0,) + (1,) * (a.ndim - 1), dtype=a.dtype) for a in like)

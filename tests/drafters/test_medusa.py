@@ -678,3 +678,38 @@ def test_seeded_sampling_reproduces_across_calls(small_vocab_dir, fitted_dir):
     first = llm.generate([[3, 1, 4, 1, 5]], params)[0]
     again = llm.generate([[3, 1, 4, 1, 5]], params)[0]
     assert first.token_ids == again.token_ids
+
+
+@pytest.mark.parametrize("lm_head,root_token", [("own", True), ("own", False), ("shared", False)])
+def test_the_compiled_heads_match_their_float64_definition_and_batch_invariance(small_vocab_dir, tmp_path, lm_head,
+                                                                                 root_token):
+    """All heads in one compiled call (root product, two residual blocks each, their own or the target's LM head)
+    against the heads' definition written out in float64; a request's logits are bitwise those it gets alone."""
+    heads = MedusaHeads(64, 16, 3, 2, lm_head, root_token=root_token)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_((torch.randn(p.shape, generator=gen) * 0.2).half().float())
+    save_heads(heads, tmp_path / "h", small_vocab_dir)
+    llm = LLM(small_vocab_dir, drafter=f"medusa:{tmp_path / 'h'}", device="cpu")
+    kernels = llm.engine.drafter.kernels
+    assert kernels is not None  # a float32 target on the CPU runs its kernels, and the heads' products with them
+    hf = AutoModelForCausalLM.from_pretrained(str(small_vocab_dir), dtype=torch.float64)
+    feats = torch.randn(3, 64, generator=gen)
+    root_ids = [4, 13, 7]
+    roots = hf.model.embed_tokens.weight[root_ids].detach().float() if root_token else None
+    for depth in (3, 2):
+        got = kernels(feats, depth, roots)  # float32[3, depth, 16]
+        assert got.shape == (3, depth, 16)
+        for k in range(depth):
+            x = feats.double()
+            if root_token:
+                x = x + roots.double() @ heads.root_weight[k].detach().double().T
+            for layer in range(2):
+                y = x @ heads.weight[k, layer].detach().double().T + heads.bias[k, layer].detach().double()
+                x = x + y * torch.sigmoid(y)
+            lm = heads.lm_heads[k].detach().double() if lm_head == "own" else hf.lm_head.weight.detach()
+            torch.testing.assert_close(torch.from_numpy(got[:, k]).double(), x @ lm.T, atol=2e-4, rtol=2e-4)
+        for a in range(3):
+            alone = kernels(feats[a:a + 1], depth, roots[a:a + 1] if root_token else None)
+            assert np.array_equal(alone[0], got[a])
