@@ -410,6 +410,7 @@ class _HeadKernels:
 
     def __init__(self, heads, target_kernels, depth: int, storage: str | None = None) -> None:
         from specserve.kernels import PackedLinear, drafter_storage
+        from specserve.kernels.medusa_heads import medusa_heads
 
         # A quantized target's heads run 8-bit too (3 heads over 4,096 tokens: 31 MB as float32, 8 as int8).
         storage = storage or drafter_storage(target_kernels) or target_kernels.storage
@@ -421,24 +422,22 @@ class _HeadKernels:
                          if heads.lm_heads is not None else None)
         self.shared = target_kernels.lm_head
         self.depth = depth
-        self.hidden = heads.weight.shape[-1]
         # The compiled call takes each kind of product stacked along a first axis; the PackedLinears keep views.
         self._blocks = _stacked([b for bs in self.blocks for b in bs])
         self._roots = _stacked(self.roots) if self.roots is not None else _no_products(self._blocks)
         self._lm = _stacked(self.lm_heads) if self.lm_heads is not None else _stacked([self.shared], views=False)
-        self.vocab = (self.lm_heads[0] if self.lm_heads is not None else self.shared).out_features
+        self._no_roots = np.zeros((0, heads.hidden_size), dtype=np.float32)
+        self._vocab = (self.lm_heads[0] if self.lm_heads is not None else self.shared).out_features
+        self._run = medusa_heads  # bound once: a drafting step's host work runs on cold caches
 
     def __call__(self, feats: torch.Tensor, depth: int | None = None, roots: torch.Tensor | None = None) -> np.ndarray:
         """feats float[A, H] (and, for root-token heads, roots float[A, H]: the root tokens' embeddings) ->
         logits float32[A, depth, V'] of the first ``depth`` heads (default all built)."""
-        from specserve.kernels.medusa_heads import medusa_heads
-
         depth = self.depth if depth is None else depth
         h = np.ascontiguousarray(feats.float().numpy())
-        r = (np.ascontiguousarray(roots.float().numpy()) if self.roots is not None
-             else np.zeros((0, self.hidden), dtype=np.float32))
-        out = np.empty((h.shape[0], depth, self.vocab), dtype=np.float32)
-        medusa_heads(h, r, *self._roots, *self._blocks, len(self.blocks[0]), *self._lm, self.lm_heads is None, out)
+        r = np.ascontiguousarray(roots.float().numpy()) if self.roots is not None else self._no_roots
+        out = np.empty((h.shape[0], depth, self._vocab), dtype=np.float32)
+        self._run(h, r, *self._roots, *self._blocks, len(self.blocks[0]), *self._lm, self.lm_heads is None, out)
         return out
 
 
