@@ -283,3 +283,73 @@ def test_a_caller_of_a_parallel_kernel_compiled_against_its_cached_code_loads_an
     # The same steps with a plain `njit` caller crash with numba 0.68 (SIGSEGV, tried): what the test guards against.
     plain = _call_in_a_process(tmp_path, "plain_caller")
     assert plain.returncode in (0, -11), plain.stderr
+
+
+# A kernel that takes a second or more to compile (parallel loops: numba's parfor passes), so two processes started
+# together are both inside its compile unless one waits for the other.
+_SLOW_TO_COMPILE = """
+    import numba
+    import numpy as np
+    from numba import prange
+
+
+    @numba.njit(parallel=True, cache=True)
+    def kernel(x, out):
+        for i in prange(x.shape[0]):
+            out[i] = np.sin(x[i]) * 2.0
+        for i in prange(x.shape[0]):
+            out[i] += np.sqrt(abs(x[i])) + np.cos(out[i])
+        for i in prange(x.shape[0]):
+            out[i] = out[i] * out[i] - np.tanh(x[i])
+        total = 0.0
+        for i in prange(x.shape[0]):
+            total += out[i]
+        return total
+    """
+
+_COMPILE_AT = """
+import sys, time
+from pathlib import Path
+import numpy as np
+import scratchslow.kernels as k
+if sys.argv[1] == "unlocked":  # numba's own compile, for the test's proof that the race is reached
+    from numba.core.dispatcher import Dispatcher
+    Dispatcher.compile = Dispatcher.compile.__wrapped__
+go = Path(sys.argv[2])
+Path(f"{go}.{sys.argv[3]}.ready").touch()
+while not go.exists():
+    time.sleep(0.005)
+time.sleep(max(0.0, float(go.read_text()) - time.time()))
+k.kernel(np.ones(8), np.zeros(8))
+print(sum(k.kernel.stats.cache_misses.values()), sum(k.kernel.stats.cache_hits.values()))
+"""
+
+
+def _compile_at_once(tmp_path: Path, locked: bool) -> list[tuple[int, int]]:
+    """Two processes call one uncached kernel at the same moment; each one's (signatures compiled, loaded)."""
+    root = tmp_path / ("locked" if locked else "unlocked")
+    root.mkdir()
+    write_scratch_package(root, "scratchslow", {"kernels.py": _SLOW_TO_COMPILE})
+    go = root / "go"
+    children = [subprocess.Popen([sys.executable, "-c", _COMPILE_AT, "locked" if locked else "unlocked", str(go), name],
+                                 env=scratch_env(root), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True) for name in ("a", "b")]
+    deadline = time.monotonic() + 120
+    while not all(Path(f"{go}.{name}.ready").exists() for name in ("a", "b")):  # both have imported numba
+        assert all(c.poll() is None for c in children) and time.monotonic() < deadline, [c.communicate() for c in children]
+        time.sleep(0.01)
+    Path(f"{go}.tmp").write_text(str(time.time() + 0.3))
+    Path(f"{go}.tmp").rename(go)  # whole when it appears
+    counts = []
+    for child in children:
+        out, err = child.communicate(timeout=300)
+        assert child.returncode == 0, err
+        counts.append(tuple(int(n) for n in out.split()))
+    return counts
+
+
+def test_two_processes_compiling_one_signature_at_once_compile_it_once(tmp_path):
+    """numba compiles a signature it finds in no cache, whoever else is compiling it: unlocked, both processes do.
+    Under `lock_compiles` the second waits for the first and loads its code."""
+    assert _compile_at_once(tmp_path, locked=False) == [(1, 0), (1, 0)]  # the race is real, and this reaches it
+    assert sorted(_compile_at_once(tmp_path, locked=True)) == [(0, 1), (1, 0)]
