@@ -202,66 +202,76 @@ def paged_attention(q, k_cache, v_cache, slots, seen_counts, scale, out, threads
     # in parallel. Only then: the heads of a split group each stream the group's keys and values on their own (three
     # times the traffic on SmolLM2, where a long context's decode step was mostly that stream).
     splits = group if num_blocks * num_kv < threads else 1
+    for item in prange(num_blocks * num_kv * splits):  # (the index as int64: numba types it uint64 in the loop)
+        _attention_item(np.int64(item), q_flat, k_flat, v_flat, out_flat, slots, seen_counts, scale, num_rows,
+                        num_heads, num_kv, head_dim, splits)
+
+
+@numba.njit(boundscheck=False, cache=True)
+def _attention_item(item, q_flat, k_flat, v_flat, out_flat, slots, seen_counts, scale, num_rows, num_heads, num_kv,
+                    head_dim, splits):
+    """`paged_attention`'s work item `item` (its block of rows, its KV head or query head), a function of its own:
+    numba's parallel passes then see a one-call loop body (inline, they took most of the kernel's ~17 s compile)."""
+    group = num_heads // num_kv
     per_item = group // splits  # query heads per item
-    for item in prange(num_blocks * num_kv * splits):
-        r0 = (item // (num_kv * splits)) * ROW_BLOCK
-        g = (item // splits) % num_kv
-        h0 = g * group + (item % splits) * per_item  # the item's first query head
-        rows = min(num_rows, r0 + ROW_BLOCK) - r0
-        most, shared = 0, seen_counts[r0]
-        for r in range(rows):
-            most = max(most, seen_counts[r0 + r])
-            shared = min(shared, seen_counts[r0 + r])
-        for r in range(1, rows):  # the leading keys every row sees at the same slots
-            j = 0
-            while j < shared and slots[r0 + r, j] == slots[r0, j]:
-                j += 1
-            shared = j
-        # Where each visible key's (K, V) vector starts in the flat cache, per row, in key order.
-        starts = np.empty((rows, most), dtype=np.int64)
-        for r in range(rows):
-            for j in range(seen_counts[r0 + r]):
-                starts[r, j] = (slots[r0 + r, j] * num_kv + g) * head_dim
-        pairs = rows * per_item
-        padded = -(-most // LANES) * LANES
-        scores = np.full((pairs, padded), -np.inf, dtype=np.float32)  # padding lanes: exp(-inf) = 0 exactly
-        for lo in range(0, shared, KEY_TILE):
-            hi = min(shared, lo + KEY_TILE)
-            for p in range(pairs):
-                r, h = p // per_item, h0 + p % per_item
-                # The item's first pair fetches the next tile (the shared keys: the same slots for every row).
-                _key_scores(q_flat, ((r0 + r) * num_heads + h) * head_dim, k_flat, starts[r], lo, hi, head_dim,
-                            scale, scores[p], KEY_TILE, min(shared, hi + KEY_TILE) if p == 0 else 0)
+    r0 = (item // (num_kv * splits)) * ROW_BLOCK
+    g = (item // splits) % num_kv
+    h0 = g * group + (item % splits) * per_item  # the item's first query head
+    rows = min(num_rows, r0 + ROW_BLOCK) - r0
+    most, shared = 0, seen_counts[r0]
+    for r in range(rows):
+        most = max(most, seen_counts[r0 + r])
+        shared = min(shared, seen_counts[r0 + r])
+    for r in range(1, rows):  # the leading keys every row sees at the same slots
+        j = 0
+        while j < shared and slots[r0 + r, j] == slots[r0, j]:
+            j += 1
+        shared = j
+    # Where each visible key's (K, V) vector starts in the flat cache, per row, in key order.
+    starts = np.empty((rows, most), dtype=np.int64)
+    for r in range(rows):
+        for j in range(seen_counts[r0 + r]):
+            starts[r, j] = (slots[r0 + r, j] * num_kv + g) * head_dim
+    pairs = rows * per_item
+    padded = -(-most // LANES) * LANES
+    scores = np.full((pairs, padded), -np.inf, dtype=np.float32)  # padding lanes: exp(-inf) = 0 exactly
+    for lo in range(0, shared, KEY_TILE):
+        hi = min(shared, lo + KEY_TILE)
         for p in range(pairs):
             r, h = p // per_item, h0 + p % per_item
-            _key_scores(q_flat, ((r0 + r) * num_heads + h) * head_dim, k_flat, starts[r], shared,
-                        seen_counts[r0 + r], head_dim, scale, scores[p], 0, 0)
-        inv = np.empty(pairs, dtype=np.float32)
+            # The item's first pair fetches the next tile (the shared keys: the same slots for every row).
+            _key_scores(q_flat, ((r0 + r) * num_heads + h) * head_dim, k_flat, starts[r], lo, hi, head_dim,
+                        scale, scores[p], KEY_TILE, min(shared, hi + KEY_TILE) if p == 0 else 0)
+    for p in range(pairs):
+        r, h = p // per_item, h0 + p % per_item
+        _key_scores(q_flat, ((r0 + r) * num_heads + h) * head_dim, k_flat, starts[r], shared,
+                    seen_counts[r0 + r], head_dim, scale, scores[p], 0, 0)
+    inv = np.empty(pairs, dtype=np.float32)
+    for p in range(pairs):
+        seen = seen_counts[r0 + p // per_item]
+        row = scores[p]
+        # The row's maximum 16 lanes at a time (lanes past `seen` hold -inf): numba's scalar np.max over the
+        # slice took a third of a 16-row verify's attention.
+        top = vbroadcast(np.float32(-np.inf))
+        for j in range(0, -(-seen // LANES) * LANES, LANES):
+            top = vmax(top, vload(row, j))
+        top = vbroadcast(vmax_lanes(top))
+        lanes = vzero()
+        for j in range(0, -(-seen // LANES) * LANES, LANES):
+            e = vexp(vsub(vload(row, j), top))
+            vstore(row, j, e)
+            lanes = vadd(lanes, e)
+        inv[p] = np.float32(1.0) / vsum(lanes)
+    acc = np.zeros((pairs, head_dim), dtype=np.float32)
+    for lo in range(0, shared, KEY_TILE):
+        hi = min(shared, lo + KEY_TILE)
         for p in range(pairs):
-            seen = seen_counts[r0 + p // per_item]
-            row = scores[p]
-            # The row's maximum 16 lanes at a time (lanes past `seen` hold -inf): numba's scalar np.max over the
-            # slice took a third of a 16-row verify's attention.
-            top = vbroadcast(np.float32(-np.inf))
-            for j in range(0, -(-seen // LANES) * LANES, LANES):
-                top = vmax(top, vload(row, j))
-            top = vbroadcast(vmax_lanes(top))
-            lanes = vzero()
-            for j in range(0, -(-seen // LANES) * LANES, LANES):
-                e = vexp(vsub(vload(row, j), top))
-                vstore(row, j, e)
-                lanes = vadd(lanes, e)
-            inv[p] = np.float32(1.0) / vsum(lanes)
-        acc = np.zeros((pairs, head_dim), dtype=np.float32)
-        for lo in range(0, shared, KEY_TILE):
-            hi = min(shared, lo + KEY_TILE)
-            for p in range(pairs):
-                _weighted_values(v_flat, starts[p // per_item], scores[p], lo, hi, head_dim, acc[p], KEY_TILE,
-                                 min(shared, hi + KEY_TILE) if p == 0 else 0)
-        for p in range(pairs):
-            r, h = p // per_item, h0 + p % per_item
-            _weighted_values(v_flat, starts[r], scores[p], shared, seen_counts[r0 + r], head_dim, acc[p], 0, 0)
-            scale_inv = vbroadcast(inv[p])
-            o0 = ((r0 + r) * num_heads + h) * head_dim
-            for d in range(0, head_dim, LANES):
-                vstore(out_flat, o0 + d, vmul(vload(acc[p], d), scale_inv))
+            _weighted_values(v_flat, starts[p // per_item], scores[p], lo, hi, head_dim, acc[p], KEY_TILE,
+                             min(shared, hi + KEY_TILE) if p == 0 else 0)
+    for p in range(pairs):
+        r, h = p // per_item, h0 + p % per_item
+        _weighted_values(v_flat, starts[r], scores[p], shared, seen_counts[r0 + r], head_dim, acc[p], 0, 0)
+        scale_inv = vbroadcast(inv[p])
+        o0 = ((r0 + r) * num_heads + h) * head_dim
+        for d in range(0, head_dim, LANES):
+            vstore(out_flat, o0 + d, vmul(vload(acc[p], d), scale_inv))

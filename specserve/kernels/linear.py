@@ -217,105 +217,115 @@ def linear_rows_float(x, w, bias, out, accumulate):
     num_rows, num_in = x.shape
     num_tiles = w.shape[0]
     tb = w.shape[1] // (max(num_in, 1) * LANES)  # blocks per tile
-    step = tb * LANES  # from input k's weights of a tile to input k + 1's
     num_blocks = (out.shape[1] + LANES - 1) // LANES  # real blocks: the last tile's padding is skipped
     w_flat = w.reshape(-1)
-    tile_len = w.shape[1]
     few_rows = FEW_REGISTERS and 1 < num_rows <= PREFETCH_ROWS
-    for tile in prange(num_tiles):
-        wt = w[tile]
-        first = tile * tb
-        count = min(num_blocks, first + tb) - first
-        m = 0
-        # Where the next tile starts in w_flat while this tile's first pass fetches it; -1 once fetched (or none).
-        ahead = (tile + 1) * tile_len if few_rows and tile + 1 < num_tiles else -1
-        while FEW_REGISTERS and num_rows - m >= 3:  # 4 rows x 1 block: each load feeds 4 FMAs
-            valid = min(4, num_rows - m)
-            x0, x1, x2, x3 = x[m], x[m + 1], x[m + 2], x[m + min(3, valid - 1)]
-            for i in range(count):
-                fetch = ahead + i * num_in * LANES if ahead >= 0 else -1  # this sweep's share of the next tile
-                a0, a1, a2, a3 = _four_rows_one_block(wt, i * LANES, step, num_in, x0, x1, x2, x3, w_flat, fetch)
-                store_block_rows(out, m, (first + i) * LANES, a0, a1, a2, a3, bias, accumulate, valid)
-            ahead = -1
-            m += valid
-        while not FEW_REGISTERS and m + 4 <= num_rows:  # 4 rows x 2 blocks: each broadcast feeds 2 FMAs, each load 4
-            x0, x1, x2, x3 = x[m], x[m + 1], x[m + 2], x[m + 3]
-            i = 0
-            while i + 2 <= count:
-                a0 = vzero(); a1 = vzero(); a2 = vzero(); a3 = vzero()
-                c0 = vzero(); c1 = vzero(); c2 = vzero(); c3 = vzero()
-                for k in range(num_in):
-                    u = vload(wt, k * step + i * LANES)
-                    v = vload(wt, k * step + (i + 1) * LANES)
-                    s = vbroadcast(x0[k]); a0 = vfma(s, u, a0); c0 = vfma(s, v, c0)
-                    s = vbroadcast(x1[k]); a1 = vfma(s, u, a1); c1 = vfma(s, v, c1)
-                    s = vbroadcast(x2[k]); a2 = vfma(s, u, a2); c2 = vfma(s, v, c2)
-                    s = vbroadcast(x3[k]); a3 = vfma(s, u, a3); c3 = vfma(s, v, c3)
-                base = (first + i) * LANES
-                store_block_rows(out, m, base, a0, a1, a2, a3, bias, accumulate)
-                store_block_rows(out, m, base + LANES, c0, c1, c2, c3, bias, accumulate)
-                i += 2
-            if i < count:
-                a0, a1, a2, a3 = _four_rows_one_block(wt, i * LANES, step, num_in, x0, x1, x2, x3, w_flat, -1)
-                store_block_rows(out, m, (first + i) * LANES, a0, a1, a2, a3, bias, accumulate)
-            m += 4
-        if m + 2 <= num_rows:  # 2 rows x 2 blocks: 4 chains (2-3 rows left)
-            x0, x1 = x[m], x[m + 1]
-            i = 0
-            while i + 2 <= count:
-                a0 = vzero(); a1 = vzero(); c0 = vzero(); c1 = vzero()
-                fetch = ahead + i * num_in * LANES
-                for k in range(num_in):
-                    if ahead >= 0:
-                        prefetch(w_flat, fetch + 2 * k * LANES)
-                        prefetch(w_flat, fetch + (2 * k + 1) * LANES)
-                    u = vload(wt, k * step + i * LANES)
-                    v = vload(wt, k * step + (i + 1) * LANES)
-                    s = vbroadcast(x0[k]); a0 = vfma(s, u, a0); c0 = vfma(s, v, c0)
-                    s = vbroadcast(x1[k]); a1 = vfma(s, u, a1); c1 = vfma(s, v, c1)
-                base = (first + i) * LANES
-                store_lanes(out, m, base, a0, bias, accumulate); store_lanes(out, m, base + LANES, c0, bias, accumulate)
-                store_lanes(out, m + 1, base, a1, bias, accumulate); store_lanes(out, m + 1, base + LANES, c1, bias, accumulate)
-                i += 2
-            if i < count:
-                a0 = vzero(); a1 = vzero()
-                fetch = ahead + i * num_in * LANES
-                for k in range(num_in):
-                    if ahead >= 0:
-                        prefetch(w_flat, fetch + k * LANES)
-                    u = vload(wt, k * step + i * LANES)
-                    a0 = vfma(vbroadcast(x0[k]), u, a0)
-                    a1 = vfma(vbroadcast(x1[k]), u, a1)
-                base = (first + i) * LANES
-                store_lanes(out, m, base, a0, bias, accumulate); store_lanes(out, m + 1, base, a1, bias, accumulate)
-            m += 2
-        while m < num_rows:  # one row x 4 (or 2) blocks: independent chains, the tile read once, in order
-            xr = x[m]
-            i = 0
-            if i + 4 <= count:
-                a0 = vzero(); a1 = vzero(); a2 = vzero(); a3 = vzero()
-                for k in range(num_in):
-                    s = vbroadcast(xr[k])
-                    o = k * step
-                    a0 = vfma(s, vload(wt, o), a0)
-                    a1 = vfma(s, vload(wt, o + LANES), a1)
-                    a2 = vfma(s, vload(wt, o + 2 * LANES), a2)
-                    a3 = vfma(s, vload(wt, o + 3 * LANES), a3)
-                base = first * LANES
-                store_row_blocks(out, m, base, a0, a1, a2, a3, bias, accumulate)
-                i = 4
-            if i + 2 <= count:
-                a0 = vzero(); a1 = vzero()
-                for k in range(num_in):
-                    s = vbroadcast(xr[k])
-                    a0 = vfma(s, vload(wt, k * step + i * LANES), a0)
-                    a1 = vfma(s, vload(wt, k * step + (i + 1) * LANES), a1)
-                store_lanes(out, m, (first + i) * LANES, a0, bias, accumulate)
-                store_lanes(out, m, (first + i + 1) * LANES, a1, bias, accumulate)
-                i += 2
-            if i < count:
-                a0 = vzero()
-                for k in range(num_in):
-                    a0 = vfma(vbroadcast(xr[k]), vload(wt, k * step + i * LANES), a0)
-                store_lanes(out, m, (first + i) * LANES, a0, bias, accumulate)
-            m += 1
+    for tile in prange(num_tiles):  # (the index as int64: numba types it uint64 inside its parallel loop)
+        _float_tile(np.int64(tile), x, w, w_flat, bias, out, accumulate, tb, num_blocks, few_rows)
+
+
+@numba.njit(boundscheck=False, cache=True)
+def _float_tile(tile, x, w, w_flat, bias, out, accumulate, tb, num_blocks, few_rows):
+    """`linear_rows_float`'s work on one tile (its blocks of 16 outputs, every row), a function of its own: numba's
+    parallel passes then see a one-call loop body (with the body inline in the parallel loop, a weight type's
+    compile took about twice as long, most of it in those passes)."""
+    num_rows, num_in = x.shape
+    num_tiles = w.shape[0]
+    step = tb * LANES  # from input k's weights of a tile to input k + 1's
+    tile_len = w.shape[1]
+    wt = w[tile]
+    first = tile * tb
+    count = min(num_blocks, first + tb) - first
+    m = 0
+    # Where the next tile starts in w_flat while this tile's first pass fetches it; -1 once fetched (or none).
+    ahead = (tile + 1) * tile_len if few_rows and tile + 1 < num_tiles else -1
+    while FEW_REGISTERS and num_rows - m >= 3:  # 4 rows x 1 block: each load feeds 4 FMAs
+        valid = min(4, num_rows - m)
+        x0, x1, x2, x3 = x[m], x[m + 1], x[m + 2], x[m + min(3, valid - 1)]
+        for i in range(count):
+            fetch = ahead + i * num_in * LANES if ahead >= 0 else -1  # this sweep's share of the next tile
+            a0, a1, a2, a3 = _four_rows_one_block(wt, i * LANES, step, num_in, x0, x1, x2, x3, w_flat, fetch)
+            store_block_rows(out, m, (first + i) * LANES, a0, a1, a2, a3, bias, accumulate, valid)
+        ahead = -1
+        m += valid
+    while not FEW_REGISTERS and m + 4 <= num_rows:  # 4 rows x 2 blocks: each broadcast feeds 2 FMAs, each load 4
+        x0, x1, x2, x3 = x[m], x[m + 1], x[m + 2], x[m + 3]
+        i = 0
+        while i + 2 <= count:
+            a0 = vzero(); a1 = vzero(); a2 = vzero(); a3 = vzero()
+            c0 = vzero(); c1 = vzero(); c2 = vzero(); c3 = vzero()
+            for k in range(num_in):
+                u = vload(wt, k * step + i * LANES)
+                v = vload(wt, k * step + (i + 1) * LANES)
+                s = vbroadcast(x0[k]); a0 = vfma(s, u, a0); c0 = vfma(s, v, c0)
+                s = vbroadcast(x1[k]); a1 = vfma(s, u, a1); c1 = vfma(s, v, c1)
+                s = vbroadcast(x2[k]); a2 = vfma(s, u, a2); c2 = vfma(s, v, c2)
+                s = vbroadcast(x3[k]); a3 = vfma(s, u, a3); c3 = vfma(s, v, c3)
+            base = (first + i) * LANES
+            store_block_rows(out, m, base, a0, a1, a2, a3, bias, accumulate)
+            store_block_rows(out, m, base + LANES, c0, c1, c2, c3, bias, accumulate)
+            i += 2
+        if i < count:
+            a0, a1, a2, a3 = _four_rows_one_block(wt, i * LANES, step, num_in, x0, x1, x2, x3, w_flat, -1)
+            store_block_rows(out, m, (first + i) * LANES, a0, a1, a2, a3, bias, accumulate)
+        m += 4
+    if m + 2 <= num_rows:  # 2 rows x 2 blocks: 4 chains (2-3 rows left)
+        x0, x1 = x[m], x[m + 1]
+        i = 0
+        while i + 2 <= count:
+            a0 = vzero(); a1 = vzero(); c0 = vzero(); c1 = vzero()
+            fetch = ahead + i * num_in * LANES
+            for k in range(num_in):
+                if ahead >= 0:
+                    prefetch(w_flat, fetch + 2 * k * LANES)
+                    prefetch(w_flat, fetch + (2 * k + 1) * LANES)
+                u = vload(wt, k * step + i * LANES)
+                v = vload(wt, k * step + (i + 1) * LANES)
+                s = vbroadcast(x0[k]); a0 = vfma(s, u, a0); c0 = vfma(s, v, c0)
+                s = vbroadcast(x1[k]); a1 = vfma(s, u, a1); c1 = vfma(s, v, c1)
+            base = (first + i) * LANES
+            store_lanes(out, m, base, a0, bias, accumulate); store_lanes(out, m, base + LANES, c0, bias, accumulate)
+            store_lanes(out, m + 1, base, a1, bias, accumulate); store_lanes(out, m + 1, base + LANES, c1, bias, accumulate)
+            i += 2
+        if i < count:
+            a0 = vzero(); a1 = vzero()
+            fetch = ahead + i * num_in * LANES
+            for k in range(num_in):
+                if ahead >= 0:
+                    prefetch(w_flat, fetch + k * LANES)
+                u = vload(wt, k * step + i * LANES)
+                a0 = vfma(vbroadcast(x0[k]), u, a0)
+                a1 = vfma(vbroadcast(x1[k]), u, a1)
+            base = (first + i) * LANES
+            store_lanes(out, m, base, a0, bias, accumulate); store_lanes(out, m + 1, base, a1, bias, accumulate)
+        m += 2
+    while m < num_rows:  # one row x 4 (or 2) blocks: independent chains, the tile read once, in order
+        xr = x[m]
+        i = 0
+        if i + 4 <= count:
+            a0 = vzero(); a1 = vzero(); a2 = vzero(); a3 = vzero()
+            for k in range(num_in):
+                s = vbroadcast(xr[k])
+                o = k * step
+                a0 = vfma(s, vload(wt, o), a0)
+                a1 = vfma(s, vload(wt, o + LANES), a1)
+                a2 = vfma(s, vload(wt, o + 2 * LANES), a2)
+                a3 = vfma(s, vload(wt, o + 3 * LANES), a3)
+            base = first * LANES
+            store_row_blocks(out, m, base, a0, a1, a2, a3, bias, accumulate)
+            i = 4
+        if i + 2 <= count:
+            a0 = vzero(); a1 = vzero()
+            for k in range(num_in):
+                s = vbroadcast(xr[k])
+                a0 = vfma(s, vload(wt, k * step + i * LANES), a0)
+                a1 = vfma(s, vload(wt, k * step + (i + 1) * LANES), a1)
+            store_lanes(out, m, (first + i) * LANES, a0, bias, accumulate)
+            store_lanes(out, m, (first + i + 1) * LANES, a1, bias, accumulate)
+            i += 2
+        if i < count:
+            a0 = vzero()
+            for k in range(num_in):
+                a0 = vfma(vbroadcast(xr[k]), vload(wt, k * step + i * LANES), a0)
+            store_lanes(out, m, (first + i) * LANES, a0, bias, accumulate)
+        m += 1

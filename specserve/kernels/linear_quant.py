@@ -262,167 +262,177 @@ def linear_rows_quant(x, w, scales, bias, out, accumulate):
     qx, dx, sums = quantize_activations(x, runs)
     offset = weight_offset(w, scales)
     lanes = scale_lanes(scales)
+    num_blocks = (out.shape[1] + LANES - 1) // LANES  # real blocks: the last tile's padding is skipped
+    w_flat = w.reshape(-1)
+    for tile in prange(num_tiles):  # (the index as int64: numba types it uint64 inside its parallel loop)
+        _quant_tile(np.int64(tile), w, w_flat, scales, bias, out, accumulate, qx, dx, sums, offset, lanes, tb, runs, num_blocks)
+
+
+@numba.njit(boundscheck=False, cache=True)
+def _quant_tile(tile, w, w_flat, scales, bias, out, accumulate, qx, dx, sums, offset, lanes, tb, runs, num_blocks):
+    """`linear_rows_quant`'s work on one tile (its blocks of 16 outputs, every row), a function of its own: numba's
+    parallel passes then see a one-call loop body (compiling the body inline in the parallel loop cost ~20 s more
+    per weight type, most of it in those passes)."""
+    num_rows = qx.shape[0]
+    num_tiles = w.shape[0]
     pairs_per_run = Q8_BLOCK // (2 * GROUP)
     block_bytes = GROUP * LANES  # one slot of one block: 4 inputs x 16 outputs (Q4_0, Q4_1: 8 inputs)
     stride = tb * block_bytes  # from one slot of a tile to the next
-    num_blocks = (out.shape[1] + LANES - 1) // LANES  # real blocks: the last tile's padding is skipped
     tile_len = w.shape[1]
-    w_flat = w.reshape(-1)
-    for tile in prange(num_tiles):
-        wt = w[tile]
-        first = tile * tb
-        count = min(num_blocks, first + tb) - first
-        m = 0
-        # Where the next tile starts in w_flat while this tile's first pass fetches it (`prefetch`); -1 once done.
-        ahead = (tile + 1) * tile_len if tile + 1 < num_tiles and num_rows <= PREFETCH_ROWS else -1
-        # AVX2: 4 rows x 1 block, the accumulators fit 16 registers. 2-3 rows in all take the same pass with the last
-        # row repeated and only the real rows stored: from memory it costs about one 1-row pass (measured: 2 / 3 rows
-        # 1.15 / 1.37x faster than a pass per row). Rows left over after a 4-row pass go one by one: the tile is then
-        # in the cache, where a repeated-row pass computes more than it saves (6 rows 0.83x).
-        while PAIR_SUMS and (num_rows - m >= 4 or (m == 0 and num_rows >= 2)):
-            valid = min(4, num_rows - m)
-            r1, r2, r3 = m + 1, m + min(2, valid - 1), m + min(3, valid - 1)
-            x0, x1, x2, x3 = qx[m], qx[r1], qx[r2], qx[r3]
-            for i in range(count):
-                s0 = lanes[first + i]
-                a0 = vzero(); a1 = vzero(); a2 = vzero(); a3 = vzero()
-                fetched = i * runs * pairs_per_run  # this sweep's share of the next tile, in address order
-                for j in range(runs):
-                    i0 = wzero(wt); i1 = wzero(wt); i2 = wzero(wt); i3 = wzero(wt)
-                    for p in range(j * pairs_per_run, (j + 1) * pairs_per_run):
-                        if ahead >= 0:
-                            fetch_in_order(w_flat, ahead, fetched + p)
-                        u, u2 = group_pair(wt, p, stride, i * block_bytes)
-                        g = 2 * p * GROUP
-                        i0 = wdot(wt, i0, u, vbroadcast_bytes(x0, g)); i1 = wdot(wt, i1, u, vbroadcast_bytes(x1, g))
-                        i2 = wdot(wt, i2, u, vbroadcast_bytes(x2, g)); i3 = wdot(wt, i3, u, vbroadcast_bytes(x3, g))
-                        g += GROUP
-                        i0 = wdot(wt, i0, u2, vbroadcast_bytes(x0, g)); i1 = wdot(wt, i1, u2, vbroadcast_bytes(x1, g))
-                        i2 = wdot(wt, i2, u2, vbroadcast_bytes(x2, g)); i3 = wdot(wt, i3, u2, vbroadcast_bytes(x3, g))
-                    a0 = run_sum(a0, i0, sums[m, j], offset, scales, s0, j, dx[m, j])
-                    a1 = run_sum(a1, i1, sums[r1, j], offset, scales, s0, j, dx[r1, j])
-                    a2 = run_sum(a2, i2, sums[r2, j], offset, scales, s0, j, dx[r2, j])
-                    a3 = run_sum(a3, i3, sums[r3, j], offset, scales, s0, j, dx[r3, j])
-                store_block_rows(out, m, (first + i) * LANES, a0, a1, a2, a3, bias, accumulate, valid)
-            ahead = -1
-            m += valid
-        # VNNI: 4 rows x 2 blocks, each weight load feeding 4 dot products. Two or three rows left over (or in all)
-        # take the same pass with the last row repeated and only the real rows stored: it costs about what one 1-row
-        # pass over the tile does. A single row left over (or in all) takes the 1-row pass below. Every pass fetches
-        # its share of the next tile (a 1/passes range of its pairs), so the weight stream overlaps the
-        # arithmetic of every pass, not only the first one's.
-        passes = 1 if PAIR_SUMS else num_rows // 4 + (num_rows % 4 + 2) // 4 + (1 if num_rows % 4 == 1 else 0)
-        pairs = runs * pairs_per_run
-        share = 0  # this pass fetches the pairs fetch_from <= p < fetch_to (a comparison: no division per step)
-        fetch_from, fetch_to = 0, -(-pairs // passes)
-        while not PAIR_SUMS and num_rows - m >= 2:
-            valid = min(4, num_rows - m)
-            r1, r2, r3 = m + min(1, valid - 1), m + min(2, valid - 1), m + min(3, valid - 1)
-            x0, x1, x2, x3 = qx[m], qx[r1], qx[r2], qx[r3]
-            i = 0
-            while i < count:
-                pair = i + 1 < count
-                s0 = lanes[first + i]
-                s1 = lanes[first + i + 1] if pair else s0
-                o1 = (i + 1) * block_bytes if pair else i * block_bytes
-                a0 = vzero(); a1 = vzero(); a2 = vzero(); a3 = vzero()
-                c0 = vzero(); c1 = vzero(); c2 = vzero(); c3 = vzero()
-                for j in range(runs):
-                    i0 = wzero(wt); i1 = wzero(wt); i2 = wzero(wt); i3 = wzero(wt)
-                    k0 = wzero(wt); k1 = wzero(wt); k2 = wzero(wt); k3 = wzero(wt)
-                    for p in range(j * pairs_per_run, (j + 1) * pairs_per_run):
-                        if ahead >= 0 and fetch_from <= p < fetch_to:
-                            fetch_pair(w_flat, ahead, p, stride, i * block_bytes)
-                            if pair:
-                                fetch_pair(w_flat, ahead, p, stride, o1)
-                        u, u2 = group_pair(wt, p, stride, i * block_bytes)
-                        v, v2 = group_pair(wt, p, stride, o1)
-                        g = 2 * p * GROUP
-                        s = vbroadcast_bytes(x0, g); i0 = wdot(wt, i0, u, s); k0 = wdot(wt, k0, v, s)
-                        s = vbroadcast_bytes(x1, g); i1 = wdot(wt, i1, u, s); k1 = wdot(wt, k1, v, s)
-                        s = vbroadcast_bytes(x2, g); i2 = wdot(wt, i2, u, s); k2 = wdot(wt, k2, v, s)
-                        s = vbroadcast_bytes(x3, g); i3 = wdot(wt, i3, u, s); k3 = wdot(wt, k3, v, s)
-                        g += GROUP
-                        s = vbroadcast_bytes(x0, g); i0 = wdot(wt, i0, u2, s); k0 = wdot(wt, k0, v2, s)
-                        s = vbroadcast_bytes(x1, g); i1 = wdot(wt, i1, u2, s); k1 = wdot(wt, k1, v2, s)
-                        s = vbroadcast_bytes(x2, g); i2 = wdot(wt, i2, u2, s); k2 = wdot(wt, k2, v2, s)
-                        s = vbroadcast_bytes(x3, g); i3 = wdot(wt, i3, u2, s); k3 = wdot(wt, k3, v2, s)
-                    t0, t1, t2, t3 = sums[m, j], sums[r1, j], sums[r2, j], sums[r3, j]
-                    a0 = run_sum(a0, i0, t0, offset, scales, s0, j, dx[m, j]); c0 = run_sum(c0, k0, t0, offset, scales, s1, j, dx[m, j])
-                    a1 = run_sum(a1, i1, t1, offset, scales, s0, j, dx[r1, j]); c1 = run_sum(c1, k1, t1, offset, scales, s1, j, dx[r1, j])
-                    a2 = run_sum(a2, i2, t2, offset, scales, s0, j, dx[r2, j]); c2 = run_sum(c2, k2, t2, offset, scales, s1, j, dx[r2, j])
-                    a3 = run_sum(a3, i3, t3, offset, scales, s0, j, dx[r3, j]); c3 = run_sum(c3, k3, t3, offset, scales, s1, j, dx[r3, j])
-                base = (first + i) * LANES
-                store_block_rows(out, m, base, a0, a1, a2, a3, bias, accumulate, valid)
-                if pair:
-                    base += LANES
-                    store_block_rows(out, m, base, c0, c1, c2, c3, bias, accumulate, valid)
-                i += 2
-            m += 4
-            share += 1
-            fetch_from, fetch_to = share * pairs // passes, (share + 1) * pairs // passes
-        while m < num_rows:  # one row x 4 blocks (else 2, 1): independent chains, the tile read in order
-            xr = qx[m]
-            i = 0
-            if count == 4:
-                s0, s1, s2, s3 = lanes[first], lanes[first + 1], lanes[first + 2], lanes[first + 3]
-                a0 = vzero(); a1 = vzero(); a2 = vzero(); a3 = vzero()
-                for j in range(runs):
-                    i0 = wzero(wt); i1 = wzero(wt); i2 = wzero(wt); i3 = wzero(wt)
-                    for p in range(j * pairs_per_run, (j + 1) * pairs_per_run):
-                        s = vbroadcast_bytes(xr, 2 * p * GROUP)
-                        t = vbroadcast_bytes(xr, (2 * p + 1) * GROUP)
-                        if ahead >= 0 and fetch_from <= p < fetch_to:
-                            for b in range(4):
-                                fetch_pair(w_flat, ahead, p, stride, b * block_bytes)
-                        u, u2 = group_pair(wt, p, stride, 0)
-                        i0 = wdot(wt, wdot(wt, i0, u, s), u2, t)
-                        u, u2 = group_pair(wt, p, stride, block_bytes)
-                        i1 = wdot(wt, wdot(wt, i1, u, s), u2, t)
-                        u, u2 = group_pair(wt, p, stride, 2 * block_bytes)
-                        i2 = wdot(wt, wdot(wt, i2, u, s), u2, t)
-                        u, u2 = group_pair(wt, p, stride, 3 * block_bytes)
-                        i3 = wdot(wt, wdot(wt, i3, u, s), u2, t)
-                    t = sums[m, j]
-                    a0 = run_sum(a0, i0, t, offset, scales, s0, j, dx[m, j])
-                    a1 = run_sum(a1, i1, t, offset, scales, s1, j, dx[m, j])
-                    a2 = run_sum(a2, i2, t, offset, scales, s2, j, dx[m, j])
-                    a3 = run_sum(a3, i3, t, offset, scales, s3, j, dx[m, j])
-                base = first * LANES
-                store_row_blocks(out, m, base, a0, a1, a2, a3, bias, accumulate)
-                i = 4
-            if i + 2 <= count:
-                s0, s1 = lanes[first + i], lanes[first + i + 1]
-                a0 = vzero(); a1 = vzero()
-                for j in range(runs):
-                    i0 = wzero(wt); i1 = wzero(wt)
-                    for p in range(j * pairs_per_run, (j + 1) * pairs_per_run):
-                        s = vbroadcast_bytes(xr, 2 * p * GROUP)
-                        t = vbroadcast_bytes(xr, (2 * p + 1) * GROUP)
-                        if ahead >= 0 and fetch_from <= p < fetch_to:
-                            fetch_pair(w_flat, ahead, p, stride, i * block_bytes)
-                            fetch_pair(w_flat, ahead, p, stride, (i + 1) * block_bytes)
-                        u, u2 = group_pair(wt, p, stride, i * block_bytes)
-                        i0 = wdot(wt, wdot(wt, i0, u, s), u2, t)
-                        u, u2 = group_pair(wt, p, stride, (i + 1) * block_bytes)
-                        i1 = wdot(wt, wdot(wt, i1, u, s), u2, t)
-                    t = sums[m, j]
-                    a0 = run_sum(a0, i0, t, offset, scales, s0, j, dx[m, j])
-                    a1 = run_sum(a1, i1, t, offset, scales, s1, j, dx[m, j])
-                store_lanes(out, m, (first + i) * LANES, a0, bias, accumulate)
-                store_lanes(out, m, (first + i + 1) * LANES, a1, bias, accumulate)
-                i += 2
-            while i < count:
-                s0 = lanes[first + i]
-                a0 = vzero()
-                for j in range(runs):
-                    i0 = wzero(wt)
-                    for p in range(j * pairs_per_run, (j + 1) * pairs_per_run):
-                        u, u2 = group_pair(wt, p, stride, i * block_bytes)
-                        i0 = wdot(wt, wdot(wt, i0, u, vbroadcast_bytes(xr, 2 * p * GROUP)), u2,
-                                   vbroadcast_bytes(xr, (2 * p + 1) * GROUP))
-                    a0 = run_sum(a0, i0, sums[m, j], offset, scales, s0, j, dx[m, j])
-                store_lanes(out, m, (first + i) * LANES, a0, bias, accumulate)
-                i += 1
-            ahead = -1
-            m += 1
+    wt = w[tile]
+    first = tile * tb
+    count = min(num_blocks, first + tb) - first
+    m = 0
+    # Where the next tile starts in w_flat while this tile's first pass fetches it (`prefetch`); -1 once done.
+    ahead = (tile + 1) * tile_len if tile + 1 < num_tiles and num_rows <= PREFETCH_ROWS else -1
+    # AVX2: 4 rows x 1 block, the accumulators fit 16 registers. 2-3 rows in all take the same pass with the last
+    # row repeated and only the real rows stored: from memory it costs about one 1-row pass (measured: 2 / 3 rows
+    # 1.15 / 1.37x faster than a pass per row). Rows left over after a 4-row pass go one by one: the tile is then
+    # in the cache, where a repeated-row pass computes more than it saves (6 rows 0.83x).
+    while PAIR_SUMS and (num_rows - m >= 4 or (m == 0 and num_rows >= 2)):
+        valid = min(4, num_rows - m)
+        r1, r2, r3 = m + 1, m + min(2, valid - 1), m + min(3, valid - 1)
+        x0, x1, x2, x3 = qx[m], qx[r1], qx[r2], qx[r3]
+        for i in range(count):
+            s0 = lanes[first + i]
+            a0 = vzero(); a1 = vzero(); a2 = vzero(); a3 = vzero()
+            fetched = i * runs * pairs_per_run  # this sweep's share of the next tile, in address order
+            for j in range(runs):
+                i0 = wzero(wt); i1 = wzero(wt); i2 = wzero(wt); i3 = wzero(wt)
+                for p in range(j * pairs_per_run, (j + 1) * pairs_per_run):
+                    if ahead >= 0:
+                        fetch_in_order(w_flat, ahead, fetched + p)
+                    u, u2 = group_pair(wt, p, stride, i * block_bytes)
+                    g = 2 * p * GROUP
+                    i0 = wdot(wt, i0, u, vbroadcast_bytes(x0, g)); i1 = wdot(wt, i1, u, vbroadcast_bytes(x1, g))
+                    i2 = wdot(wt, i2, u, vbroadcast_bytes(x2, g)); i3 = wdot(wt, i3, u, vbroadcast_bytes(x3, g))
+                    g += GROUP
+                    i0 = wdot(wt, i0, u2, vbroadcast_bytes(x0, g)); i1 = wdot(wt, i1, u2, vbroadcast_bytes(x1, g))
+                    i2 = wdot(wt, i2, u2, vbroadcast_bytes(x2, g)); i3 = wdot(wt, i3, u2, vbroadcast_bytes(x3, g))
+                a0 = run_sum(a0, i0, sums[m, j], offset, scales, s0, j, dx[m, j])
+                a1 = run_sum(a1, i1, sums[r1, j], offset, scales, s0, j, dx[r1, j])
+                a2 = run_sum(a2, i2, sums[r2, j], offset, scales, s0, j, dx[r2, j])
+                a3 = run_sum(a3, i3, sums[r3, j], offset, scales, s0, j, dx[r3, j])
+            store_block_rows(out, m, (first + i) * LANES, a0, a1, a2, a3, bias, accumulate, valid)
+        ahead = -1
+        m += valid
+    # VNNI: 4 rows x 2 blocks, each weight load feeding 4 dot products. Two or three rows left over (or in all)
+    # take the same pass with the last row repeated and only the real rows stored: it costs about what one 1-row
+    # pass over the tile does. A single row left over (or in all) takes the 1-row pass below. Every pass fetches
+    # its share of the next tile (a 1/passes range of its pairs), so the weight stream overlaps the
+    # arithmetic of every pass, not only the first one's.
+    passes = 1 if PAIR_SUMS else num_rows // 4 + (num_rows % 4 + 2) // 4 + (1 if num_rows % 4 == 1 else 0)
+    pairs = runs * pairs_per_run
+    share = 0  # this pass fetches the pairs fetch_from <= p < fetch_to (a comparison: no division per step)
+    fetch_from, fetch_to = 0, -(-pairs // passes)
+    while not PAIR_SUMS and num_rows - m >= 2:
+        valid = min(4, num_rows - m)
+        r1, r2, r3 = m + min(1, valid - 1), m + min(2, valid - 1), m + min(3, valid - 1)
+        x0, x1, x2, x3 = qx[m], qx[r1], qx[r2], qx[r3]
+        i = 0
+        while i < count:
+            pair = i + 1 < count
+            s0 = lanes[first + i]
+            s1 = lanes[first + i + 1] if pair else s0
+            o1 = (i + 1) * block_bytes if pair else i * block_bytes
+            a0 = vzero(); a1 = vzero(); a2 = vzero(); a3 = vzero()
+            c0 = vzero(); c1 = vzero(); c2 = vzero(); c3 = vzero()
+            for j in range(runs):
+                i0 = wzero(wt); i1 = wzero(wt); i2 = wzero(wt); i3 = wzero(wt)
+                k0 = wzero(wt); k1 = wzero(wt); k2 = wzero(wt); k3 = wzero(wt)
+                for p in range(j * pairs_per_run, (j + 1) * pairs_per_run):
+                    if ahead >= 0 and fetch_from <= p < fetch_to:
+                        fetch_pair(w_flat, ahead, p, stride, i * block_bytes)
+                        if pair:
+                            fetch_pair(w_flat, ahead, p, stride, o1)
+                    u, u2 = group_pair(wt, p, stride, i * block_bytes)
+                    v, v2 = group_pair(wt, p, stride, o1)
+                    g = 2 * p * GROUP
+                    s = vbroadcast_bytes(x0, g); i0 = wdot(wt, i0, u, s); k0 = wdot(wt, k0, v, s)
+                    s = vbroadcast_bytes(x1, g); i1 = wdot(wt, i1, u, s); k1 = wdot(wt, k1, v, s)
+                    s = vbroadcast_bytes(x2, g); i2 = wdot(wt, i2, u, s); k2 = wdot(wt, k2, v, s)
+                    s = vbroadcast_bytes(x3, g); i3 = wdot(wt, i3, u, s); k3 = wdot(wt, k3, v, s)
+                    g += GROUP
+                    s = vbroadcast_bytes(x0, g); i0 = wdot(wt, i0, u2, s); k0 = wdot(wt, k0, v2, s)
+                    s = vbroadcast_bytes(x1, g); i1 = wdot(wt, i1, u2, s); k1 = wdot(wt, k1, v2, s)
+                    s = vbroadcast_bytes(x2, g); i2 = wdot(wt, i2, u2, s); k2 = wdot(wt, k2, v2, s)
+                    s = vbroadcast_bytes(x3, g); i3 = wdot(wt, i3, u2, s); k3 = wdot(wt, k3, v2, s)
+                t0, t1, t2, t3 = sums[m, j], sums[r1, j], sums[r2, j], sums[r3, j]
+                a0 = run_sum(a0, i0, t0, offset, scales, s0, j, dx[m, j]); c0 = run_sum(c0, k0, t0, offset, scales, s1, j, dx[m, j])
+                a1 = run_sum(a1, i1, t1, offset, scales, s0, j, dx[r1, j]); c1 = run_sum(c1, k1, t1, offset, scales, s1, j, dx[r1, j])
+                a2 = run_sum(a2, i2, t2, offset, scales, s0, j, dx[r2, j]); c2 = run_sum(c2, k2, t2, offset, scales, s1, j, dx[r2, j])
+                a3 = run_sum(a3, i3, t3, offset, scales, s0, j, dx[r3, j]); c3 = run_sum(c3, k3, t3, offset, scales, s1, j, dx[r3, j])
+            base = (first + i) * LANES
+            store_block_rows(out, m, base, a0, a1, a2, a3, bias, accumulate, valid)
+            if pair:
+                base += LANES
+                store_block_rows(out, m, base, c0, c1, c2, c3, bias, accumulate, valid)
+            i += 2
+        m += 4
+        share += 1
+        fetch_from, fetch_to = share * pairs // passes, (share + 1) * pairs // passes
+    while m < num_rows:  # one row x 4 blocks (else 2, 1): independent chains, the tile read in order
+        xr = qx[m]
+        i = 0
+        if count == 4:
+            s0, s1, s2, s3 = lanes[first], lanes[first + 1], lanes[first + 2], lanes[first + 3]
+            a0 = vzero(); a1 = vzero(); a2 = vzero(); a3 = vzero()
+            for j in range(runs):
+                i0 = wzero(wt); i1 = wzero(wt); i2 = wzero(wt); i3 = wzero(wt)
+                for p in range(j * pairs_per_run, (j + 1) * pairs_per_run):
+                    s = vbroadcast_bytes(xr, 2 * p * GROUP)
+                    t = vbroadcast_bytes(xr, (2 * p + 1) * GROUP)
+                    if ahead >= 0 and fetch_from <= p < fetch_to:
+                        for b in range(4):
+                            fetch_pair(w_flat, ahead, p, stride, b * block_bytes)
+                    u, u2 = group_pair(wt, p, stride, 0)
+                    i0 = wdot(wt, wdot(wt, i0, u, s), u2, t)
+                    u, u2 = group_pair(wt, p, stride, block_bytes)
+                    i1 = wdot(wt, wdot(wt, i1, u, s), u2, t)
+                    u, u2 = group_pair(wt, p, stride, 2 * block_bytes)
+                    i2 = wdot(wt, wdot(wt, i2, u, s), u2, t)
+                    u, u2 = group_pair(wt, p, stride, 3 * block_bytes)
+                    i3 = wdot(wt, wdot(wt, i3, u, s), u2, t)
+                t = sums[m, j]
+                a0 = run_sum(a0, i0, t, offset, scales, s0, j, dx[m, j])
+                a1 = run_sum(a1, i1, t, offset, scales, s1, j, dx[m, j])
+                a2 = run_sum(a2, i2, t, offset, scales, s2, j, dx[m, j])
+                a3 = run_sum(a3, i3, t, offset, scales, s3, j, dx[m, j])
+            base = first * LANES
+            store_row_blocks(out, m, base, a0, a1, a2, a3, bias, accumulate)
+            i = 4
+        if i + 2 <= count:
+            s0, s1 = lanes[first + i], lanes[first + i + 1]
+            a0 = vzero(); a1 = vzero()
+            for j in range(runs):
+                i0 = wzero(wt); i1 = wzero(wt)
+                for p in range(j * pairs_per_run, (j + 1) * pairs_per_run):
+                    s = vbroadcast_bytes(xr, 2 * p * GROUP)
+                    t = vbroadcast_bytes(xr, (2 * p + 1) * GROUP)
+                    if ahead >= 0 and fetch_from <= p < fetch_to:
+                        fetch_pair(w_flat, ahead, p, stride, i * block_bytes)
+                        fetch_pair(w_flat, ahead, p, stride, (i + 1) * block_bytes)
+                    u, u2 = group_pair(wt, p, stride, i * block_bytes)
+                    i0 = wdot(wt, wdot(wt, i0, u, s), u2, t)
+                    u, u2 = group_pair(wt, p, stride, (i + 1) * block_bytes)
+                    i1 = wdot(wt, wdot(wt, i1, u, s), u2, t)
+                t = sums[m, j]
+                a0 = run_sum(a0, i0, t, offset, scales, s0, j, dx[m, j])
+                a1 = run_sum(a1, i1, t, offset, scales, s1, j, dx[m, j])
+            store_lanes(out, m, (first + i) * LANES, a0, bias, accumulate)
+            store_lanes(out, m, (first + i + 1) * LANES, a1, bias, accumulate)
+            i += 2
+        while i < count:
+            s0 = lanes[first + i]
+            a0 = vzero()
+            for j in range(runs):
+                i0 = wzero(wt)
+                for p in range(j * pairs_per_run, (j + 1) * pairs_per_run):
+                    u, u2 = group_pair(wt, p, stride, i * block_bytes)
+                    i0 = wdot(wt, wdot(wt, i0, u, vbroadcast_bytes(xr, 2 * p * GROUP)), u2,
+                               vbroadcast_bytes(xr, (2 * p + 1) * GROUP))
+                a0 = run_sum(a0, i0, sums[m, j], offset, scales, s0, j, dx[m, j])
+            store_lanes(out, m, (first + i) * LANES, a0, bias, accumulate)
+            i += 1
+        ahead = -1
+        m += 1
