@@ -99,8 +99,10 @@ def accept_trees(
         bad = accept_packed(greedy, packed.cu_rows, packed.cu_nodes, packed.tokens, packed.parent_row,
                             packed.first_child, packed.next_sibling, packed.depth, argmax.numpy(), prob_index,
                             probs_np, q_ids, q_probs, uniforms, RESIDUAL_EPS, length, path, bonus)
-        last = path[np.arange(num_requests), np.maximum(length - 1, 0)]
-        last[length == 0] = -1
+        if bad < 0:  # each request's accepted path as the kernel walked it (local nodes; tokens by global node)
+            tokens, first_node = packed.tokens.tolist(), packed.cu_nodes.tolist()
+            return [VerifyResult(tuple(nodes[:n]), tuple(tokens[first_node[b] + i] for i in nodes[:n]), t, tree.num_nodes)
+                    for b, (tree, nodes, n, t) in enumerate(zip(trees, path.tolist(), length.tolist(), bonus.tolist()))]
     else:
         from specserve.verify.accept_device import accept_on_device
 

@@ -30,7 +30,8 @@ class PackedTrees:
     depth:        int64[N]    children of a root have depth 1.
     q_ids:        int64[N, K] each node's draft distribution, compact (one-hot at its own token for
     q_probs:      float32[N, K] deterministic drafts; -1 / 0 pad shorter supports). torch tensors on
-                  `q_device`: the distributions stay where the drafter made them.
+                  `q_device`: the distributions stay where the drafter made them. Empty [0, 1] when packed
+                  without them (`pack_trees(..., with_q=False)`: greedy requests only).
     """
 
     cu_rows: np.ndarray
@@ -65,8 +66,10 @@ class PackedTrees:
         return self.cu_rows[request] + 1 + (np.arange(self.num_nodes) - self.cu_nodes[request])
 
 
-def pack_trees(trees: Sequence[DraftTree], q_device: torch.device | str = "cpu") -> PackedTrees:
-    """Pack one step's trees (validated when they were built: nothing is checked twice)."""
+def pack_trees(trees: Sequence[DraftTree], q_device: torch.device | str = "cpu", with_q: bool = True) -> PackedTrees:
+    """Pack one step's trees (validated when they were built: nothing is checked twice). with_q=False leaves the
+    draft distributions out (q_ids, q_probs empty [0, 1]): greedy acceptance never reads them, and a step of greedy
+    requests then skips their packing (a handful of tensor calls, each slow on the caches a forward has emptied)."""
     sizes = np.fromiter((t.num_nodes for t in trees), dtype=np.int64, count=len(trees))
     if not sizes.any():  # plain decoding: every tree is empty
         return _empty_pack(len(trees), torch.device(q_device))
@@ -77,7 +80,7 @@ def pack_trees(trees: Sequence[DraftTree], q_device: torch.device | str = "cpu")
     tokens = np.concatenate([t.tokens.numpy() for t in nonempty]) if nonempty else np.zeros(0, np.int64)
     parents = np.concatenate([t.parents.numpy() for t in nonempty]) if nonempty else np.zeros(0, np.int64)
     parent_row, first_child, next_sibling, depth = _structure(parents, cu_nodes, cu_rows)
-    q_ids, q_probs = _pack_q(trees, tokens, q_device)
+    q_ids, q_probs = _pack_q(trees, tokens, q_device) if with_q else _no_q(torch.device(q_device))
     return PackedTrees(cu_rows, cu_nodes, tokens, parent_row, first_child, next_sibling, depth, q_ids, q_probs)
 
 
@@ -135,10 +138,15 @@ def _pack_q(trees: Sequence[DraftTree], tokens: np.ndarray, device) -> tuple[tor
 _NO_Q: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _empty_pack(num_requests: int, device: torch.device) -> PackedTrees:
-    """The packing of `num_requests` empty trees (one root row each), without the general path's work."""
+def _no_q(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty q_ids int64[0, 1] and q_probs float32[0, 1] on `device` (made once per device)."""
     if device not in _NO_Q:
         _NO_Q[device] = (torch.zeros(0, 1, dtype=torch.int64, device=device), torch.zeros(0, 1, device=device))
+    return _NO_Q[device]
+
+
+def _empty_pack(num_requests: int, device: torch.device) -> PackedTrees:
+    """The packing of `num_requests` empty trees (one root row each), without the general path's work."""
     none = np.zeros(0, dtype=np.int64)
     return PackedTrees(np.arange(num_requests + 1, dtype=np.int64), np.zeros(num_requests + 1, dtype=np.int64), none,
-                       none, np.full(num_requests, -1, dtype=np.int64), none, none, *_NO_Q[device])
+                       none, np.full(num_requests, -1, dtype=np.int64), none, none, *_no_q(device))

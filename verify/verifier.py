@@ -60,7 +60,8 @@ class Verifier:
             if wanting:  # one row each, unedited
                 _add_logprobs(results, reqs, wanting, logits, [[b] for b in wanting])
             return results, argmax
-        packed = pack_trees(trees, logits.device)
+        greedy = np.fromiter((r.params.greedy for r in reqs), dtype=np.bool_, count=len(reqs))
+        packed = pack_trees(trees, logits.device, with_q=not greedy.all())  # only sampled requests read q
         cu = packed.cu_rows  # int64[B+1]
         # The raw rows of requests that report log-probabilities, copied before any rule or processor edits
         # them (nothing else writes to `logits`: without rules and processors they are read in place).
@@ -73,7 +74,6 @@ class Verifier:
             rows = VerifyRows(reqs, trees, cu)
             for processor in self.hooks.logits_processors:
                 processor(logits, rows)
-        greedy = np.fromiter((r.params.greedy for r in reqs), dtype=np.bool_, count=len(reqs))
         argmax = row_argmax(logits)  # [R]
         probs, prob_index, uniforms = None, np.full(packed.num_rows, -1, dtype=np.int64), np.zeros(0)
         if not greedy.all():
