@@ -2,8 +2,9 @@
 
 On a fresh install the first forward compiles every kernel one after another in one process, in one thread:
 the decoder layer (the layers' products and paged attention nested in it), then the LM head's product. On the
-default model the head has a weight type of its own (Q8_0 beside the layers' Q4_1), ~75 s of the ~210 s
-before the first token on 2 cores, while the second core sits idle. So when the head's signature is not in
+default model the head has a weight type of its own (Q8_0 beside the layers' Q4_1): ~75 s of the ~210 s
+before the first token on 2 cores when this was written, ~13 s of ~39 s since the kernels' loop bodies compile
+as functions of their own, while the second core would sit idle. So when the head's signature is not in
 numba's cache, `compile_elsewhere` has a child process compile exactly that signature (its numba types,
 pickled) into the shared cache while this process compiles the layer; before its first call the head waits for
 the child, and numba then loads the kernel from the cache. Saves to one function's cache from two processes
