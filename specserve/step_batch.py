@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from specserve.kernels.batch_arrays import token_arrays
 from specserve.kv_cache import BlockAllocator
 
 
@@ -232,18 +233,13 @@ class StepBatchBuilder:
             raise ValueError("a StepBatch needs at least one sequence")
         num_seqs = len(self._tokens)
         lens = np.fromiter((len(t) for t in self._tokens), dtype=np.int32, count=num_seqs)
-        cu = np.zeros(num_seqs + 1, dtype=np.int32)
-        np.cumsum(lens, out=cu[1:])
         cached = np.asarray(self._cached, dtype=np.int32)
-        token_seq = np.repeat(np.arange(num_seqs, dtype=np.int32), lens)
         max_blocks = max(len(t) for t in self._tables)
         tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
         for b, t in enumerate(self._tables):
             tables[b, : len(t)] = t
-        # Slot index of each new token: its sequence's num_cached + its place among the new tokens.
-        slot_index = (np.arange(self._rows, dtype=np.int64) - cu[:-1][token_seq] + cached[token_seq])
         bs = self.allocator.block_size
-        slot_mapping = tables[token_seq, slot_index // bs].astype(np.int64) * bs + slot_index % bs
+        cu, token_seq, slot_mapping = token_arrays(lens, cached, tables, bs)
         offsets = np.full(num_seqs, -1, dtype=np.int64)
         widths = lens.copy()
         masks, start = [], 0

@@ -11,6 +11,7 @@ and the GPU path use them); the KV cache is fp32.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -24,7 +25,9 @@ from specserve.kernels.simd import LANES
 from specserve.kernels.threads import apply_threads, get_threads
 from specserve.kv_cache import PagedKVCache
 from specserve.rope import RotaryTable
-from specserve.step_batch import StepBatch
+
+if TYPE_CHECKING:  # (step_batch imports this package's batch_arrays)
+    from specserve.step_batch import StepBatch
 
 log = logging.getLogger("specserve")
 
