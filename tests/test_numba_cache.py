@@ -156,8 +156,34 @@ def test_the_kernels_a_forward_runs_are_cached_on_disk(small_vocab_dir):
         assert kernel not in missing
 
 
-_SAVER = """
-import json, os, sys, time
+# Child side of `_start_together`: announce this child is ready, then wait for the moment the parent names.
+_WAIT_FOR_GO = """
+import os, time
+
+
+def wait_for_go(go, name, after=0.0):
+    open(go + "." + name + ".ready", "w").close()  # imported: the parent then names the moment all start
+    while not os.path.exists(go):
+        time.sleep(0.005)
+    with open(go) as f:
+        start = float(f.read()) + after
+    time.sleep(max(start - time.time(), 0))
+"""
+
+
+def _start_together(children: list[subprocess.Popen], go: Path, names) -> None:
+    """Once every child has written ``<go>.<name>.ready`` (each has imported what it needs), write `go`: the
+    moment, 0.3 s ahead, at which they all start (`_WAIT_FOR_GO`)."""
+    deadline = time.monotonic() + 120
+    while not all(Path(f"{go}.{name}.ready").exists() for name in names):
+        assert all(c.poll() is None for c in children) and time.monotonic() < deadline, [c.communicate() for c in children]
+        time.sleep(0.01)
+    Path(f"{go}.tmp").write_text(str(time.time() + 0.3))
+    Path(f"{go}.tmp").rename(go)  # whole when it appears
+
+
+_SAVER = _WAIT_FOR_GO + """
+import json, sys
 import specserve.numba_cache as numba_cache
 
 locked, cache_dir, key, go, delays = sys.argv[1] == "locked", sys.argv[2], sys.argv[3], sys.argv[4], json.loads(sys.argv[5])
@@ -178,12 +204,7 @@ def slow_save_data(self, name, data):
 cache_file_class._load_index, cache_file_class._save_data = slow_load_index, slow_save_data
 
 cache_file = cache_file_class(cache_path=cache_dir, filename_base="scratch.kernel-1.py3", source_stamp=(1.0, 2))
-open(go + "." + key + ".ready", "w").close()  # imported: the parent then names the moment both start
-while not os.path.exists(go):
-    time.sleep(0.01)
-with open(go) as f:
-    start = float(f.read()) + delays.get("start_after", 0)
-time.sleep(max(start - time.time(), 0))
+wait_for_go(go, key, delays.get("start_after", 0))
 cache_file.save(key, "machine code of " + key)
 """
 
@@ -207,12 +228,7 @@ def _save_at_once(tmp_path, locked: bool) -> dict:
                                   str(go), json.dumps(plan)],
                                  env={**os.environ, "PYTHONPATH": str(REPO)}, stderr=subprocess.PIPE, text=True)
                  for key, plan in plans.items()]
-    deadline = time.monotonic() + 120
-    while not all(Path(f"{go}.{key}.ready").exists() for key in plans):  # both have imported numba
-        assert all(c.poll() is None for c in children) and time.monotonic() < deadline, [c.communicate() for c in children]
-        time.sleep(0.01)
-    Path(f"{go}.tmp").write_text(str(time.time() + 0.3))
-    Path(f"{go}.tmp").rename(go)  # whole when it appears
+    _start_together(children, go, plans)
     for child in children:
         _, err = child.communicate(timeout=120)
         assert child.returncode == 0, err
@@ -307,19 +323,14 @@ _SLOW_TO_COMPILE = """
         return total
     """
 
-_COMPILE_AT = """
-import sys, time
-from pathlib import Path
+_COMPILE_AT = _WAIT_FOR_GO + """
+import sys
 import numpy as np
 import scratchslow.kernels as k
 if sys.argv[1] == "unlocked":  # numba's own compile, for the test's proof that the race is reached
     from numba.core.dispatcher import Dispatcher
     Dispatcher.compile = Dispatcher.compile.__wrapped__
-go = Path(sys.argv[2])
-Path(f"{go}.{sys.argv[3]}.ready").touch()
-while not go.exists():
-    time.sleep(0.005)
-time.sleep(max(0.0, float(go.read_text()) - time.time()))
+wait_for_go(sys.argv[2], sys.argv[3])
 k.kernel(np.ones(8), np.zeros(8))
 print(sum(k.kernel.stats.cache_misses.values()), sum(k.kernel.stats.cache_hits.values()))
 """
@@ -334,12 +345,7 @@ def _compile_at_once(tmp_path: Path, locked: bool) -> list[tuple[int, int]]:
     children = [subprocess.Popen([sys.executable, "-c", _COMPILE_AT, "locked" if locked else "unlocked", str(go), name],
                                  env=scratch_env(root), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  text=True) for name in ("a", "b")]
-    deadline = time.monotonic() + 120
-    while not all(Path(f"{go}.{name}.ready").exists() for name in ("a", "b")):  # both have imported numba
-        assert all(c.poll() is None for c in children) and time.monotonic() < deadline, [c.communicate() for c in children]
-        time.sleep(0.01)
-    Path(f"{go}.tmp").write_text(str(time.time() + 0.3))
-    Path(f"{go}.tmp").rename(go)  # whole when it appears
+    _start_together(children, go, ("a", "b"))
     counts = []
     for child in children:
         out, err = child.communicate(timeout=300)

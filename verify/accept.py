@@ -89,30 +89,47 @@ def accept_trees(
     uniforms:   float64[N + B] from `draw_uniforms`.
     Tensors on the CPU go through one compiled call; on an accelerator through tensor ops there.
     """
-    if argmax.device.type == "cpu":
-        num_requests = packed.num_requests
-        probs_np = probs.numpy() if probs is not None else _NO_PROBS
-        q_ids, q_probs = packed.q_ids.numpy(), packed.q_probs.numpy()
-        length = np.empty(num_requests, dtype=np.int64)
-        bonus = np.empty(num_requests, dtype=np.int64)
-        path = np.empty((num_requests, max(packed.max_depth, 1)), dtype=np.int64)
-        bad = accept_packed(greedy, packed.cu_rows, packed.cu_nodes, packed.tokens, packed.parent_row,
-                            packed.first_child, packed.next_sibling, packed.depth, argmax.numpy(), prob_index,
-                            probs_np, q_ids, q_probs, uniforms, RESIDUAL_EPS, length, path, bonus)
-        if bad < 0:  # each request's accepted path as the kernel walked it (local nodes; tokens by global node)
-            tokens, first_node = packed.tokens.tolist(), packed.cu_nodes.tolist()
-            return [VerifyResult(tuple(nodes[:n]), tuple(tokens[first_node[b] + i] for i in nodes[:n]), t, tree.num_nodes)
-                    for b, (tree, nodes, n, t) in enumerate(zip(trees, path.tolist(), length.tolist(), bonus.tolist()))]
-    else:
-        from specserve.verify.accept_device import accept_on_device
-
-        last, bonus, bad = accept_on_device(packed, greedy, argmax, probs, prob_index, uniforms, RESIDUAL_EPS)
+    accept = _accept_on_cpu if argmax.device.type == "cpu" else _accept_on_device
+    paths, bonus, bad = accept(trees, packed, greedy, argmax, probs, prob_index, uniforms)
     if bad >= 0:
         b = int(np.searchsorted(packed.cu_nodes, bad, side="right") - 1)
         node = bad - int(packed.cu_nodes[b])
         raise ValueError(f"draft node {node} of request {b} has token {int(packed.tokens[bad])} with draft "
                          f"probability 0: it cannot have been drawn from its q (a drafter bug)")
-    return [_result(tree, int(n), int(t)) for tree, n, t in zip(trees, last, bonus)]
+    tokens, first_node = packed.tokens.tolist(), packed.cu_nodes.tolist()  # a request's local node i: global first + i
+    return [VerifyResult(tuple(path), tuple(tokens[first_node[b] + i] for i in path), int(t), tree.num_nodes)
+            for b, (tree, path, t) in enumerate(zip(trees, paths, bonus))]
+
+
+def _accept_on_cpu(trees: Sequence[DraftTree], packed: PackedTrees, greedy: np.ndarray, argmax: torch.Tensor,
+                   probs: torch.Tensor | None, prob_index: np.ndarray,
+                   uniforms: np.ndarray) -> tuple[list[list[int]], list[int], int]:
+    """`accept_trees` in one compiled call: (each request's accepted path, local nodes root→leaf; its bonus token;
+    -1, or the global node of a drafter bug — the paths and tokens then empty)."""
+    num_requests = packed.num_requests
+    length = np.empty(num_requests, dtype=np.int64)
+    bonus = np.empty(num_requests, dtype=np.int64)
+    path = np.empty((num_requests, max(packed.max_depth, 1)), dtype=np.int64)
+    bad = accept_packed(greedy, packed.cu_rows, packed.cu_nodes, packed.tokens, packed.parent_row, packed.first_child,
+                        packed.next_sibling, packed.depth, argmax.numpy(), prob_index,
+                        probs.numpy() if probs is not None else _NO_PROBS, packed.q_ids.numpy(), packed.q_probs.numpy(),
+                        uniforms, RESIDUAL_EPS, length, path, bonus)
+    if bad >= 0:
+        return [], [], bad
+    return [nodes[:n] for nodes, n in zip(path.tolist(), length.tolist())], bonus.tolist(), -1
+
+
+def _accept_on_device(trees: Sequence[DraftTree], packed: PackedTrees, greedy: np.ndarray, argmax: torch.Tensor,
+                      probs: torch.Tensor | None, prob_index: np.ndarray,
+                      uniforms: np.ndarray) -> tuple[list[list[int]], list[int], int]:
+    """`_accept_on_cpu` as tensor ops where the rows are (`accept_device`): only each request's deepest accepted
+    node and bonus token come back, and the path is read from its tree."""
+    from specserve.verify.accept_device import accept_on_device
+
+    last, bonus, bad = accept_on_device(packed, greedy, argmax, probs, prob_index, uniforms, RESIDUAL_EPS)
+    if bad >= 0:
+        return [], [], bad
+    return [tree.path_to(int(n)) if n >= 0 else [] for tree, n in zip(trees, last)], bonus.tolist(), -1
 
 
 def sample_plain(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> list[int]:
@@ -126,15 +143,6 @@ def sample_plain(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> 
     tokens = np.empty(len(generators), dtype=np.int64)
     sample_rows(probs.numpy(), uniforms, tokens)
     return tokens.tolist()
-
-
-def _result(tree: DraftTree, last: int, bonus: int) -> VerifyResult:
-    """The VerifyResult of a tree whose deepest accepted node is `last` (-1: none)."""
-    if last < 0:
-        return VerifyResult((), (), bonus, tree.num_nodes)
-    path = tree.path_to(last)
-    tokens = tree.tokens.tolist()
-    return VerifyResult(tuple(path), tuple(tokens[i] for i in path), bonus, tree.num_nodes)
 
 
 # ---- one tree at a time ---------------------------------------------------------------------------

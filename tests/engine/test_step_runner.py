@@ -17,7 +17,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import scripted_drafter  # noqa: F401  (registers "scripted")
-import specserve.verify.verifier as verifier_module
 from scripted_drafter import MODES
 from specserve import LLM, SamplingParams
 from specserve import step_batch as step_batch_module
@@ -26,7 +25,6 @@ from specserve.drafters import TargetInfo, create_drafter
 from specserve.engine import Engine, EngineConfig
 from specserve.model import LlamaModel
 from specserve.verify import accept as accept_module
-from specserve.verify import accept_device
 from tiny_models import build_model
 
 VOCAB = 16
@@ -223,15 +221,15 @@ def test_sliding_window_target_with_trees_on_the_torch_path(window_dir, window_r
 
 
 def accept_on_device_path(count: Counter):
-    """`accept_trees` forced through its accelerator implementation (tensor ops, here on CPU tensors),
+    """`accept_trees`' CPU implementation replaced by its accelerator one (tensor ops, here on CPU tensors),
     counting its calls."""
+    on_device = accept_module._accept_on_device
 
-    def accept(trees, packed, greedy, argmax, probs, prob_index, uniforms):
+    def accept(*args):
         count["accept_on_device"] += 1
-        last, bonus, bad = accept_device.accept_on_device(packed, greedy, argmax, probs, prob_index, uniforms,
-                                                          accept_module.RESIDUAL_EPS)
+        paths, bonus, bad = on_device(*args)
         assert bad < 0
-        return [accept_module._result(t, int(n), int(b)) for t, n, b in zip(trees, last, bonus)]
+        return paths, bonus, bad
 
     return accept
 
@@ -256,7 +254,7 @@ def test_each_step_moves_one_batch_to_the_device_and_brings_back_one_result(smal
         return cpu(self, *args, **kwargs)
 
     monkeypatch.setattr(step_batch_module, "_to_device", counted_to_device)
-    monkeypatch.setattr(verifier_module, "accept_trees", accept_on_device_path(count))
+    monkeypatch.setattr(accept_module, "_accept_on_cpu", accept_on_device_path(count))
     engine = make_engine(small_vocab_dir, dict(mode="mixed", seed=2, references=reference, max_budget=6),
                          executor=executor, max_prefill_tokens=6)
     sampled = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9, seed=1, ignore_eos=True)
@@ -289,7 +287,7 @@ from target_stats import SAMPLED_MAX_TOKENS, assert_follows_target  # noqa: E402
 @pytest.mark.parametrize("case", sorted(SAMPLING_CASES))
 def test_sampled_tokens_follow_target_distribution_with_on_device_acceptance(small_vocab_dir, case, monkeypatch):
     count: Counter = Counter()
-    monkeypatch.setattr(verifier_module, "accept_trees", accept_on_device_path(count))
+    monkeypatch.setattr(accept_module, "_accept_on_cpu", accept_on_device_path(count))
     spec = SAMPLING_CASES[case]
     params = [SamplingParams(max_tokens=SAMPLED_MAX_TOKENS, seed=seed, ignore_eos=True, **spec["params"])
               for seed in range(SAMPLING_N)]
