@@ -21,6 +21,7 @@ CONFIGS = {  # name -> heads, kv_heads, head_dim, sliding window, block size
     "mha-hd16-window3": (4, 4, 16, 3, 4),
     "gqa4-hd16-window6-bs8": (8, 2, 16, 6, 8),
     "gqa2-hd48-window1": (2, 1, 48, 1, 4),
+    "gqa3-hd64-bs16": (9, 3, 64, None, 16),  # the default model's attention (SmolLM2-135M)
 }
 
 

@@ -14,7 +14,9 @@ Per (row, head): scores of the visible keys, then the softmax 16 keys at a time 
 kept in 16 lanes and added up in one fixed order), then the weighted sum of values key by key, in
 registers. A block's rows and a KV head's query heads read the keys they share a tile at a time, while
 the tile is in L1: each (row, head) used to stream the whole context's K and V from L2/L3 on its own,
-which made a long prompt's prefill quadratic in memory traffic (a 6,000-token prompt took minutes). The
+which made a long prompt's prefill quadratic in memory traffic (a 6,000-token prompt took minutes). Within
+a tile, four (row, head) pairs at a time share each key's and value's loads (`_key_scores4`,
+`_weighted_values4`): one pair at a time, a prompt chunk's attention was bound by its loads, not its FMAs. The
 inner loops index flat views of the cache (no per-key array views: numba would reference-count each one,
 and that cost more than the arithmetic).
 """
@@ -175,6 +177,108 @@ def _weighted_values(v_flat, starts, probs, lo, hi, head_dim, acc, ahead, fetch_
         d0 += LANES
 
 
+@numba.njit(inline="always")
+def _load64(flat, at):
+    """flat[at : at + 64] as four 16-lane vectors."""
+    return vload(flat, at), vload(flat, at + LANES), vload(flat, at + 2 * LANES), vload(flat, at + 3 * LANES)
+
+
+@numba.njit(inline="always")
+def _store64(flat, at, a0, a1, a2, a3):
+    """flat[at : at + 64] = four 16-lane vectors."""
+    vstore(flat, at, a0)
+    vstore(flat, at + LANES, a1)
+    vstore(flat, at + 2 * LANES, a2)
+    vstore(flat, at + 3 * LANES, a3)
+
+
+@numba.njit(inline="always")
+def _fma64(w, x0, x1, x2, x3, a0, a1, a2, a3):
+    """(a0 .. a3) + w * (x0 .. x3), chunk by chunk: 64 dims of one value vector weighted into one pair's sums."""
+    return vfma(w, x0, a0), vfma(w, x1, a1), vfma(w, x2, a2), vfma(w, x3, a3)
+
+
+@numba.njit(inline="always")
+def _store_scores4(sums, at, scale, sa, sb, sc, sd):
+    """Lanes 0-3 of `vsum4`'s result, scaled, as key `at`'s score of four pairs."""
+    sa[at] = vlane(sums, 0) * scale
+    sb[at] = vlane(sums, 1) * scale
+    sc[at] = vlane(sums, 2) * scale
+    sd[at] = vlane(sums, 3) * scale
+
+
+@numba.njit(inline="always")
+def _key_scores4(q_flat, qa, qb, qc, qd, k_flat, starts, lo, hi, head_dim, scale, sa, sb, sc, sd, ahead, fetch_end):
+    """`_key_scores` for four (row, head) pairs that see keys lo .. hi - 1 at the same slots (queries at q_flat[qa],
+    ..., scores into sa .. sd): each key vector is loaded once for the four queries instead of once per query (a
+    prompt chunk's attention was bound by those loads), and at 64 dims the four queries stay in 16 registers. Every
+    score is the same FMA chain over the dims then `vsum` as `_key_scores` computes alone: grouping changes no bit."""
+    if head_dim == 4 * LANES:
+        qa0, qa1, qa2, qa3 = _load64(q_flat, qa)
+        qb0, qb1, qb2, qb3 = _load64(q_flat, qb)
+        qc0, qc1, qc2, qc3 = _load64(q_flat, qc)
+        qd0, qd1, qd2, qd3 = _load64(q_flat, qd)
+        for j in range(lo, hi):
+            _fetch_vectors(k_flat, starts, j + ahead, min(j + ahead + 1, fetch_end), head_dim)
+            at = np.uint64(j)
+            x0, x1, x2, x3 = _load64(k_flat, starts[at])
+            _store_scores4(vsum4(vfma(qa3, x3, vfma(qa2, x2, vfma(qa1, x1, vfma(qa0, x0, vzero())))),
+                                 vfma(qb3, x3, vfma(qb2, x2, vfma(qb1, x1, vfma(qb0, x0, vzero())))),
+                                 vfma(qc3, x3, vfma(qc2, x2, vfma(qc1, x1, vfma(qc0, x0, vzero())))),
+                                 vfma(qd3, x3, vfma(qd2, x2, vfma(qd1, x1, vfma(qd0, x0, vzero()))))),
+                           at, scale, sa, sb, sc, sd)
+        return
+    for j in range(lo, hi):
+        _fetch_vectors(k_flat, starts, j + ahead, min(j + ahead + 1, fetch_end), head_dim)
+        at = np.uint64(j)
+        k0 = starts[at]
+        a0 = vzero(); a1 = vzero(); a2 = vzero(); a3 = vzero()
+        for d in range(0, head_dim, LANES):
+            x0 = vload(k_flat, k0 + d)
+            a0 = vfma(vload(q_flat, qa + d), x0, a0)
+            a1 = vfma(vload(q_flat, qb + d), x0, a1)
+            a2 = vfma(vload(q_flat, qc + d), x0, a2)
+            a3 = vfma(vload(q_flat, qd + d), x0, a3)
+        _store_scores4(vsum4(a0, a1, a2, a3), at, scale, sa, sb, sc, sd)
+
+
+@numba.njit(inline="always")
+def _weighted_values4(v_flat, starts, pa, pb, pc, pd, lo, hi, head_dim, acc_a, acc_b, acc_c, acc_d, ahead, fetch_end):
+    """`_weighted_values` for four pairs that see keys lo .. hi - 1 at the same slots (probabilities pa .. pd, sums
+    into acc_a .. acc_d): each value vector is loaded once for the four, 64 dims at a time in 16 registers, then 16
+    at a time. Each output lane is the same FMA chain over the keys in order as alone."""
+    _fetch_vectors(v_flat, starts, lo + ahead, min(hi + ahead, fetch_end), head_dim)
+    d0 = 0
+    while d0 + 4 * LANES <= head_dim:
+        a0, a1, a2, a3 = _load64(acc_a, d0)
+        b0, b1, b2, b3 = _load64(acc_b, d0)
+        c0, c1, c2, c3 = _load64(acc_c, d0)
+        e0, e1, e2, e3 = _load64(acc_d, d0)
+        for j in range(lo, hi):
+            at = np.uint64(j)
+            x0, x1, x2, x3 = _load64(v_flat, starts[at] + d0)
+            a0, a1, a2, a3 = _fma64(vbroadcast(pa[at]), x0, x1, x2, x3, a0, a1, a2, a3)
+            b0, b1, b2, b3 = _fma64(vbroadcast(pb[at]), x0, x1, x2, x3, b0, b1, b2, b3)
+            c0, c1, c2, c3 = _fma64(vbroadcast(pc[at]), x0, x1, x2, x3, c0, c1, c2, c3)
+            e0, e1, e2, e3 = _fma64(vbroadcast(pd[at]), x0, x1, x2, x3, e0, e1, e2, e3)
+        _store64(acc_a, d0, a0, a1, a2, a3)
+        _store64(acc_b, d0, b0, b1, b2, b3)
+        _store64(acc_c, d0, c0, c1, c2, c3)
+        _store64(acc_d, d0, e0, e1, e2, e3)
+        d0 += 4 * LANES
+    while d0 < head_dim:
+        a0, b0, c0, e0 = vload(acc_a, d0), vload(acc_b, d0), vload(acc_c, d0), vload(acc_d, d0)
+        for j in range(lo, hi):
+            at = np.uint64(j)
+            x0 = vload(v_flat, starts[at] + d0)
+            a0 = vfma(vbroadcast(pa[at]), x0, a0)
+            b0 = vfma(vbroadcast(pb[at]), x0, b0)
+            c0 = vfma(vbroadcast(pc[at]), x0, c0)
+            e0 = vfma(vbroadcast(pd[at]), x0, e0)
+        vstore(acc_a, d0, a0); vstore(acc_b, d0, b0); vstore(acc_c, d0, c0); vstore(acc_d, d0, e0)
+        d0 += LANES
+
+
 @numba.njit(parallel=True, boundscheck=False, cache=True)
 def paged_attention(q, k_cache, v_cache, slots, seen_counts, scale, out, threads):
     """out[t, h] = softmax(q[t, h] . K / sqrt(d)) V over row t's visible keys.
@@ -235,17 +339,30 @@ def _attention_item(item, q_flat, k_flat, v_flat, out_flat, slots, seen_counts, 
     pairs = rows * per_item
     padded = -(-most // LANES) * LANES
     scores = np.full((pairs, padded), -np.inf, dtype=np.float32)  # padding lanes: exp(-inf) = 0 exactly
+    # Where each pair's query starts in q_flat (and its output in out_flat).
+    q_at = np.empty(pairs, dtype=np.int64)
+    for p in range(pairs):
+        q_at[p] = ((r0 + p // per_item) * num_heads + h0 + p % per_item) * head_dim
     for lo in range(0, shared, KEY_TILE):
         hi = min(shared, lo + KEY_TILE)
-        for p in range(pairs):
-            r, h = p // per_item, h0 + p % per_item
-            # The item's first pair fetches the next tile (the shared keys: the same slots for every row).
-            _key_scores(q_flat, ((r0 + r) * num_heads + h) * head_dim, k_flat, starts[r], lo, hi, head_dim,
-                        scale, scores[p], KEY_TILE, min(shared, hi + KEY_TILE) if p == 0 else 0)
+        # The shared keys sit at the same slots for every row (starts[0]); the item's first group fetches the next
+        # tile. Four pairs at a time share each key's loads; two or three left over (a decode row's three heads on
+        # SmolLM2) take a group of four with the last pair repeated, which writes its same scores twice (measured:
+        # cheaper than one by one); a single one goes alone.
+        fetch_end = min(shared, hi + KEY_TILE)
+        p = 0
+        while pairs - p >= 2:
+            b, c, d = p + 1, min(p + 2, pairs - 1), min(p + 3, pairs - 1)
+            _key_scores4(q_flat, q_at[p], q_at[b], q_at[c], q_at[d], k_flat, starts[0], lo, hi, head_dim,
+                         scale, scores[p], scores[b], scores[c], scores[d], KEY_TILE, fetch_end if p == 0 else 0)
+            p += 4
+        while p < pairs:
+            _key_scores(q_flat, q_at[p], k_flat, starts[0], lo, hi, head_dim, scale, scores[p], KEY_TILE,
+                        fetch_end if p == 0 else 0)
+            p += 1
     for p in range(pairs):
-        r, h = p // per_item, h0 + p % per_item
-        _key_scores(q_flat, ((r0 + r) * num_heads + h) * head_dim, k_flat, starts[r], shared,
-                    seen_counts[r0 + r], head_dim, scale, scores[p], 0, 0)
+        r = p // per_item
+        _key_scores(q_flat, q_at[p], k_flat, starts[r], shared, seen_counts[r0 + r], head_dim, scale, scores[p], 0, 0)
     inv = np.empty(pairs, dtype=np.float32)
     for p in range(pairs):
         seen = seen_counts[r0 + p // per_item]
@@ -265,13 +382,21 @@ def _attention_item(item, q_flat, k_flat, v_flat, out_flat, slots, seen_counts, 
     acc = np.zeros((pairs, head_dim), dtype=np.float32)
     for lo in range(0, shared, KEY_TILE):
         hi = min(shared, lo + KEY_TILE)
-        for p in range(pairs):
-            _weighted_values(v_flat, starts[p // per_item], scores[p], lo, hi, head_dim, acc[p], KEY_TILE,
-                             min(shared, hi + KEY_TILE) if p == 0 else 0)
+        fetch_end = min(shared, hi + KEY_TILE)
+        p = 0
+        while pairs - p >= 2:  # grouped as the scores are (a repeated pair sums the same values twice, alike)
+            b, c, d = p + 1, min(p + 2, pairs - 1), min(p + 3, pairs - 1)
+            _weighted_values4(v_flat, starts[0], scores[p], scores[b], scores[c], scores[d], lo, hi, head_dim,
+                              acc[p], acc[b], acc[c], acc[d], KEY_TILE, fetch_end if p == 0 else 0)
+            p += 4
+        while p < pairs:
+            _weighted_values(v_flat, starts[0], scores[p], lo, hi, head_dim, acc[p], KEY_TILE,
+                             fetch_end if p == 0 else 0)
+            p += 1
     for p in range(pairs):
-        r, h = p // per_item, h0 + p % per_item
+        r = p // per_item
         _weighted_values(v_flat, starts[r], scores[p], shared, seen_counts[r0 + r], head_dim, acc[p], 0, 0)
         scale_inv = vbroadcast(inv[p])
-        o0 = ((r0 + r) * num_heads + h) * head_dim
+        o0 = q_at[p]  # out has q's layout
         for d in range(0, head_dim, LANES):
             vstore(out_flat, o0 + d, vmul(vload(acc[p], d), scale_inv))
