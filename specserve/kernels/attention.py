@@ -92,6 +92,9 @@ def visible_keys(batch, window: int):
 #: Rows attended together: consecutive rows that see the same keys (a prompt chunk's rows, a tree's rows over
 #: their context) share each key tile while it is in L1.
 ROW_BLOCK = 4
+#: An item's scores (rows x query heads x keys, float32) at most this big when it takes every KV head: they are
+#: written, read and rewritten by its passes, and stay in L2 (1 MB a core on Zen 4 and 5) below it.
+SCORES_BYTES = 256 << 10
 #: Keys per tile: 64 keys' K (or V) vectors of one KV head are 16 KB at head_dim 64, so every query head of the
 #: group and every row of the block reads them from L1 instead of each streaming the whole context from L2/L3.
 KEY_TILE = 64
@@ -302,25 +305,40 @@ def paged_attention(q, k_cache, v_cache, slots, seen_counts, scale, out, threads
     q_flat, out_flat = q.reshape(-1), out.reshape(-1)
     k_flat, v_flat = k_cache.reshape(-1), v_cache.reshape(-1)
     num_blocks = (num_rows + ROW_BLOCK - 1) // ROW_BLOCK
+    longest = 0
+    for t in range(num_rows):
+        longest = max(longest, seen_counts[t])
+    # Every KV head in one item while there are items enough for the threads and the item's scores stay in L2: a
+    # slot holds its KV heads' vectors side by side, so one item reads the cache's lines in order where one item per
+    # head read a third of each slot's lines apiece (a decode row at 6,000 keys streamed K and V at 17 GB/s that way,
+    # 21 GB/s in order: BENCHMARKS.md, "Long prompts").
+    fits = min(num_rows, ROW_BLOCK) * num_heads * longest * 4 <= SCORES_BYTES
+    kv_per_item = num_kv if num_blocks >= threads and fits else 1
     # Fewer items than threads (a decode row of a model with one KV head): each query head its own item, so they run
     # in parallel. Only then: the heads of a split group each stream the group's keys and values on their own (three
     # times the traffic on SmolLM2, where a long context's decode step was mostly that stream).
     splits = group if num_blocks * num_kv < threads else 1
-    for item in prange(num_blocks * num_kv * splits):  # (the index as int64: numba types it uint64 in the loop)
+    for item in prange(num_blocks * (num_kv // kv_per_item) * splits):  # (the index as int64: numba types it uint64)
         _attention_item(np.int64(item), q_flat, k_flat, v_flat, out_flat, slots, seen_counts, scale, num_rows,
-                        num_heads, num_kv, head_dim, splits)
+                        num_heads, num_kv, head_dim, splits, kv_per_item)
 
 
 @numba.njit(boundscheck=False, cache=True)
 def _attention_item(item, q_flat, k_flat, v_flat, out_flat, slots, seen_counts, scale, num_rows, num_heads, num_kv,
-                    head_dim, splits):
-    """`paged_attention`'s work item `item` (its block of rows, its KV head or query head), a function of its own:
-    numba's parallel passes then see a one-call loop body (inline, they took most of the kernel's ~17 s compile)."""
+                    head_dim, splits, kv_per_item):
+    """`paged_attention`'s work item `item` (its block of rows; its kv_per_item KV heads, or one query head of
+    `splits`), a function of its own: numba's parallel passes then see a one-call loop body (inline, they took most
+    of the kernel's ~17 s compile).
+
+    Its (row, query head) pairs are ordered by KV head, then row, then query head: each KV head's pairs (a segment)
+    read that head's vectors, at `gi * head_dim` past the first head's in every slot (the cache's flat views are
+    taken that far in, so one `starts` serves every head)."""
     group = num_heads // num_kv
-    per_item = group // splits  # query heads per item
-    r0 = (item // (num_kv * splits)) * ROW_BLOCK
-    g = (item // splits) % num_kv
-    h0 = g * group + (item % splits) * per_item  # the item's first query head
+    per_item = group // splits  # query heads per KV head in this item
+    kv_items = num_kv // kv_per_item
+    r0 = (item // (kv_items * splits)) * ROW_BLOCK
+    g0 = ((item // splits) % kv_items) * kv_per_item  # the item's first KV head
+    h_off = (item % splits) * per_item  # its first query head within each KV head's group
     rows = min(num_rows, r0 + ROW_BLOCK) - r0
     most, shared = 0, seen_counts[r0]
     for r in range(rows):
@@ -331,41 +349,48 @@ def _attention_item(item, q_flat, k_flat, v_flat, out_flat, slots, seen_counts, 
         while j < shared and slots[r0 + r, j] == slots[r0, j]:
             j += 1
         shared = j
-    # Where each visible key's (K, V) vector starts in the flat cache, per row, in key order.
+    # Where each visible key's vector of KV head g0 starts in the flat cache, per row, in key order.
     starts = np.empty((rows, most), dtype=np.int64)
     for r in range(rows):
         for j in range(seen_counts[r0 + r]):
-            starts[r, j] = (slots[r0 + r, j] * num_kv + g) * head_dim
-    pairs = rows * per_item
+            starts[r, j] = (slots[r0 + r, j] * num_kv + g0) * head_dim
+    seg = rows * per_item  # pairs per KV head
+    pairs = kv_per_item * seg
     padded = -(-most // LANES) * LANES
     scores = np.full((pairs, padded), -np.inf, dtype=np.float32)  # padding lanes: exp(-inf) = 0 exactly
-    # Where each pair's query starts in q_flat (and its output in out_flat).
+    # Each pair's row within the block, and where its query starts in q_flat (and its output in out_flat).
+    row_of = np.empty(pairs, dtype=np.int64)
     q_at = np.empty(pairs, dtype=np.int64)
     for p in range(pairs):
-        q_at[p] = ((r0 + p // per_item) * num_heads + h0 + p % per_item) * head_dim
+        gi, r = p // seg, (p % seg) // per_item
+        row_of[p] = r
+        q_at[p] = ((r0 + r) * num_heads + (g0 + gi) * group + h_off + p % per_item) * head_dim
     for lo in range(0, shared, KEY_TILE):
         hi = min(shared, lo + KEY_TILE)
-        # The shared keys sit at the same slots for every row (starts[0]); the item's first group fetches the next
-        # tile. Four pairs at a time share each key's loads; two or three left over (a decode row's three heads on
-        # SmolLM2) take a group of four with the last pair repeated, which writes its same scores twice (measured:
-        # cheaper than one by one); a single one goes alone.
+        # The shared keys sit at the same slots for every row (starts[0]); each segment's first group fetches its
+        # head's share of the next tile. Four pairs at a time share each key's loads; two or three left over (a decode
+        # row's three heads per KV head on SmolLM2) take a group of four with the last pair repeated, which writes its
+        # same scores twice (measured: cheaper than one by one); a single one goes alone.
         fetch_end = min(shared, hi + KEY_TILE)
-        p = 0
-        while pairs - p >= 2:
-            b, c, d = p + 1, min(p + 2, pairs - 1), min(p + 3, pairs - 1)
-            _key_scores4(q_flat, q_at[p], q_at[b], q_at[c], q_at[d], k_flat, starts[0], lo, hi, head_dim,
-                         scale, scores[p], scores[b], scores[c], scores[d], KEY_TILE, fetch_end if p == 0 else 0)
-            p += 4
-        while p < pairs:
-            _key_scores(q_flat, q_at[p], k_flat, starts[0], lo, hi, head_dim, scale, scores[p], KEY_TILE,
-                        fetch_end if p == 0 else 0)
-            p += 1
+        for gi in range(kv_per_item):
+            k_head = k_flat[gi * head_dim:]
+            p, end = gi * seg, (gi + 1) * seg
+            while end - p >= 2:
+                b, c, d = p + 1, min(p + 2, end - 1), min(p + 3, end - 1)
+                _key_scores4(q_flat, q_at[p], q_at[b], q_at[c], q_at[d], k_head, starts[0], lo, hi, head_dim, scale,
+                             scores[p], scores[b], scores[c], scores[d], KEY_TILE, fetch_end if p == gi * seg else 0)
+                p += 4
+            while p < end:
+                _key_scores(q_flat, q_at[p], k_head, starts[0], lo, hi, head_dim, scale, scores[p], KEY_TILE,
+                            fetch_end if p == gi * seg else 0)
+                p += 1
     for p in range(pairs):
-        r = p // per_item
-        _key_scores(q_flat, q_at[p], k_flat, starts[r], shared, seen_counts[r0 + r], head_dim, scale, scores[p], 0, 0)
+        r = row_of[p]
+        _key_scores(q_flat, q_at[p], k_flat[(p // seg) * head_dim:], starts[r], shared, seen_counts[r0 + r], head_dim,
+                    scale, scores[p], 0, 0)
     inv = np.empty(pairs, dtype=np.float32)
     for p in range(pairs):
-        seen = seen_counts[r0 + p // per_item]
+        seen = seen_counts[r0 + row_of[p]]
         row = scores[p]
         # The row's maximum 16 lanes at a time (lanes past `seen` hold -inf): numba's scalar np.max over the
         # slice took a third of a 16-row verify's attention.
@@ -383,19 +408,22 @@ def _attention_item(item, q_flat, k_flat, v_flat, out_flat, slots, seen_counts, 
     for lo in range(0, shared, KEY_TILE):
         hi = min(shared, lo + KEY_TILE)
         fetch_end = min(shared, hi + KEY_TILE)
-        p = 0
-        while pairs - p >= 2:  # grouped as the scores are (a repeated pair sums the same values twice, alike)
-            b, c, d = p + 1, min(p + 2, pairs - 1), min(p + 3, pairs - 1)
-            _weighted_values4(v_flat, starts[0], scores[p], scores[b], scores[c], scores[d], lo, hi, head_dim,
-                              acc[p], acc[b], acc[c], acc[d], KEY_TILE, fetch_end if p == 0 else 0)
-            p += 4
-        while p < pairs:
-            _weighted_values(v_flat, starts[0], scores[p], lo, hi, head_dim, acc[p], KEY_TILE,
-                             fetch_end if p == 0 else 0)
-            p += 1
+        for gi in range(kv_per_item):  # grouped as the scores are (a repeated pair sums the same values twice, alike)
+            v_head = v_flat[gi * head_dim:]
+            p, end = gi * seg, (gi + 1) * seg
+            while end - p >= 2:
+                b, c, d = p + 1, min(p + 2, end - 1), min(p + 3, end - 1)
+                _weighted_values4(v_head, starts[0], scores[p], scores[b], scores[c], scores[d], lo, hi, head_dim,
+                                  acc[p], acc[b], acc[c], acc[d], KEY_TILE, fetch_end if p == gi * seg else 0)
+                p += 4
+            while p < end:
+                _weighted_values(v_head, starts[0], scores[p], lo, hi, head_dim, acc[p], KEY_TILE,
+                                 fetch_end if p == gi * seg else 0)
+                p += 1
     for p in range(pairs):
-        r = p // per_item
-        _weighted_values(v_flat, starts[r], scores[p], shared, seen_counts[r0 + r], head_dim, acc[p], 0, 0)
+        r = row_of[p]
+        _weighted_values(v_flat[(p // seg) * head_dim:], starts[r], scores[p], shared, seen_counts[r0 + r], head_dim,
+                         acc[p], 0, 0)
         scale_inv = vbroadcast(inv[p])
         o0 = q_at[p]  # out has q's layout
         for d in range(0, head_dim, LANES):
