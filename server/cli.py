@@ -99,7 +99,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
               device=args.device, dtype=args.dtype, threads=threads, max_num_seqs=args.max_num_seqs,
               max_model_len=args.max_model_len, speculation=args.speculation, grammar_drafting=args.grammar_drafting,
               attention=args.attention, cuda_graphs=args.cuda_graphs, tensor_parallel_size=args.tensor_parallel,
-              enable_prefix_caching=args.prefix_caching, quantization=args.quantization)
+              enable_prefix_caching=args.prefix_caching, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype)
     from specserve import progress
 
     progress.begin("warming up (a greedy and a sampled request)")

@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Sequence
 
-from specserve.defaults import GRAMMAR_DRAFTING, QUANTIZATIONS  # light: the CLI builds its parser without torch
+from specserve.defaults import GRAMMAR_DRAFTING, KV_CACHE_DTYPES, QUANTIZATIONS  # light: the CLI builds its parser without torch
 
 _STARTED = time.perf_counter()  # about when the process started (this module is among the first imported)
 
@@ -139,8 +139,8 @@ QUANTIZATION_HELP = ("the target's products quantized at load: int8 in llama.cpp
 
 
 def add_execution_arguments(p: argparse.ArgumentParser) -> None:
-    """--attention, --no-cuda-graphs, --tensor-parallel, --no-prefix-caching and --quantization (generate and
-    serve)."""
+    """--attention, --no-cuda-graphs, --tensor-parallel, --no-prefix-caching, --quantization and --kv-cache-dtype
+    (generate and serve)."""
     p.add_argument("--attention", default=None, choices=["triton", "sdpa"],
                    help="attention backend (default: triton on CUDA; on the CPU the compiled kernels — naming one "
                         "runs the torch layers instead)")
@@ -151,6 +151,10 @@ def add_execution_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="prefill every prompt whole (default: reuse the KV of full blocks earlier requests computed)")
     p.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help=QUANTIZATION_HELP)
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+                   help="what the KV cache stores on the CPU kernels: float32 (default) or float16, half the bytes a "
+                        "long context's decode step streams and half the memory per cached token (K and V rounded "
+                        "to float16: a slightly different model)")
 
 
 def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
@@ -440,7 +444,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     settings = dict(drafter_options=_drafter_options(args.drafter_option), device=args.device, dtype=args.dtype,
                     threads=threads, speculation=args.speculation, grammar_drafting=args.grammar_drafting,
                     attention=args.attention, cuda_graphs=args.cuda_graphs, tensor_parallel_size=args.tensor_parallel,
-                    enable_prefix_caching=args.prefix_caching, quantization=args.quantization)
+                    enable_prefix_caching=args.prefix_caching, quantization=args.quantization,
+                    kv_cache_dtype=args.kv_cache_dtype)
     llm = LLM(args.model, drafter=args.drafter, **settings)
     prompt = generate_prompt(llm, args)
     if args.json:

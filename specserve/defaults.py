@@ -25,6 +25,8 @@ GRAMMAR_DRAFTING = ("forced", "aware", "verify")
 #: Weight quantizations `LLM(quantization=...)` offers (the CPU kernels' int8 and int4: llama.cpp's Q8_0 and
 #: Q4_0 layouts).
 QUANTIZATIONS = ("int8", "int4")
+#: What `LLM(kv_cache_dtype=...)` / --kv-cache-dtype can store the KV cache as (the CPU kernels; float16 is opt-in).
+KV_CACHE_DTYPES = ("float32", "float16")
 TOP_P = 1.0
 TOP_K = 0
 MIN_P = 0.0

@@ -217,9 +217,14 @@ class PagedKVCache:
         self._layer_arrays: list[tuple[np.ndarray, np.ndarray]] | None = None
 
     def layer_arrays(self) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Per layer, numpy views (K, V) [slots, kv_heads, head_dim] of a CPU cache, for the kernels."""
+        """Per layer, numpy views (K, V) [slots, kv_heads, head_dim] of a CPU cache, for the kernels: float32, or
+        a float16 cache's bits as uint16 (numba has no float16 arrays; the kernels widen them: `simd.vload`)."""
         if self._layer_arrays is None:
-            self._layer_arrays = [(self.k[i].numpy(), self.v[i].numpy()) for i in range(self.k.shape[0])]
+            def kernel_view(t: torch.Tensor) -> np.ndarray:
+                a = t.numpy()
+                return a.view(np.uint16) if a.dtype == np.float16 else a
+
+            self._layer_arrays = [(kernel_view(self.k[i]), kernel_view(self.v[i])) for i in range(self.k.shape[0])]
         return self._layer_arrays
 
     @staticmethod

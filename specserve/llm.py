@@ -11,7 +11,7 @@ import torch
 
 from specserve import progress
 from specserve.config import context_limit, default_context
-from specserve.defaults import GRAMMAR_DRAFTING, QUANTIZATIONS
+from specserve.defaults import GRAMMAR_DRAFTING, KV_CACHE_DTYPES, QUANTIZATIONS
 from specserve.device import checkpoint_dtype, resolve_device, resolve_dtype
 from specserve.kernels import kernels_unsupported
 from specserve.drafters import TargetInfo, create_drafter
@@ -74,6 +74,11 @@ class LLM:
     final normed output) whose hidden states a request asking for them (`SamplingParams.return_hidden_states`)
     gets back in `RequestOutput.hidden_states`: the rows its prefill and decode steps computed anyway
     (EAGLE-3's training data is captured this way: `specserve train feature-data`).
+    kv_cache_dtype: what the KV cache stores on the CPU kernels' path: "float32" (the default) or "float16",
+    which halves the bytes a decode step streams from a long context's K and V (at a few thousand tokens of
+    context as many as the weights) and the memory each cached token takes; the kernels widen it to float32
+    as they read it. K and V rounded to float16 is a (slightly) different model: speculation stays lossless
+    against it. Refused where the CPU kernels do not run the model.
     """
 
     def __init__(
@@ -99,6 +104,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         quantization: str | None = None,
         capture_layers: tuple[int, ...] = (),
+        kv_cache_dtype: str | None = None,
     ) -> None:
         # What this LLM was built from: a server's replicas rebuild it in their own processes.
         self.init_args = {name: value for name, value in locals().items() if name != "self"}
@@ -126,6 +132,7 @@ class LLM:
         self._tp = self._launch_tensor_parallel(tensor_parallel_size, cfg, model_dir, threads)
         self.model = LlamaModel.from_pretrained(model_dir, self.device, self.dtype, attention, cpu_kernels=cpu_kernels,
                                                 tp=self._tp, quantization=quantization, checkpoint=checkpoint)
+        self.model.kv_cache_dtype = _kv_cache_dtype(kv_cache_dtype, self.model)
         if threads is not None and self.model.kernels is None and self.device.type == "cpu":
             torch.set_num_threads(threads)  # the torch path does the heavy work itself here
         elif self.model.kernels is not None:
@@ -172,8 +179,7 @@ class LLM:
         if kv_cache_tokens is None:
             from specserve.kv_cache import PagedKVCache
 
-            kv_dtype = torch.float32 if self.model.kernels is not None else self.dtype
-            per_slot = PagedKVCache.bytes_per_slot(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
+            per_slot = PagedKVCache.bytes_per_slot(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.model.cache_dtype())
             per_slot += drafter_obj.kv_bytes_per_slot() if drafter_obj is not None else 0
             kv_bytes = 2 << 30  # on the CPU: 2 GiB of cache at most
             if self.device.type == "cuda":
@@ -372,6 +378,20 @@ class LLM:
         )
 
 
+
+
+def _kv_cache_dtype(name: str | None, model) -> torch.dtype | None:
+    """`LLM`'s kv_cache_dtype as a torch dtype for `LlamaModel.kv_cache_dtype` (None: the model's default),
+    refused with one line where it cannot run: float16 needs the CPU kernels, whose attention widens it."""
+    if name is None:
+        return None
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} (or None), got {name!r}")
+    dtype = torch.float16 if name == "float16" else torch.float32
+    if model.kernels is None and dtype != model.cache_dtype():
+        raise ValueError(f"kv_cache_dtype={name!r} runs on the CPU kernels only, and they do not run this model here "
+                         f"(its cache stores {str(model.cache_dtype()).removeprefix('torch.')})")
+    return dtype
 
 
 def _check_quantization(quantization: str | None, device: torch.device, cpu_kernels: bool, unsupported: str | None) -> None:

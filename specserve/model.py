@@ -132,6 +132,8 @@ class LlamaModel(nn.Module):
         # attention None: the device's default backend (triton on CUDA, sdpa elsewhere).
         self.backend = make_backend(attention or default_attention(device), device, cfg.sliding_window)
         self.kernels = None  # CPU compiled kernels (`use_cpu_kernels`), when they run this model
+        # What `new_cache` stores K and V as; None: `cache_dtype`'s default (`LLM`'s kv_cache_dtype sets it).
+        self.kv_cache_dtype: torch.dtype | None = None
         self.graphs = None  # CUDA graphs of this model's forward (`use_cuda_graphs`)
         self._vocab_rows: tuple[int, int] | None = None  # TP, a rank holding the whole LM head: its own rows
         self.quant_blocks: dict = {}  # fused product name -> QuantBlocks a GGUF file stores (see load_hf_state)
@@ -282,10 +284,17 @@ class LlamaModel(nn.Module):
         tensors = [self.norm, self.lm_head, *(p for layer in self.layers for p in layer.parameters())]
         return sum(p.numel() * p.element_size() for p in tensors)
 
+    def cache_dtype(self) -> torch.dtype:
+        """What this model's KV cache stores: `kv_cache_dtype`, by default float32 on the CPU kernels' path (whose
+        arithmetic is float32 whatever the weights) and the model's dtype elsewhere."""
+        if self.kv_cache_dtype is not None:
+            return self.kv_cache_dtype
+        return torch.float32 if self.kernels is not None else self.dtype
+
     def new_cache(self, allocator: BlockAllocator) -> PagedKVCache:
-        """A KV cache for this model on `allocator`'s blocks (fp32 on the CPU kernels' path)."""
+        """A KV cache for this model on `allocator`'s blocks (`cache_dtype`)."""
         cfg = self.config
-        dtype = torch.float32 if self.kernels is not None else self.dtype
+        dtype = self.cache_dtype()
         if self.tp is not None and self.tp.is_leader:  # every rank keeps its share of the heads
             return self.tp.new_cache(allocator, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.device, dtype)
         return PagedKVCache(allocator, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.device, dtype)

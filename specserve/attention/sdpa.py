@@ -97,10 +97,11 @@ class SdpaBackend:
 
         Writes this step's k/v into the cache first, then attends over cached + new entries.
         """
-        cache.k[layer][meta.slot_mapping] = k
-        cache.v[layer][meta.slot_mapping] = v
-        keys = cache.k[layer][meta.kv_slots].transpose(1, 2)  # [B, kv_heads, L, head_dim]
-        values = cache.v[layer][meta.kv_slots].transpose(1, 2)
+        cache.k[layer][meta.slot_mapping] = k.to(cache.k.dtype)  # rounded where the cache stores fewer bits
+        cache.v[layer][meta.slot_mapping] = v.to(cache.v.dtype)
+        # [B, kv_heads, L, head_dim], widened to q's dtype where the cache stores fewer bits (a float16 cache)
+        keys = cache.k[layer][meta.kv_slots].transpose(1, 2).to(q.dtype)
+        values = cache.v[layer][meta.kv_slots].transpose(1, 2).to(q.dtype)
         queries = q[meta.q_index].transpose(1, 2)  # [B, heads, Q, head_dim]
         out = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=meta.mask, enable_gqa=q.shape[1] != k.shape[1]

@@ -16,7 +16,7 @@ import numpy as np
 
 from specserve.kernels.attention import paged_attention
 from specserve.kernels.linear import linear_rows
-from specserve.kernels.simd import LANES, vadd, vbroadcast, vdiv, vexp, vload, vmul, vstore, vsub, vzero
+from specserve.kernels.simd import LANES, store_float, vadd, vbroadcast, vdiv, vexp, vload, vmul, vstore, vsub, vzero
 from specserve.numba_cache import CALLS_PARALLEL_KERNELS
 
 
@@ -51,31 +51,36 @@ def head_norms(qkv, q_norm, k_norm, eps, num_heads, num_kv, head_dim):
 
 
 @numba.njit(inline="always")
-def _rotate(vec, cos, sin, out):
-    """HF's half rotation: out = vec * cos + rotate_half(vec) * sin (vec, out: [head_dim])."""
+def _rotate(vec, cos, sin, out, at):
+    """HF's half rotation: out[at : at + head_dim] = vec * cos + rotate_half(vec) * sin (vec: [head_dim]; out 1-D,
+    float32 or a float16 KV cache's bits: `store_float`)."""
     half = vec.shape[0] // 2
     for i in range(half):
         a, b = vec[i], vec[i + half]
-        out[i] = a * cos[i] - b * sin[i]
-        out[i + half] = b * cos[i + half] + a * sin[i + half]
+        store_float(out, at + i, a * cos[i] - b * sin[i])
+        store_float(out, at + i + half, b * cos[i + half] + a * sin[i + half])
 
 
 @numba.njit(inline="always")
 def rope_and_write_cache(qkv, cos, sin, positions, slot_mapping, num_heads, num_kv, head_dim, q_out, k_cache, v_cache):
     """Split qkv [T, (heads + 2 kv) * d] into rotated q (-> q_out [T, heads, d]) and rotated k and v
-    written to the cache slots `slot_mapping` (k_cache/v_cache [slots, kv_heads, d])."""
+    written to the cache slots `slot_mapping` (k_cache/v_cache [slots, kv_heads, d]: float32, or float16 bits as
+    uint16 — each value rounded to the nearest float16 as it is written)."""
     rows = qkv.shape[0]
     k_start = num_heads * head_dim
     v_start = k_start + num_kv * head_dim
+    q_flat, k_flat, v_flat = q_out.reshape(-1), k_cache.reshape(-1), v_cache.reshape(-1)
     for t in range(rows):
         pos = positions[t]
         c, s = cos[pos], sin[pos]
         slot = slot_mapping[t]
         for h in range(num_heads):
-            _rotate(qkv[t, h * head_dim:(h + 1) * head_dim], c, s, q_out[t, h])
+            _rotate(qkv[t, h * head_dim:(h + 1) * head_dim], c, s, q_flat, (t * num_heads + h) * head_dim)
         for g in range(num_kv):
-            _rotate(qkv[t, k_start + g * head_dim:k_start + (g + 1) * head_dim], c, s, k_cache[slot, g])
-            v_cache[slot, g, :] = qkv[t, v_start + g * head_dim:v_start + (g + 1) * head_dim]
+            at = (slot * num_kv + g) * head_dim
+            _rotate(qkv[t, k_start + g * head_dim:k_start + (g + 1) * head_dim], c, s, k_flat, at)
+            for i in range(head_dim):
+                store_float(v_flat, at + i, qkv[t, v_start + g * head_dim + i])
 
 
 @numba.njit(inline="always")

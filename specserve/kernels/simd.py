@@ -109,6 +109,24 @@ def vload(typingctx, array, index):
 
 
 @intrinsic
+def store_float(typingctx, array, index, value):
+    """array[index] = value, a float32 scalar, into a 1-D contiguous float32 array — or a uint16 one holding float16
+    bits (a half-size KV cache), rounded to the nearest float16 (F16C's conversion): what `vload` widens back."""
+    if not isinstance(array, types.Array) or array.ndim != 1 or array.dtype not in (types.float32, types.uint16):
+        return None
+
+    def codegen(context, builder, signature, args):
+        ptr = _item_pointer(context, builder, signature.args[0], args[0], args[1])
+        x = context.cast(builder, args[2], signature.args[2], types.float32)
+        if signature.args[0].dtype == types.uint16:
+            x = builder.bitcast(builder.fptrunc(x, ir.HalfType()), ir.IntType(16))
+        builder.store(x, ptr)
+        return context.get_dummy_value()
+
+    return types.void(array, index, value), codegen
+
+
+@intrinsic
 def vstore(typingctx, array, index, value):
     """array[index : index + 16] = value (array: 1-D contiguous float32)."""
     if not isinstance(array, types.Array) or array.ndim != 1 or array.dtype != types.float32:
