@@ -28,7 +28,8 @@ import numpy as np
 from numba import prange
 
 from specserve.kernels.simd import (
-    LANES, prefetch, vadd, vbroadcast, vexp, vfma, vlane, vload, vmax, vmax_lanes, vmul, vstore, vsub, vsum, vsum4, vzero,
+    LANES, prefetch, vadd, vbroadcast, vexp, vfma, vlane, vload, vmax, vmax_lanes, vmul, vstore, vstore_quarter, vsub, vsum,
+    vsum4, vsum16, vzero,
 )
 
 
@@ -202,6 +203,12 @@ def _fma64(w, x0, x1, x2, x3, a0, a1, a2, a3):
 
 
 @numba.njit(inline="always")
+def _dot64(q0, q1, q2, q3, x0, x1, x2, x3):
+    """One score's FMA chain over 64 dims, before its `vsum`: the same chain `_key_scores` runs, chunk by chunk."""
+    return vfma(q3, x3, vfma(q2, x2, vfma(q1, x1, vfma(q0, x0, vzero()))))
+
+
+@numba.njit(inline="always")
 def _store_scores4(sums, at, scale, sa, sb, sc, sd):
     """Lanes 0-3 of `vsum4`'s result, scaled, as key `at`'s score of four pairs."""
     sa[at] = vlane(sums, 0) * scale
@@ -221,14 +228,35 @@ def _key_scores4(q_flat, qa, qb, qc, qd, k_flat, starts, lo, hi, head_dim, scale
         qb0, qb1, qb2, qb3 = _load64(q_flat, qb)
         qc0, qc1, qc2, qc3 = _load64(q_flat, qc)
         qd0, qd1, qd2, qd3 = _load64(q_flat, qd)
-        for j in range(lo, hi):
+        j = lo
+        scale_v = vbroadcast(scale)
+        while j + 4 <= hi:  # four keys: their 16 scores summed in one `vsum16`, stored four to a pair
+            _fetch_vectors(k_flat, starts, j + ahead, min(j + ahead + 4, fetch_end), head_dim)
+            at = np.uint64(j)
+            x0, x1, x2, x3 = _load64(k_flat, starts[at])
+            a0 = _dot64(qa0, qa1, qa2, qa3, x0, x1, x2, x3); b0 = _dot64(qb0, qb1, qb2, qb3, x0, x1, x2, x3)
+            c0 = _dot64(qc0, qc1, qc2, qc3, x0, x1, x2, x3); d0 = _dot64(qd0, qd1, qd2, qd3, x0, x1, x2, x3)
+            x0, x1, x2, x3 = _load64(k_flat, starts[at + 1])
+            a1 = _dot64(qa0, qa1, qa2, qa3, x0, x1, x2, x3); b1 = _dot64(qb0, qb1, qb2, qb3, x0, x1, x2, x3)
+            c1 = _dot64(qc0, qc1, qc2, qc3, x0, x1, x2, x3); d1 = _dot64(qd0, qd1, qd2, qd3, x0, x1, x2, x3)
+            x0, x1, x2, x3 = _load64(k_flat, starts[at + 2])
+            a2 = _dot64(qa0, qa1, qa2, qa3, x0, x1, x2, x3); b2 = _dot64(qb0, qb1, qb2, qb3, x0, x1, x2, x3)
+            c2 = _dot64(qc0, qc1, qc2, qc3, x0, x1, x2, x3); d2 = _dot64(qd0, qd1, qd2, qd3, x0, x1, x2, x3)
+            x0, x1, x2, x3 = _load64(k_flat, starts[at + 3])
+            a3 = _dot64(qa0, qa1, qa2, qa3, x0, x1, x2, x3); b3 = _dot64(qb0, qb1, qb2, qb3, x0, x1, x2, x3)
+            c3 = _dot64(qc0, qc1, qc2, qc3, x0, x1, x2, x3); d3 = _dot64(qd0, qd1, qd2, qd3, x0, x1, x2, x3)
+            sums = vmul(vsum16(a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3), scale_v)
+            vstore_quarter(sa, at, sums, 0)
+            vstore_quarter(sb, at, sums, 1)
+            vstore_quarter(sc, at, sums, 2)
+            vstore_quarter(sd, at, sums, 3)
+            j += 4
+        for j in range(j, hi):
             _fetch_vectors(k_flat, starts, j + ahead, min(j + ahead + 1, fetch_end), head_dim)
             at = np.uint64(j)
             x0, x1, x2, x3 = _load64(k_flat, starts[at])
-            _store_scores4(vsum4(vfma(qa3, x3, vfma(qa2, x2, vfma(qa1, x1, vfma(qa0, x0, vzero())))),
-                                 vfma(qb3, x3, vfma(qb2, x2, vfma(qb1, x1, vfma(qb0, x0, vzero())))),
-                                 vfma(qc3, x3, vfma(qc2, x2, vfma(qc1, x1, vfma(qc0, x0, vzero())))),
-                                 vfma(qd3, x3, vfma(qd2, x2, vfma(qd1, x1, vfma(qd0, x0, vzero()))))),
+            _store_scores4(vsum4(_dot64(qa0, qa1, qa2, qa3, x0, x1, x2, x3), _dot64(qb0, qb1, qb2, qb3, x0, x1, x2, x3),
+                                 _dot64(qc0, qc1, qc2, qc3, x0, x1, x2, x3), _dot64(qd0, qd1, qd2, qd3, x0, x1, x2, x3)),
                            at, scale, sa, sb, sc, sd)
         return
     for j in range(lo, hi):

@@ -653,6 +653,53 @@ def vsum4(typingctx, a, b, c, d):
 
 
 @intrinsic
+def vsum16(typingctx, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15):
+    """`vsum` of sixteen vectors at once: lane i of the result is vsum(a_i) bit for bit — the same halves added in the
+    same pairs (lanes 0-7 + 8-15, then 4, 2, 1), each step one vector add for every input (`vsum4`'s scheme carried to
+    the end: 15 adds for 16 sums instead of 20, and the sums come out in one vector instead of sixteen scalars)."""
+    if any(not isinstance(x, F32x16Type) for x in (a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        def pick(x, y, idx):
+            return builder.shuffle_vector(x, y, ir.Constant(ir.VectorType(_I32, len(idx)), idx))
+
+        # level 1: [x 0-7 | y 0-7] + [x 8-15 | y 8-15]: 8 lanes per input (x's then y's)
+        v = [builder.fadd(pick(x, y, list(range(8)) + list(range(16, 24))), pick(x, y, list(range(8, 16)) + list(range(24, 32))))
+             for x, y in zip(args[0::2], args[1::2])]
+        # level 2: each input's 8 lanes -> 4 (lanes 0-3 + 4-7); two vectors of two inputs -> one of four inputs
+        lo = [0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27]
+        v = [builder.fadd(pick(x, y, lo), pick(x, y, [i + 4 for i in lo])) for x, y in zip(v[0::2], v[1::2])]
+        # level 3: 4 lanes -> 2 (0-1 + 2-3); two vectors of four inputs -> one of eight
+        lo = [0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29]
+        v = [builder.fadd(pick(x, y, lo), pick(x, y, [i + 2 for i in lo])) for x, y in zip(v[0::2], v[1::2])]
+        # level 4: 2 lanes -> 1 (0 + 1): lane i is input i's sum
+        return builder.fadd(pick(v[0], v[1], list(range(0, 32, 2))), pick(v[0], v[1], list(range(1, 32, 2))))
+
+    sig = F32x16(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15)
+    return sig, codegen
+
+
+@intrinsic
+def vstore_quarter(typingctx, array, index, value, quarter):
+    """array[index : index + 4] = lanes 4 quarter .. 4 quarter + 3 of value (array: 1-D contiguous float32;
+    quarter a constant-folded integer 0-3)."""
+    if not isinstance(array, types.Array) or array.ndim != 1 or array.dtype != types.float32:
+        return None
+    if not isinstance(quarter, types.IntegerLiteral):
+        return None
+    q = quarter.literal_value
+
+    def codegen(context, builder, signature, args):
+        ptr = _item_pointer(context, builder, signature.args[0], args[0], args[1])
+        part = builder.shuffle_vector(args[2], args[2], ir.Constant(ir.VectorType(_I32, 4), [4 * q + i for i in range(4)]))
+        builder.store(part, builder.bitcast(ptr, ir.VectorType(ir.FloatType(), 4).as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return types.void(array, index, value, quarter), codegen
+
+
+@intrinsic
 def vlow_nibbles(typingctx, a):
     """Each byte's low 4 bits (0-15) as a byte: the first of the two 4-bit weights a byte holds."""
 

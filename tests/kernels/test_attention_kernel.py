@@ -167,3 +167,26 @@ def _with_logits_everywhere(batch):
     import dataclasses
 
     return dataclasses.replace(batch, logit_rows=np.arange(batch.num_tokens, dtype=np.int64))
+
+
+def test_sixteen_sums_at_once_equal_each_sum_alone_bit_for_bit():
+    """`simd.vsum16` (four keys' scores of four pairs at once) against `simd.vsum` of each input: the scores must not
+    depend on how many keys and pairs were summed together."""
+    import numba
+
+    from specserve.kernels.simd import vload, vstore, vsum, vsum16
+
+    @numba.njit
+    def sums(x, out):
+        vstore(out, 0, vsum16(vload(x, 0), vload(x, 16), vload(x, 32), vload(x, 48), vload(x, 64), vload(x, 80),
+                              vload(x, 96), vload(x, 112), vload(x, 128), vload(x, 144), vload(x, 160), vload(x, 176),
+                              vload(x, 192), vload(x, 208), vload(x, 224), vload(x, 240)))
+        for i in range(16):
+            out[16 + i] = vsum(vload(x, 16 * i))
+
+    rng = np.random.default_rng(7)
+    for _ in range(100):
+        x = (rng.standard_normal(256) * 10.0 ** rng.uniform(-4, 4, 256)).astype(np.float32)  # sums that round
+        out = np.zeros(32, dtype=np.float32)
+        sums(x, out)
+        np.testing.assert_array_equal(out[:16].view(np.uint32), out[16:].view(np.uint32))
