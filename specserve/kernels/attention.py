@@ -221,8 +221,10 @@ def _store_scores4(sums, at, scale, sa, sb, sc, sd):
 def _key_scores4(q_flat, qa, qb, qc, qd, k_flat, starts, lo, hi, head_dim, scale, sa, sb, sc, sd, ahead, fetch_end):
     """`_key_scores` for four (row, head) pairs that see keys lo .. hi - 1 at the same slots (queries at q_flat[qa],
     ..., scores into sa .. sd): each key vector is loaded once for the four queries instead of once per query (a
-    prompt chunk's attention was bound by those loads), and at 64 dims the four queries stay in 16 registers. Every
-    score is the same FMA chain over the dims then `vsum` as `_key_scores` computes alone: grouping changes no bit."""
+    prompt chunk's attention was bound by those loads). At 64 dims the four queries stay in 16 registers and four keys
+    go at once, their 16 scores summed by one `vsum16` and stored four to a pair (four `vsum4`s and 16 scalar stores
+    cost a third more). Every score is the same FMA chain over the dims then `vsum` as `_key_scores` computes alone:
+    grouping changes no bit."""
     if head_dim == 4 * LANES:
         qa0, qa1, qa2, qa3 = _load64(q_flat, qa)
         qb0, qb1, qb2, qb3 = _load64(q_flat, qb)
