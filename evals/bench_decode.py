@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from specserve.cli import QUANTIZATION_HELP, QUANTIZATIONS
+from specserve.cli import KV_CACHE_DTYPES, QUANTIZATION_HELP, QUANTIZATIONS
 from specserve.evals import llamacpp_peer
 from specserve.evals.common import first_divergence, host, median_spread, set_threads, use_model_dir, write_json
 
@@ -81,6 +81,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "llama.cpp gets f32 weights against float32, f16 against the half-size ones")
     p.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                    help=QUANTIZATION_HELP + "; llama.cpp gets q8_0 / q4_0 against it")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+                   help="what specserve's KV cache stores (CPU kernels): float32 (default) or float16 — with a long "
+                        "--prompt-tokens, what a long context's decode step streams")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU kernel threads, and llama.cpp's n_threads and n_threads_batch (default: every core)")
     p.add_argument("--skip-transformers", action="store_true")
@@ -180,7 +183,7 @@ def _measure(args: argparse.Namespace, model_dir: Path, converter=None) -> dict:
 
     # No prefix caching: a repeated prompt is prefilled every run, as llama.cpp (reset each run) does.
     plain = LLM(model_dir, drafter=None, device=args.device, max_num_seqs=1, dtype=args.dtype,
-                quantization=args.quantization, enable_prefix_caching=False)
+                quantization=args.quantization, enable_prefix_caching=False, kv_cache_dtype=args.kv_cache_dtype)
     vocab = plain.model.config.vocab_size
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, vocab, (args.prompt_tokens,), generator=gen).tolist()
@@ -191,7 +194,8 @@ def _measure(args: argparse.Namespace, model_dir: Path, converter=None) -> dict:
         "model": {"dir": str(args.model or "random ~110M Llama"), "params": plain.model.config.num_params,
                   "bytes_read_per_token": plain.model.bytes_read_per_token()},
         "settings": {"prompt_tokens": [len(p) for p in prompts], "new_tokens": args.new_tokens, "repeats": args.repeats,
-                     "device": str(plain.device), "dtype": str(plain.dtype)},
+                     "device": str(plain.device), "dtype": str(plain.dtype),
+                     "kv_cache_dtype": str(plain.model.cache_dtype()).removeprefix("torch.")},
     }
 
     hf = None
@@ -259,7 +263,7 @@ def _measure(args: argparse.Namespace, model_dir: Path, converter=None) -> dict:
     segment = torch.randint(0, vocab, (16,), generator=gen).tolist()
     repeated = (segment * (args.prompt_tokens // 16 + 1))[: args.prompt_tokens]
     ngram = LLM(model_dir, drafter="ngram", device=args.device, max_num_seqs=1, dtype=args.dtype,
-                quantization=args.quantization)
+                quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     _time_specserve(ngram, repeated, 8)
     plain_r, ngram_r, taus, identical = [], [], [], True
     for _ in range(args.repeats):
