@@ -83,7 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=QUANTIZATION_HELP + "; llama.cpp gets q8_0 / q4_0 against it")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
                    help="what specserve's KV cache stores (CPU kernels): float32 (default) or float16 — with a long "
-                        "--prompt-tokens, what a long context's decode step streams")
+                        "--prompt-tokens, what a long context's decode step streams; llama.cpp's cache pairs with it")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU kernel threads, and llama.cpp's n_threads and n_threads_batch (default: every core)")
     p.add_argument("--skip-transformers", action="store_true")
@@ -215,7 +215,8 @@ def _measure(args: argparse.Namespace, model_dir: Path, converter=None) -> dict:
     elif converter is not None:
         peer = llamacpp_peer.load(model_dir, converter, dtype=args.quantization or plain.dtype, threads=get_threads(),
                                   n_ctx=max(map(len, prompts)) + args.new_tokens, gpu=plain.device.type == "cuda",
-                                  cache_dir=args.llama_cpp_cache, log=lambda m: print(m, file=sys.stderr))
+                                  cache_dir=args.llama_cpp_cache, log=lambda m: print(m, file=sys.stderr),
+                                  kv_type="f16" if plain.model.cache_dtype() == torch.float16 else "f32")
 
     # Warm up every contender, check they agree, then alternate timed runs.
     _, ours_tokens, _ = _time_specserve(plain, prompt, 8)

@@ -238,7 +238,8 @@ class LlamaCpp:
 
     `n_threads` and `n_threads_batch` are both `threads`, so prompt processing and decoding use the
     same cores specserve's kernels do. The KV cache is f32 (llama.cpp's default is f16) because ours
-    is fp32 on the CPU kernels' path at every weight dtype: the pairings differ in weights only.
+    is fp32 on the CPU kernels' path at every weight dtype, f16 against ours with `kv_cache_dtype="float16"`
+    (`load`'s kv_type): the pairings differ in weights only.
     """
 
     gguf: Path
@@ -341,18 +342,21 @@ def locate(source: str | None, model: str | Path | None = None) -> Path | PeerUn
 
 
 def load(model_dir: str | Path, tree: Path, *, dtype, threads: int, n_ctx: int, gpu: bool = False,
-         cache_dir: str | Path | None = None, log=None, logits_all: bool = False, prompt_lookup: int = 0) -> LlamaCpp:
+         cache_dir: str | Path | None = None, log=None, logits_all: bool = False, prompt_lookup: int = 0,
+         kv_type: str = "f32") -> LlamaCpp:
     """`model_dir` converted (cached) to the GGUF type that pairs with our `dtype` (or "int8" / "int4": our
-    quantized storages), loaded; a GGUF file is loaded as it is — the same file both sides, whatever `dtype`."""
+    quantized storages), loaded; a GGUF file is loaded as it is — the same file both sides, whatever `dtype`.
+    kv_type: llama.cpp's KV cache, "f32" or "f16" (pair it with our `kv_cache_dtype`)."""
     from specserve.loading.gguf_file import is_gguf
 
+    options = dict(logits_all=logits_all, prompt_lookup=prompt_lookup, kv_type=kv_type)
     if is_gguf(model_dir):
-        return LlamaCpp(Path(model_dir), threads, n_ctx, gpu, logits_all=logits_all, prompt_lookup=prompt_lookup)
+        return LlamaCpp(Path(model_dir), threads, n_ctx, gpu, **options)
     name = str(dtype).removeprefix("torch.")
     if name not in GGUF_TYPE:
         raise ValueError(f"no GGUF type pairs with dtype {name!r}; known: {', '.join(GGUF_TYPE)}")
     gguf = convert(Path(model_dir), tree, GGUF_TYPE[name], Path(cache_dir) if cache_dir else None, log=log)
-    return LlamaCpp(gguf, threads, n_ctx, gpu, logits_all=logits_all, prompt_lookup=prompt_lookup)
+    return LlamaCpp(gguf, threads, n_ctx, gpu, **options)
 
 
 # -- the converter subprocess ----------------------------------------------------------------------

@@ -387,7 +387,7 @@ def _kv_cache_dtype(name: str | None, model) -> torch.dtype | None:
         return None
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} (or None), got {name!r}")
-    dtype = torch.float16 if name == "float16" else torch.float32
+    dtype = getattr(torch, name)
     if model.kernels is None and dtype != model.cache_dtype():
         raise ValueError(f"kv_cache_dtype={name!r} runs on the CPU kernels only, and they do not run this model here "
                          f"(its cache stores {str(model.cache_dtype()).removeprefix('torch.')})")

@@ -317,14 +317,17 @@ def paged_attention(q, k_cache, v_cache, slots, seen_counts, scale, out, threads
     """out[t, h] = softmax(q[t, h] . K / sqrt(d)) V over row t's visible keys.
 
     q:        float32[T, heads, head_dim] (rotary applied); out: float32[T, heads, head_dim].
-    k_cache, v_cache: float32[slots, kv_heads, head_dim], this layer's cache (this step's K/V written).
+    k_cache, v_cache: [slots, kv_heads, head_dim], this layer's cache (this step's K/V written): float32, or
+              uint16 holding float16 bits (`kv_cache_dtype`), widened as they are loaded (`simd.vload`).
     slots, seen_counts: the visible keys' cache slots per row (`visible_slots`); scale: 1 / sqrt(head_dim).
     threads:  the kernel threads (`threads.get_threads`): how many items are worth making (numba's own count is not
               read here: a kernel that calls it cannot be cached on disk).
 
-    Work items are (block of ROW_BLOCK rows, KV head), or (block, query head) when those are fewer than the threads.
-    The keys every row of the block sees at the same slots (its shared prefix) are read a KEY_TILE at a time by each
-    of the block's (row, query head) pairs in turn; each row's remaining keys alone. A pair's arithmetic is the same
+    Work items are (block of ROW_BLOCK rows, every KV head) while there are items enough for the threads and an
+    item's scores fit SCORES_BYTES, else (block, KV head), or (block, query head) when those are fewer than the
+    threads. The keys every row of the block sees at the same slots (its shared prefix) are read a KEY_TILE at a time
+    by the item's (row, query head) pairs, four at a time (`_key_scores4`, `_weighted_values4`); each row's remaining
+    keys alone. A pair's arithmetic is the same
     whichever rows and heads share its item: a score is one chain (`_key_scores`), the softmax runs 16 keys at a time
     (`vexp`, the sum in 16 lanes added up in one fixed order), the value sum one FMA chain per lane over the keys in
     order (`_weighted_values`).

@@ -5,7 +5,7 @@ bfloat16/float16 storage when the model's dtype asks for it, or int8 Q8_0 / int4
 stays fp32) and then runs
 whole forwards over a `StepBatch`: embedding lookup, one `decoder_layer` call per layer, final norm and
 LM head, hidden states of the asked layers for drafters. torch keeps the original weights (training
-and the GPU path use them); the KV cache is fp32.
+and the GPU path use them); the KV cache is fp32, or float16 (`LLM(kv_cache_dtype="float16")`) widened as read.
 """
 
 from __future__ import annotations
