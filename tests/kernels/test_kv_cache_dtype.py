@@ -8,6 +8,7 @@ over a float16 cache (torch rounds on assignment and widens on read, independent
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -19,7 +20,7 @@ from random_step_batches import CONFIGS, random_batch, reference
 from specserve import LLM, SamplingParams
 from specserve.kernels.attention import paged_attention, visible_keys
 from specserve.kernels.threads import get_threads
-from specserve.kv_cache import BlockAllocator
+from specserve.kv_cache import BlockAllocator, PagedKVCache
 
 
 def _attend(batch, q, k_cache, v_cache, window) -> np.ndarray:
@@ -70,7 +71,6 @@ def test_model_kernels_write_and_read_a_float16_cache_as_the_torch_layers_do(tmp
             values = torch.randn(getattr(caches[0], part).shape, generator=gen).half()
             for cache in caches:
                 getattr(cache, part).copy_(values)
-        import dataclasses
         batch = dataclasses.replace(batch, logit_rows=np.arange(batch.num_tokens, dtype=np.int64))
         out_k = kernels.forward(batch, caches[0]).logits
         out_t = layers.forward(batch, caches[1]).logits
@@ -83,12 +83,11 @@ def test_model_kernels_write_and_read_a_float16_cache_as_the_torch_layers_do(tmp
                                        atol=2e-3, rtol=2e-3)
         # Rounded to nearest, not truncated: layer 0's written values (computed before any attention) are the torch
         # layers' float32 K and V rounded to float16, but where the two sides' float32 values straddle a boundary.
-        layers.kv_cache_dtype = None
-        full = layers.new_cache(allocator)
+        cfg = layers.config
+        full = PagedKVCache(allocator, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.device("cpu"), torch.float32)
         for part in ("k", "v"):
             getattr(full, part).copy_(getattr(caches[1], part).float())
         layers.forward(batch, full)
-        layers.kv_cache_dtype = torch.float16
         for part in ("k", "v"):
             written, exact = getattr(caches[0], part)[0, slots], getattr(full, part)[0, slots].half()
             assert (written == exact).float().mean() > 0.99, part
