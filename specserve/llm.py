@@ -127,12 +127,14 @@ class LLM:
         # layers with that backend instead (on the CPU: sdpa, or triton under Triton's interpreter).
         cpu_kernels = attention is None and tensor_parallel_size == 1
         unsupported = kernels_unsupported(self.device, torch.float32, cfg.head_dim)  # None: the kernels can run it
-        _check_quantization(quantization, self.device, cpu_kernels, unsupported)
+        no_kernels = _why_no_kernels(self.device, cpu_kernels, unsupported)  # None: the CPU kernels will run it
+        _check_quantization(quantization, no_kernels)
         self.dtype = resolve_dtype(dtype, self.device, checkpoint_dtype(cfg.hf_config), cpu_kernels and unsupported is None)
+        kv_dtype = _kv_cache_dtype(kv_cache_dtype, no_kernels, self.dtype)
         self._tp = self._launch_tensor_parallel(tensor_parallel_size, cfg, model_dir, threads)
         self.model = LlamaModel.from_pretrained(model_dir, self.device, self.dtype, attention, cpu_kernels=cpu_kernels,
                                                 tp=self._tp, quantization=quantization, checkpoint=checkpoint)
-        self.model.kv_cache_dtype = _kv_cache_dtype(kv_cache_dtype, self.model)
+        self.model.kv_cache_dtype = kv_dtype
         if threads is not None and self.model.kernels is None and self.device.type == "cpu":
             torch.set_num_threads(threads)  # the torch path does the heavy work itself here
         elif self.model.kernels is not None:
@@ -380,30 +382,35 @@ class LLM:
 
 
 
-def _kv_cache_dtype(name: str | None, model) -> torch.dtype | None:
-    """`LLM`'s kv_cache_dtype as a torch dtype for `LlamaModel.kv_cache_dtype` (None: the model's default),
-    refused with one line where it cannot run: float16 needs the CPU kernels, whose attention widens it."""
+def _why_no_kernels(device: torch.device, cpu_kernels: bool, unsupported: str | None) -> str | None:
+    """Why the CPU kernels will not run this LLM's model (None: they will), for the options only they offer."""
+    if device.type == "cpu" and cpu_kernels and unsupported is None:
+        return None
+    return unsupported or ("an attention backend was named or the model is split over processes" if device.type == "cpu"
+                           else f"the device is {device}")
+
+
+def _kv_cache_dtype(name: str | None, no_kernels: str | None, model_dtype: torch.dtype) -> torch.dtype | None:
+    """`LLM`'s kv_cache_dtype as a torch dtype for `LlamaModel.kv_cache_dtype` (None: the model's default), refused
+    with one line, before anything loads, where it cannot run: the torch path's cache is the model's dtype."""
     if name is None:
         return None
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} (or None), got {name!r}")
     dtype = getattr(torch, name)
-    if model.kernels is None and dtype != model.cache_dtype():
-        raise ValueError(f"kv_cache_dtype={name!r} runs on the CPU kernels only, and they do not run this model here "
-                         f"(its cache stores {str(model.cache_dtype()).removeprefix('torch.')})")
+    if no_kernels is not None and dtype != model_dtype:
+        raise ValueError(f"kv_cache_dtype={name!r} runs on the CPU kernels only, and here {no_kernels}")
     return dtype
 
 
-def _check_quantization(quantization: str | None, device: torch.device, cpu_kernels: bool, unsupported: str | None) -> None:
+def _check_quantization(quantization: str | None, no_kernels: str | None) -> None:
     """Refuse, before anything loads, a quantization this LLM cannot run (only the CPU kernels quantize)."""
     if quantization is None:
         return
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} (or None), got {quantization!r}")
-    if device.type != "cpu" or not cpu_kernels or unsupported is not None:
-        why = unsupported or ("an attention backend was named or the model is split over processes" if device.type == "cpu"
-                              else f"the device is {device}")
-        raise ValueError(f"quantization={quantization!r} runs on the CPU kernels only, and here {why}")
+    if no_kernels is not None:
+        raise ValueError(f"quantization={quantization!r} runs on the CPU kernels only, and here {no_kernels}")
 
 
 def _describe_model(model, checkpoint, max_model_len: int | None, quantization: str | None) -> str:
