@@ -60,8 +60,9 @@ class ServerConfig:
                        defaults to the rest of the context, as OpenAI does).
     ping_interval:     seconds between websocket pings (None: none); a pong missing for half of that
                        closes the connection (aiohttp's heartbeat).
-    send_buffer_bytes: the kernel send buffer of each connection (None: the OS default, which grows to
-                       megabytes on loopback); smaller makes a stalled reader felt sooner.
+    send_buffer_bytes: the kernel send buffer of each connection, and the high-water mark of asyncio's
+                       buffer in front of it (None: the OS default, which grows to megabytes on
+                       loopback, and asyncio's 64 KiB); smaller makes a stalled reader felt sooner.
     threads:           torch threads of the engine thread (None: the starting thread's setting).
     shutdown_grace:    seconds ``shutdown()`` lets running responses finish before it cancels the rest
                        (each still gets its terminal event).
@@ -403,10 +404,13 @@ class SpecServer:
             return ws
         self.connections += 1
         self._sockets.add(ws)
-        if c.send_buffer_bytes is not None:
-            sock = request.transport.get_extra_info("socket") if request.transport else None
+        if c.send_buffer_bytes is not None and request.transport is not None:
+            sock = request.transport.get_extra_info("socket")
             if sock is not None:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, c.send_buffer_bytes)
+            # asyncio's own buffer in front of the socket (64 KiB by default) shrinks with it: otherwise a
+            # stalled reader still has that much of our output absorbed before our writer feels it.
+            request.transport.set_write_buffer_limits(high=c.send_buffer_bytes)
         try:
             session = Session(ws, self, peer=peer_of(request))
             self._sessions.add(session)

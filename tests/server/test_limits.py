@@ -70,9 +70,12 @@ def test_a_slow_reader_fails_its_own_responses_and_stalls_no_one(make_server):
     srv = make_server(max_pending_bytes=2048, send_buffer_bytes=4096, max_responses_per_connection=8)
     sock = _stalled_socket(srv.port)
     with connect(srv.ws_url, sock=sock, max_queue=1, open_timeout=10, max_size=None) as slow:
+        # Top log-probabilities give each token ~300 bytes that no merging of deltas can shrink: the 8
+        # replies' text alone (~12 KB once a late event loop merges their deltas) could fit in the socket's
+        # buffers, and a stall would then go unnoticed (CI saw it once, every reply 'incomplete').
         for _ in range(8):
             slow.send('{"type": "response.create", "response": {"input": "def f(x):", "max_output_tokens": 480, '
-                      '"ignore_eos": true, "temperature": 0}}')
+                      '"ignore_eos": true, "temperature": 0, "top_logprobs": 5}}')
         # While the slow socket is not being read, another client streams normally.
         with Conn(srv.ws_url) as fast:
             t0 = time.monotonic()

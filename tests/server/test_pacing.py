@@ -20,11 +20,12 @@ from wsclient import Conn
 
 @register("scripted_slow")
 class SlowScriptedDrafter(ScriptedDrafter):
-    """The scripted drafter with a step as long as a real model's on CPU (~15 ms): the tiny test model's
-    sub-millisecond steps would have the event loop release a whole burst in one iteration."""
+    """The scripted drafter with a step as long as a slow real one's on CPU (50 ms): the tiny test model's
+    sub-millisecond steps would have the event loop release a whole burst in one iteration. (At 15 ms a
+    step the pacer's ~3 ms ticks merged in the outbox once the suite's other worker loaded both cores.)"""
 
     def propose(self, requests, budgets, depth=None):
-        time.sleep(0.015)
+        time.sleep(0.05)
         return super().propose(requests, budgets, depth)
 
 
