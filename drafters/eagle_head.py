@@ -378,7 +378,7 @@ class _HeadKernels:
         else:  # x = fc([e; f]) + b, which the layer normalises itself when it has an input norm
             x = np.array(self.fc(torch.from_numpy(np.concatenate([e, f], axis=1))).numpy())
             attn = None if head.layer.input_norm is not None else x.copy()
-        cos, sin = (t.numpy() for t in self.rope.for_batch(batch.num_positions))
+        cos, sin = self.rope.arrays_for_batch(batch.num_positions)
         visible = visible_keys(batch, 0)
         for n, (layer, (k, v)) in enumerate(zip(self.layers, cache.layer_arrays())):
             layer(x, batch, k, v, cos, sin, visible, attn if n == 0 else None)  # later layers norm x themselves

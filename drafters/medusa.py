@@ -159,7 +159,7 @@ class MedusaDrafter(Drafter):
         self.kernels = _HeadKernels.build(self.heads, target, self.depth, storage)
         self.feature_layer = target.num_layers
         self.hidden_layers = (target.num_layers,)
-        self._features: dict[str, tuple[torch.Tensor, int]] = {}  # request -> (feature [H], its position)
+        self._features: dict[str, tuple] = {}  # request -> (feature [H]: float32 array on the kernels, else a tensor; its position)
         self._static_by_depth: dict[int, StaticTree] = {}  # the static tree limited to fewer levels
         self._generators: dict[str, torch.Generator] = {}
 
@@ -192,17 +192,20 @@ class MedusaDrafter(Drafter):
         levels = self.depth if depth is None else max(1, min(int(depth), self.depth))
         static = self._static_tree(levels)
         reach = levels if static is None else int(static.depths[: max(c for _, _, c in work)].max())
-        with torch.inference_mode():
-            feats = torch.stack([self._features[req.request_id][0] for _, req, _ in work])  # [A, H]
-            roots = None
-            if self.root_embed is not None:  # [A, H]: each request's root token, embedded as the target does
-                root_ids = torch.tensor([int(req.token_ids[-1]) for _, req, _ in work], dtype=torch.int64)
-                roots = self.root_embed[root_ids.to(self.root_embed.device)].to(self.device, self.dtype)
-            if self.kernels is not None:
-                logits = self.kernels(feats, reach, roots)  # [A, reach, V']
-            else:
+        if self.kernels is not None:  # numpy throughout: each torch call runs on caches the forward just emptied
+            feats = np.stack([self._features[req.request_id][0] for _, req, _ in work])  # float32[A, H]
+            root_ids = (np.fromiter((req.token_ids[-1] for _, req, _ in work), dtype=np.int64, count=len(work))
+                        if self.root_embed is not None else None)  # [A]: each request's root token
+            logits = self.kernels(feats, reach, root_ids)  # float32[A, reach, V']
+        else:
+            with torch.inference_mode():
+                feats = torch.stack([self._features[req.request_id][0] for _, req, _ in work])  # [A, H]
+                roots = None
+                if self.root_embed is not None:  # [A, H]: each request's root token, embedded as the target does
+                    root_ids = torch.tensor([int(req.token_ids[-1]) for _, req, _ in work], dtype=torch.int64)
+                    roots = self.root_embed[root_ids.to(self.root_embed.device)].to(self.device, self.dtype)
                 logits = self.heads(feats, self.lm_weight, heads=reach, root_embed=roots).transpose(0, 1).float()
-        logits = np.asarray(logits) if isinstance(logits, np.ndarray) else logits.cpu().numpy()
+            logits = logits.cpu().numpy()
         temps = np.array([req.temperature for _, req, _ in work], dtype=np.float32)
         reqs, caps = [req for _, req, _ in work], [cap for _, _, cap in work]
         if static is None:
@@ -223,7 +226,10 @@ class MedusaDrafter(Drafter):
             raise ValueError(f"medusa needs hidden layer {self.feature_layer}; got layers {sorted(hidden)}")
         rows = hidden[self.feature_layer]
         if rows.shape[0]:
-            self._features[req.request_id] = (rows[-1].detach().to(self.device, self.dtype), len(req.token_ids) - 2)
+            last = rows[-1].detach()
+            # The CPU kernels read it as a float32 array; the torch heads as a tensor on their device and dtype.
+            feature = np.asarray(last.float().numpy()) if self.kernels is not None else last.to(self.device, self.dtype)
+            self._features[req.request_id] = (feature, len(req.token_ids) - 2)
 
     def _uniforms(self, reqs: list[DraftRequest], temps: np.ndarray, size: int) -> np.ndarray | None:
         """One uniform per possible node of each sampled request, from its own seeded stream."""
@@ -421,6 +427,7 @@ class _HeadKernels:
         self.lm_heads = ([PackedLinear(heads.lm_heads[k], None, storage) for k in range(depth)]
                          if heads.lm_heads is not None else None)
         self.shared = target_kernels.lm_head
+        self.embed = target_kernels.embed  # float32[V, H]: the target's own, for heads that read the root token
         self.depth = depth
         # The compiled call takes each kind of product stacked along a first axis; the PackedLinears keep views.
         self._blocks = _stacked([b for bs in self.blocks for b in bs])
@@ -430,12 +437,12 @@ class _HeadKernels:
         self._vocab = (self.lm_heads[0] if self.lm_heads is not None else self.shared).out_features
         self._run = medusa_heads  # bound once: a drafting step's host work runs on cold caches
 
-    def __call__(self, feats: torch.Tensor, depth: int | None = None, roots: torch.Tensor | None = None) -> np.ndarray:
-        """feats float[A, H] (and, for root-token heads, roots float[A, H]: the root tokens' embeddings) ->
-        logits float32[A, depth, V'] of the first ``depth`` heads (default all built)."""
+    def __call__(self, feats: np.ndarray, depth: int | None = None, root_ids: np.ndarray | None = None) -> np.ndarray:
+        """feats float32[A, H] (and, for root-token heads, root_ids int64[A]: the root tokens, embedded here with
+        the target's table) -> logits float32[A, depth, V'] of the first ``depth`` heads (default all built)."""
         depth = self.depth if depth is None else depth
-        h = np.ascontiguousarray(feats.float().numpy())
-        r = np.ascontiguousarray(roots.float().numpy()) if self.roots is not None else self._no_roots
+        h = np.ascontiguousarray(feats, dtype=np.float32)
+        r = self.embed[root_ids] if self.roots is not None else self._no_roots  # (a fancy index: a fresh C array)
         out = np.empty((h.shape[0], depth, self._vocab), dtype=np.float32)
         self._run(h, r, *self._roots, *self._blocks, len(self.blocks[0]), *self._lm, self.lm_heads is None, out)
         return out

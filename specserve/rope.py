@@ -19,6 +19,7 @@ it.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from specserve.config import ModelConfig, _rope_parameters
@@ -43,6 +44,7 @@ class RotaryTable:
             self._inv_freq, self._scale = self._init_fn(seq_len=None)
         empty = torch.empty(0, config.head_dim, device=device, dtype=dtype)
         self.cos, self.sin = empty, empty
+        self._arrays: tuple[np.ndarray, np.ndarray] | None = None  # `arrays_for_batch`'s views of cos, sin
         self.cover(min(_FIRST_POSITIONS, config.max_position_embeddings))
 
     def _init_fn(self, seq_len):
@@ -80,6 +82,15 @@ class RotaryTable:
         """(cos, sin) covering positions below num_positions (a batch's `num_positions`)."""
         self.cover(num_positions)
         return self.cos, self.sin
+
+    def arrays_for_batch(self, num_positions: int) -> tuple[np.ndarray, np.ndarray]:
+        """`for_batch`'s tables as numpy views (a CPU table: the compiled kernels' form), made again only when
+        the tables grow: every forward asks, on caches the last forward emptied, where each torch call costs
+        tens of microseconds."""
+        if self._arrays is None or num_positions > self._arrays[0].shape[0]:
+            self.cover(num_positions)
+            self._arrays = (self.cos.numpy(), self.sin.numpy())
+        return self._arrays
 
     def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [T, heads, head_dim] and k [T, kv_heads, head_dim] by their positions [T] (already

@@ -182,7 +182,7 @@ class ModelKernels:
         x = self.embed[batch.input_ids]  # float32[T, H], a fresh copy: the residual stream
         hidden: dict[int, torch.Tensor] = {}
         kv = cache.layer_arrays()
-        cos, sin = (t.numpy() for t in self.rope.for_batch(batch.num_positions))  # the kernels never bounds-check
+        cos, sin = self.rope.arrays_for_batch(batch.num_positions)  # the kernels never bounds-check
         visible = visible_keys(batch, self.window)
         for i, layer in enumerate(self.layers):
             if i in hidden_layers:

@@ -199,9 +199,10 @@ class Speculator:
         emitted (emitting may finish, and release, a request)."""
         hidden = out.hidden  # {layer: float[T, hidden]}
         roots = None
-        if hidden:
-            # Every decode keeps its root's features: gathered once for the batch ([decodes, hidden] per
-            # layer), each request keeping a one-row view (the common plain step costs no per-request copy).
+        if hidden and any(not result.num_accepted for result in results[:len(step.decodes)]):
+            # A decode that accepted nothing keeps its root's features: gathered once for the batch ([decodes,
+            # hidden] per layer), each such request keeping a one-row view (the common plain step costs no
+            # per-request copy; a step where every decode accepted a path gathers its own rows below instead).
             index = torch.as_tensor(out.first_rows[:len(step.decodes)], dtype=torch.int64)
             roots = {layer: h[index.to(h.device)] for layer, h in hidden.items()}
         argmax = offsets = None

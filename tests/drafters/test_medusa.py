@@ -485,7 +485,7 @@ def test_the_engine_hands_over_the_targets_final_normed_feature(small_vocab_dir,
 
     def spy(requests, budgets, depth=None):
         trees = original(requests, budgets, depth)
-        seen.extend((r.token_ids.copy(), drafter._features[r.request_id][0].clone()) for r in requests)
+        seen.extend((r.token_ids.copy(), torch.as_tensor(drafter._features[r.request_id][0]).clone()) for r in requests)
         return trees
 
     drafter.propose = spy
@@ -696,10 +696,10 @@ def test_the_compiled_heads_match_their_float64_definition_and_batch_invariance(
     assert kernels is not None  # a float32 target on the CPU runs its kernels, and the heads' products with them
     hf = AutoModelForCausalLM.from_pretrained(str(small_vocab_dir), dtype=torch.float64)
     feats = torch.randn(3, 64, generator=gen)
-    root_ids = [4, 13, 7]
-    roots = hf.model.embed_tokens.weight[root_ids].detach().float() if root_token else None
+    root_ids = np.array([4, 13, 7])
+    roots = hf.model.embed_tokens.weight[root_ids].detach().float() if root_token else None  # the reference's lookup
     for depth in (3, 2):
-        got = kernels(feats, depth, roots)  # float32[3, depth, 16]
+        got = kernels(feats.numpy(), depth, root_ids if root_token else None)  # float32[3, depth, 16]
         assert got.shape == (3, depth, 16)
         for k in range(depth):
             x = feats.double()
@@ -711,5 +711,5 @@ def test_the_compiled_heads_match_their_float64_definition_and_batch_invariance(
             lm = heads.lm_heads[k].detach().double() if lm_head == "own" else hf.lm_head.weight.detach()
             torch.testing.assert_close(torch.from_numpy(got[:, k]).double(), x @ lm.T, atol=2e-4, rtol=2e-4)
         for a in range(3):
-            alone = kernels(feats[a:a + 1], depth, roots[a:a + 1] if root_token else None)
+            alone = kernels(feats[a:a + 1].numpy(), depth, root_ids[a:a + 1] if root_token else None)
             assert np.array_equal(alone[0], got[a])

@@ -67,6 +67,25 @@ def test_tables_are_transformers_frequencies_per_position(dynamic_dir):
         torch.testing.assert_close(table.cos[p, : inv_freq.numel()], torch.cos(p * inv_freq), atol=1e-6, rtol=1e-6)
 
 
+def test_the_kernels_numpy_tables_follow_the_tables_as_they_grow(dynamic_dir):
+    """`arrays_for_batch` (what the compiled kernels read) hands out views of the same tables, made again when
+    a batch reaches past them: a position's rotation never depends on when its table was made."""
+    table = RotaryTable(load_config(dynamic_dir), torch.device("cpu"), torch.float32)
+    first = table.num_positions
+    cos, sin = table.arrays_for_batch(10)
+    assert table.arrays_for_batch(first)[0] is cos  # covered already: the same views, nothing made
+    np.testing.assert_array_equal(cos, table.cos.numpy())
+    np.testing.assert_array_equal(sin, table.sin.numpy())
+    grown_cos, grown_sin = table.arrays_for_batch(first + 1)
+    assert grown_cos.shape[0] == table.num_positions > first
+    np.testing.assert_array_equal(grown_cos, table.cos.numpy())
+    np.testing.assert_array_equal(grown_sin, table.sin.numpy())
+    np.testing.assert_array_equal(grown_cos[:first], cos)  # the positions already made are unchanged
+    fresh = RotaryTable(load_config(dynamic_dir), torch.device("cpu"), torch.float32)
+    fresh.cover(table.num_positions)  # made in one go: the same values as grown
+    np.testing.assert_array_equal(fresh.cos.numpy(), grown_cos)
+
+
 @pytest.mark.parametrize("executor", ["kernels", "torch"])
 def test_logits_match_transformers_below_and_above_the_original_context(dynamic_dir, executor):
     hf = AutoModelForCausalLM.from_pretrained(str(dynamic_dir), dtype=torch.float32).eval()
