@@ -159,7 +159,8 @@ class MedusaDrafter(Drafter):
         self.kernels = _HeadKernels.build(self.heads, target, self.depth, storage)
         self.feature_layer = target.num_layers
         self.hidden_layers = (target.num_layers,)
-        self._features: dict[str, tuple] = {}  # request -> (feature [H]: float32 array on the kernels, else a tensor; its position)
+        # request -> (its feature [H]: a float32 array on the CPU kernels, else a tensor; the feature's position)
+        self._features: dict[str, tuple] = {}
         self._static_by_depth: dict[int, StaticTree] = {}  # the static tree limited to fewer levels
         self._generators: dict[str, torch.Generator] = {}
 
@@ -228,7 +229,7 @@ class MedusaDrafter(Drafter):
         if rows.shape[0]:
             last = rows[-1].detach()
             # The CPU kernels read it as a float32 array; the torch heads as a tensor on their device and dtype.
-            feature = np.asarray(last.float().numpy()) if self.kernels is not None else last.to(self.device, self.dtype)
+            feature = last.float().numpy() if self.kernels is not None else last.to(self.device, self.dtype)
             self._features[req.request_id] = (feature, len(req.token_ids) - 2)
 
     def _uniforms(self, reqs: list[DraftRequest], temps: np.ndarray, size: int) -> np.ndarray | None:
