@@ -78,15 +78,10 @@ class RotaryTable:
         inv_freq, _ = self._init_fn(seq_len=seq_lens)
         return inv_freq.float()
 
-    def for_batch(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) covering positions below num_positions (a batch's `num_positions`)."""
-        self.cover(num_positions)
-        return self.cos, self.sin
-
     def arrays_for_batch(self, num_positions: int) -> tuple[np.ndarray, np.ndarray]:
-        """`for_batch`'s tables as numpy views (a CPU table: the compiled kernels' form), made again only when
-        the tables grow: every forward asks, on caches the last forward emptied, where each torch call costs
-        tens of microseconds."""
+        """(cos, sin) covering positions below num_positions (a batch's `num_positions`) as numpy views of the
+        tables (a CPU table: the compiled kernels' form), made again only when the tables grow: every forward
+        asks, on caches the last forward emptied, where each torch call costs tens of microseconds."""
         if self._arrays is None or num_positions > self._arrays[0].shape[0]:
             self.cover(num_positions)
             self._arrays = (self.cos.numpy(), self.sin.numpy())
