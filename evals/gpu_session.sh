@@ -20,7 +20,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 echo "== setup $(( $(date +%s)-t0 )) s"
 ( timeout $PYTEST_S python3 -m pytest -q -p no:cacheprovider -rfE --tb=short --timeout 90 \
-    ${PYTEST_TESTS:-tests/engine/test_gpu.py tests/kernels/test_triton_attention.py tests/engine/test_triton_backend.py \
+    ${PYTEST_TESTS:-tests/engine/test_gpu.py tests/compute_kernels/test_triton_attention.py tests/engine/test_triton_backend.py \
     tests/engine/test_cuda_graphs.py tests/engine/test_step_runner.py tests/evals/test_bench_gpu.py} \
     > $OUT/pytest.log 2>&1; echo "pytest rc $?" >> $OUT/pytest.log ) &
 PYTEST_PID=$!

@@ -5,7 +5,7 @@ nodes under the ancestor mask), a prompt chunk (causal), a drafter level whose m
 levels cached as "tail" entries — because all of them are the StepBatch case "n new rows over a paged
 context, the last `width` keys under a mask". A split into decode and prefill kernels would buy little
 here: the tile loop below already stops at the causal edge, and a single kernel keeps one set of mask
-semantics to test (tests/kernels/test_triton_attention.py checks it against the sdpa backend and a
+semantics to test (tests/compute_kernels/test_triton_attention.py checks it against the sdpa backend and a
 float64 reference under TRITON_INTERPRET=1).
 
 Grid: (sequences, query tiles, kv heads). A program owns BLOCK_Q = BLOCK_M // GROUP query rows of one

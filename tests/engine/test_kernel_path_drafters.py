@@ -3,7 +3,7 @@ hypothesis-chosen tree shapes, weight storage (float32, bfloat16), kernel thread
 and prefill chunking.
 
 The kernels make a verify row compute exactly what plain decoding computes for the same token at the
-same position (tests/kernels/test_batch_invariance.py), so this holds bit for bit by construction,
+same position (tests/compute_kernels/test_batch_invariance.py), so this holds bit for bit by construction,
 whatever each drafter proposes — including its own forwards on the same kernels (draft model, EAGLE
 heads, Medusa heads). The drafters' artifacts are random (acceptance is partial: accepted paths, KV
 moves and rejected siblings all happen); the reference is plain decoding with the same storage.

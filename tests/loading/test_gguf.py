@@ -42,7 +42,7 @@ from loading.gguf_writer import CHAT_TEMPLATE, permute_rows, write_gguf
 
 CPU = torch.device("cpu")
 REL_F32 = 3e-5  # "within float32 rounding": see the module docstring
-KERNEL_BOUND = 0.06  # the 8-bit activations' share, as tests/kernels/test_quantization.py bounds it (3.0-3.3 % here)
+KERNEL_BOUND = 0.06  # the 8-bit activations' share, as tests/compute_kernels/test_quantization.py bounds it (3.0-3.3 % here)
 PROMPT = list(range(3, 40)) + [7, 7, 7, 250, 299, 0]
 HEADS, KV_HEADS, HIDDEN = 4, 2, 256
 
@@ -86,7 +86,7 @@ def gguf_path(hf_dir, tmp_path_factory):
 
 
 def _logits(model: LlamaModel, prompt=PROMPT) -> torch.Tensor:
-    """float64[len(prompt), vocab]: every position's logits from one prefill (as tests/kernels/test_quantization.py)."""
+    """float64[len(prompt), vocab]: every position's logits from one prefill (as tests/compute_kernels/test_quantization.py)."""
     allocator = BlockAllocator(len(prompt) // 4 + 2, 4)
     allocator.allocate("s", len(prompt))
     builder = StepBatchBuilder(allocator)
@@ -327,7 +327,7 @@ def _emulate_blocks(x: np.ndarray, q: np.ndarray, d16: np.ndarray) -> np.ndarray
     acc = fma(S_j, round_f32(d_j·dx_j), acc) over the runs in order from 0, + 0 (no bias)."""
     from fractions import Fraction
 
-    from kernels.test_linear import round_f32
+    from compute_kernels.test_linear import round_f32
     from quant_reference import q8_0_reference
 
     qx, dx = q8_0_reference(x, np.float32)
@@ -344,7 +344,7 @@ def _emulate_blocks(x: np.ndarray, q: np.ndarray, d16: np.ndarray) -> np.ndarray
 
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1"])
 def test_a_packed_gguf_product_is_bitwise_the_kernel_arithmetic_on_the_files_blocks(gguf_path, name):
-    from kernels.test_linear import emulate_q4_1
+    from compute_kernels.test_linear import emulate_q4_1
     from specserve.kernels import linear_rows
 
     path = gguf_path(name)
