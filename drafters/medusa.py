@@ -8,7 +8,9 @@ target is the bundled default model. The heads read the target's final normed hi
 whose next token is the root: head 0 proposes the depth-1 nodes (the token after the root), head k the
 depth-(k+1) nodes. No draft forward, no draft KV: one small matmul per step for the whole batch.
 Root-token heads (`medusa_heads`) also read the target's embedding of the root, which the request
-already holds, so they cost one more small product and no extra pass.
+already holds, so they cost one more small product and no extra pass. Parent-token heads also read, from head 1
+on, the embedding of the node whose children they guess: their (static) trees grow level by level, one heads call
+per level over every node with children, each node's children chosen from its own row of logits.
 
 Trees (``tree=``):
 
@@ -110,6 +112,10 @@ class MedusaDrafter(Drafter):
         loaded = load_heads(path, hidden_size=target.hidden_size, vocab_size=target.vocab_size, model_type=model_type,
                             target_dir=target.model_dir)
         heads = loaded.heads
+        if heads.parent_token and tree == "dynamic":
+            raise ValueError(f"medusa heads in {str(path)!r} read their parent's token and draft static trees only "
+                             "(tree='static')")
+        self.parent_token = heads.parent_token
         self.path = str(path)
         self._target_dir = target.model_dir
         self.layout = loaded.layout
@@ -193,29 +199,41 @@ class MedusaDrafter(Drafter):
         levels = self.depth if depth is None else max(1, min(int(depth), self.depth))
         static = self._static_tree(levels)
         reach = levels if static is None else int(static.depths[: max(c for _, _, c in work)].max())
-        if self.kernels is not None:  # numpy throughout: each torch call runs on caches the forward just emptied
-            feats = np.stack([self._features[req.request_id][0] for _, req, _ in work])  # float32[A, H]
-            root_ids = (np.fromiter((req.token_ids[-1] for _, req, _ in work), dtype=np.int64, count=len(work))
-                        if self.root_embed is not None else None)  # [A]: each request's root token
-            logits = self.kernels(feats, reach, root_ids)  # float32[A, reach, V']
-        else:
-            with torch.inference_mode():
-                feats = torch.stack([self._features[req.request_id][0] for _, req, _ in work])  # [A, H]
-                roots = None
-                if self.root_embed is not None:  # [A, H]: each request's root token, embedded as the target does
-                    root_ids = torch.tensor([int(req.token_ids[-1]) for _, req, _ in work], dtype=torch.int64)
-                    roots = self.root_embed[root_ids.to(self.root_embed.device)].to(self.device, self.dtype)
-                logits = self.heads(feats, self.lm_weight, heads=reach, root_embed=roots).transpose(0, 1).float()
-            logits = logits.cpu().numpy()
+        # float32[A, H] on the kernels (numpy throughout: each torch call runs on caches the forward just emptied),
+        # else a tensor on the heads' device
+        features = [self._features[req.request_id][0] for _, req, _ in work]
+        feats = np.stack(features) if self.kernels is not None else torch.stack(features)
+        root_ids = (np.fromiter((req.token_ids[-1] for _, req, _ in work), dtype=np.int64, count=len(work))
+                    if self.root_embed is not None else None)  # [A]: each request's root token
         temps = np.array([req.temperature for _, req, _ in work], dtype=np.float32)
         reqs, caps = [req for _, req, _ in work], [cap for _, _, cap in work]
-        if static is None:
-            made = self._dynamic_trees(logits, reqs, temps, caps, levels)
+        if self.parent_token:
+            made = self._parent_trees(feats, root_ids, reqs, temps, caps, static)
         else:
-            made = self._static_trees(logits, reqs, temps, caps, static)
+            logits = self._head_logits(feats, root_ids, 0, reach)  # float32[A, reach, V']
+            if static is None:
+                made = self._dynamic_trees(logits, reqs, temps, caps, levels)
+            else:
+                made = self._static_trees(logits, reqs, temps, caps, static)
         for (i, _, _), tree in zip(work, made):
             trees[i] = tree
         return trees
+
+    def _head_logits(self, feats, root_ids: np.ndarray | None, first: int, count: int,
+                     parent_ids: np.ndarray | None = None) -> np.ndarray:
+        """float32[R, count, V']: heads ``first`` .. ``first + count - 1`` on R rows: feats [R, H] (a float32 array on
+        the kernels, else a tensor), root_ids int64[R] (root-token heads), parent_ids int64[R] target ids (parent-token
+        heads from head 1 on: the node each row expands)."""
+        if self.kernels is not None:
+            return self.kernels(feats, count, root_ids, first, parent_ids)
+        with torch.inference_mode():
+            roots = parents = None
+            if self.root_embed is not None:  # [R, H]: each row's root token, embedded as the target does
+                roots = self.root_embed[torch.from_numpy(root_ids).to(self.root_embed.device)].to(self.device, self.dtype)
+            if parent_ids is not None:
+                parents = self.root_embed[torch.from_numpy(parent_ids).to(self.root_embed.device)].to(self.device, self.dtype)
+            logits = self.heads(feats, self.lm_weight, heads=count, first=first, root_embed=roots, parent_embed=parents)
+            return logits.transpose(0, 1).float().cpu().numpy()
 
     # ---- trees ----------------------------------------------------------------------------------
 
@@ -303,6 +321,29 @@ class MedusaDrafter(Drafter):
             out.append(_tree(tokens[keep], new_parents, q_ids[keep], q_probs[keep], id_map=self.id_map))
         return out
 
+    def _parent_trees(self, feats, root_ids: np.ndarray, reqs: list[DraftRequest], temps: np.ndarray,
+                      caps: list[int], s: StaticTree) -> list[DraftTree]:
+        """Parent-token heads' static trees (`s`'s prefix of each cap), grown level by level: the root rows read
+        head 0, then every kept node of depth d with children in its request's tree is a row of head d, reading its
+        own token; each row's children are chosen from its own logits as `_RowTree` chooses them. One heads call
+        per level for the whole batch (a level's heads' weights stream once)."""
+        uniforms = self._uniforms(reqs, temps, s.num_nodes)
+        trees = [_RowTree(s.parents[:cap], s.depths[:cap], s.ranks[:cap], float(temps[a]),
+                          uniforms[a] if uniforms is not None else None, reqs[a].mask, self.id_map)
+                 for a, cap in enumerate(caps)]
+        rows = [(a, -1) for a in range(len(reqs))]  # (request, node) of each row; -1: the root
+        logits = self._head_logits(feats, root_ids, 0, 1)[:, 0]  # float32[A, V']
+        for level in range(1, s.max_depth + 1):
+            for (a, node), row in zip(rows, logits):
+                trees[a].expand(node, row)
+            rows = [(a, node) for a, tree in enumerate(trees) for node in tree.expandable(level)]
+            if not rows or level >= self.depth:
+                break
+            which = np.array([a for a, _ in rows], dtype=np.int64)
+            parents = np.array([trees[a].tokens[node] for a, node in rows], dtype=np.int64)
+            logits = self._head_logits(feats[which], root_ids[which], level, 1, to_target_ids(self.id_map, parents))[:, 0]
+        return [tree.finish() for tree in trees]
+
     def _generator(self, req: DraftRequest) -> torch.Generator:
         generator = self._generators.get(req.request_id)
         if generator is None:
@@ -325,54 +366,89 @@ class MedusaDrafter(Drafter):
 def _constrained_static_tree(logits: np.ndarray, grammar, parents: np.ndarray, depths: np.ndarray,
                              ranks: np.ndarray, temperature: float, uniforms: np.ndarray | None,
                              id_map: np.ndarray | None = None) -> DraftTree:
-    """A static tree under a grammar: every expanded row's head logits are masked with the grammar's
-    state after that row's path (one mask per row), then its children are chosen as without a grammar —
-    greedy: the rank-``ranks[i]`` allowed token; sampled: draws without replacement from the masked
-    compact q (`draw_siblings`, so q is the masked draft and sampling stays exact). A node with no
-    allowed token left is dropped with its subtree. logits: float32[D, V'] (columns: target ids through
-    ``id_map`` when the heads have a draft vocabulary)."""
-    n = len(parents)
-    tokens = np.zeros(n, dtype=np.int64)
-    keep = np.zeros(n, dtype=np.bool_)
-    support = max(DRAFT_Q_SUPPORT, n)
-    q_ids = np.full((n, support), -1, dtype=np.int64)
-    q_probs = np.zeros((n, support), dtype=np.float32)
-    children: dict[int, list[int]] = {}
-    for i, parent in enumerate(parents.tolist()):
-        children.setdefault(parent, []).append(i)
-    for row in [-1] + list(range(n)):
-        kids = children.get(row)
-        if not kids or (row >= 0 and not keep[row]):
-            continue
-        path, node = [], row
-        while node >= 0:
-            path.append(int(tokens[node]))
-            node = int(parents[node])
-        allowed = grammar.allowed(to_target_ids(id_map, np.array(path[::-1], dtype=np.int64)).tolist())
-        head = logits[depths[kids[0]] - 1]
-        if allowed is not None:
-            allowed = allowed_columns(id_map, allowed, len(head))
-        masked = np.where(allowed, head, -np.inf).astype(np.float32) if allowed is not None \
-            else np.full_like(head, -np.inf)
-        if temperature <= 0:
-            candidates = np.flatnonzero(masked > -np.inf)
-            candidates = candidates[np.argsort(-masked[candidates], kind="stable")]
+    """A static tree under a grammar: every expanded row's head logits (logits float32[D, V'], row d: the head of
+    depth d + 1's nodes) masked with the grammar's state after that row's path (`_RowTree`)."""
+    tree = _RowTree(parents, depths, ranks, temperature, uniforms, grammar, id_map)
+    for row in range(-1, len(parents)):
+        tree.expand(row, logits[depths[row] if row >= 0 else 0])
+    return tree.finish()
+
+
+class _RowTree:
+    """A static tree's tokens chosen row by row: each expanded row (the root, -1, or a node) gives its children from
+    one row of logits — its depth's head's (a grammar's trees), or its own (parent-token heads). Greedy: the child of
+    rank j takes the row's j-th best column; sampled: the j-th draw without replacement from the row's compact q
+    (`draw_siblings`, so q is exactly what each node was drawn from). Under a grammar the row is first masked with
+    the grammar's state after the row's path (one mask per row: sampling stays exact under the mask). A node with no
+    token left (fewer allowed columns than its rank, or q's support ran out) is dropped with its subtree.
+
+    parents, depths, ranks: int64[N] (`StaticTree`'s, cut to a budget); uniforms float64[>= N] (node i's draw uses
+    uniforms[i]) when temperature > 0; grammar None or the request's; tokens are logit columns (``id_map``: a draft
+    vocabulary's target ids).
+    """
+
+    def __init__(self, parents: np.ndarray, depths: np.ndarray, ranks: np.ndarray, temperature: float,
+                 uniforms: np.ndarray | None, grammar, id_map: np.ndarray | None) -> None:
+        n = len(parents)
+        self.parents, self.depths, self.ranks = parents, depths, ranks
+        self.temperature, self.uniforms, self.grammar, self.id_map = temperature, uniforms, grammar, id_map
+        self.tokens = np.zeros(n, dtype=np.int64)
+        self.keep = np.zeros(n, dtype=np.bool_)
+        self.support = max(DRAFT_Q_SUPPORT, n)
+        self.q_ids = np.full((n, self.support), -1, dtype=np.int64)
+        self.q_probs = np.zeros((n, self.support), dtype=np.float32)
+        self.children: dict[int, list[int]] = {}
+        for i, parent in enumerate(parents.tolist()):
+            self.children.setdefault(parent, []).append(i)
+
+    def expandable(self, depth: int) -> list[int]:
+        """The kept nodes of ``depth`` that have children: the rows the next level expands."""
+        return [i for i in np.flatnonzero((self.depths == depth) & self.keep).tolist() if i in self.children]
+
+    def expand(self, row: int, logits: np.ndarray) -> None:
+        """Choose row's children (if any, and if the row itself was kept) from logits float32[V']."""
+        kids = self.children.get(row)
+        if not kids or (row >= 0 and not self.keep[row]):
+            return
+        if self.grammar is not None:
+            path, node = [], row
+            while node >= 0:
+                path.append(int(self.tokens[node]))
+                node = int(self.parents[node])
+            allowed = self.grammar.allowed(to_target_ids(self.id_map, np.array(path[::-1], dtype=np.int64)).tolist())
+            logits = (np.where(allowed_columns(self.id_map, allowed, len(logits)), logits, -np.inf).astype(np.float32)
+                      if allowed is not None else np.full_like(logits, -np.inf))
+        if self.temperature <= 0:
+            count = int(self.ranks[kids].max()) + 1
+            if self.grammar is None:
+                candidates, values = np.empty(count, dtype=np.int64), np.empty(count, dtype=np.float64)
+                top_columns(np.ascontiguousarray(logits), count, candidates, values)
+                candidates = candidates[candidates >= 0]
+            else:
+                candidates = np.flatnonzero(logits > -np.inf)
+                candidates = candidates[np.argsort(-logits[candidates], kind="stable")]
             for i in kids:
-                if ranks[i] < len(candidates):
-                    tokens[i], keep[i] = candidates[ranks[i]], True
-            continue
-        count = len(kids)
+                if self.ranks[i] < len(candidates):
+                    self.tokens[i], self.keep[i] = candidates[self.ranks[i]], True
+            return
+        count, support = len(kids), self.support
         c_tokens, c_ids = np.zeros(count, np.int64), np.full((count, support), -1, np.int64)
         c_probs = np.zeros((count, support), np.float32)
-        drawn = draw_siblings(masked, temperature, count, uniforms[kids], c_ids, c_probs, c_tokens,
-                              np.empty(support, np.int64), np.empty(support, np.float64), np.empty(support, np.float64))
+        drawn = draw_siblings(np.ascontiguousarray(logits, dtype=np.float32), self.temperature, count,
+                              self.uniforms[kids], c_ids, c_probs, c_tokens, np.empty(support, np.int64),
+                              np.empty(support, np.float64), np.empty(support, np.float64))
         for j in range(drawn):
-            tokens[kids[j]], q_ids[kids[j]], q_probs[kids[j]], keep[kids[j]] = c_tokens[j], c_ids[j], c_probs[j], True
-    index = np.cumsum(keep) - 1
-    new_parents = np.where(parents >= 0, index[np.maximum(parents, 0)], -1)[keep]
-    if temperature <= 0:
-        return _tree(tokens[keep], new_parents, None, None, id_map=id_map)
-    return _tree(tokens[keep], new_parents, q_ids[keep], q_probs[keep], id_map=id_map)
+            i = kids[j]
+            self.tokens[i], self.q_ids[i], self.q_probs[i], self.keep[i] = c_tokens[j], c_ids[j], c_probs[j], True
+
+    def finish(self) -> DraftTree:
+        """The kept nodes as a `DraftTree` (target ids; q where sampled)."""
+        keep = self.keep
+        index = np.cumsum(keep) - 1
+        new_parents = np.where(self.parents >= 0, index[np.maximum(self.parents, 0)], -1)[keep]
+        if self.temperature <= 0:
+            return _tree(self.tokens[keep], new_parents, None, None, id_map=self.id_map)
+        return _tree(self.tokens[keep], new_parents, self.q_ids[keep], self.q_probs[keep], id_map=self.id_map)
 
 
 def _top_ranks(logits: np.ndarray, count: int) -> np.ndarray:
@@ -425,6 +501,8 @@ class _HeadKernels:
                         for layer in range(heads.num_layers)] for k in range(depth)]
         self.roots = ([PackedLinear(heads.root_weight[k], None, storage) for k in range(depth)]
                       if heads.root_weight is not None else None)
+        self.parents = ([PackedLinear(heads.parent_weight[k - 1], None, storage) for k in range(1, depth)]
+                        if heads.parent_weight is not None else None)  # head k's at k - 1
         self.lm_heads = ([PackedLinear(heads.lm_heads[k], None, storage) for k in range(depth)]
                          if heads.lm_heads is not None else None)
         self.shared = target_kernels.lm_head
@@ -433,19 +511,24 @@ class _HeadKernels:
         # The compiled call takes each kind of product stacked along a first axis; the PackedLinears keep views.
         self._blocks = _stacked([b for bs in self.blocks for b in bs])
         self._roots = _stacked(self.roots) if self.roots is not None else _no_products(self._blocks)
+        self._parents = _stacked(self.parents) if self.parents else _no_products(self._blocks)
         self._lm = _stacked(self.lm_heads) if self.lm_heads is not None else _stacked([self.shared], views=False)
-        self._no_roots = np.zeros((0, heads.hidden_size), dtype=np.float32)
+        self._no_rows = np.zeros((0, heads.hidden_size), dtype=np.float32)
         self._vocab = (self.lm_heads[0] if self.lm_heads is not None else self.shared).out_features
         self._run = medusa_heads  # bound once: a drafting step's host work runs on cold caches
 
-    def __call__(self, feats: np.ndarray, depth: int | None = None, root_ids: np.ndarray | None = None) -> np.ndarray:
-        """feats float32[A, H] (and, for root-token heads, root_ids int64[A]: the root tokens, embedded here with
-        the target's table) -> logits float32[A, depth, V'] of the first ``depth`` heads (default all built)."""
-        depth = self.depth if depth is None else depth
+    def __call__(self, feats: np.ndarray, depth: int | None = None, root_ids: np.ndarray | None = None, first: int = 0,
+                 parent_ids: np.ndarray | None = None) -> np.ndarray:
+        """feats float32[R, H] (and, for root-token heads, root_ids int64[R]: the root tokens; for parent-token heads
+        from head 1 on, parent_ids int64[R]: each row's parent token; both embedded here with the target's table)
+        -> logits float32[R, depth, V'] of heads ``first`` .. ``first + depth - 1`` (default: all built from first)."""
+        depth = self.depth - first if depth is None else depth
         h = np.ascontiguousarray(feats, dtype=np.float32)
-        r = self.embed[root_ids] if self.roots is not None else self._no_roots  # (a fancy index: a fresh C array)
+        r = self.embed[root_ids] if self.roots is not None else self._no_rows  # (a fancy index: a fresh C array)
+        p = self.embed[parent_ids] if parent_ids is not None and self.parents else self._no_rows
         out = np.empty((h.shape[0], depth, self._vocab), dtype=np.float32)
-        self._run(h, r, *self._roots, *self._blocks, len(self.blocks[0]), *self._lm, self.lm_heads is None, out)
+        self._run(h, r, p, first, *self._roots, *self._parents, *self._blocks, len(self.blocks[0]), *self._lm,
+                  self.lm_heads is None, out)
         return out
 
 

@@ -2,9 +2,10 @@
 
 **Ours** (written by ``specserve train medusa``)::
 
-    medusa_config.json          {"format": "specserve-medusa", "version": 1 | 2, "num_heads", "num_layers",
+    medusa_config.json          {"format": "specserve-medusa", "version": 1 | 2 | 3, "num_heads", "num_layers",
                                  "hidden_size", "vocab_size", "lm_head": "own" | "shared",
                                  optional "draft_vocab_size", "root_token" (version 2),
+                                 "parent_token" (version 3),
                                  "target": {"path", "model_type", "hidden_size", "vocab_size",
                                             "num_layers", "fingerprint" (a directory) or
                                             "file_sha256" + "tokenizer" (a GGUF file)},
@@ -12,13 +13,18 @@
     medusa_heads.safetensors    "weight" [K, L, H, H], "bias" [K, L, H], and with own LM heads
                                 "lm_heads" [K, V', H]; with a draft vocabulary "draft_to_target"
                                 int64[V'] (ascending target ids), else V' = V; with "root_token"
-                                "root_weight" [K, H, H]
+                                "root_weight" [K, H, H]; with "parent_token" "parent_weight" [K - 1, H, H]
 
 Root-token heads (``root_token``, written as version 2; version 1 files have none) also read the
 embedding of the root — the token the target has just chosen after the feature's position, which
 plain Medusa heads must guess. Head 0 then predicts the token after a known one, EAGLE's depth-1
 question, instead of marginalising over the root as well (on the default model's held-out data:
 training/README). The embedding is the target's own table, so the heads store none.
+
+Parent-token heads (``parent_token``, version 3; root-token heads too) also read, from head 1 on, the embedding of
+the token their guess follows: head k's node in a tree is the child of a depth-k node, whose token the tree already
+holds when it expands that node (Hydra's heads). Each node then gets its own children — plain heads give every node
+of a depth the same guesses — at the price of one heads call per tree level (`drafters/medusa.py`).
 
 A draft vocabulary (own LM heads only) keeps each head's LM head to the V' most frequent target tokens,
 as EAGLE-3 heads do: on SmolLM2 (V = 49,152) a full own LM head per head would cost a target LM head's
@@ -53,8 +59,7 @@ from specserve.drafters.medusa_public import (
 from torch import nn
 
 FORMAT = "specserve-medusa"
-VERSION = 2  # what `save_heads` writes when the heads read the root token; heads that do not stay version 1
-VERSIONS = (1, 2)
+VERSIONS = (1, 2, 3)  # `save_heads` writes the lowest that holds the heads: 2 reads the root token, 3 the parent's
 CONFIG_FILE = "medusa_config.json"
 WEIGHTS_FILE = "medusa_heads.safetensors"
 LM_HEAD_MODES = ("own", "shared")
@@ -66,7 +71,8 @@ class MedusaHeads(nn.Module):
     """K Medusa heads over the target's final normed hidden state h (what its LM head reads).
 
     Head k: ``x = h`` (root-token heads: ``x = h + R[k] e`` with e the target's embedding of the root,
-    the token at t + 1), then ``x <- x + SiLU(W[k, l] x + b[k, l])`` for each of ``num_layers`` blocks,
+    the token at t + 1; parent-token heads add ``P[k - 1] e_k`` for k >= 1, e_k the embedding of the token at
+    t + 1 + k, the node whose child head k guesses), then ``x <- x + SiLU(W[k, l] x + b[k, l])`` for each of ``num_layers`` blocks,
     then ``logits = U_k x`` with U_k [V', H] its own LM head (``lm_head="own"``) or the target's
     (``"shared"``, passed to `forward`). Blocks and R start at zero, so a fresh head is the target's LM
     head. Head k at the feature of position t predicts the token at t + k + 2.
@@ -76,7 +82,7 @@ class MedusaHeads(nn.Module):
     """
 
     def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int, lm_head: str = "own",
-                 draft_vocab_size: int | None = None, root_token: bool = False) -> None:
+                 draft_vocab_size: int | None = None, root_token: bool = False, parent_token: bool = False) -> None:
         super().__init__()
         if lm_head not in LM_HEAD_MODES:
             raise ValueError(f"lm_head must be one of {LM_HEAD_MODES}, got {lm_head!r}")
@@ -93,8 +99,12 @@ class MedusaHeads(nn.Module):
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
         self.num_heads, self.num_layers, self.lm_head_mode = num_heads, num_layers, lm_head
         self.draft_vocab_size = draft_vocab_size
-        self.root_token = bool(root_token)
+        if parent_token and not root_token:
+            raise ValueError("medusa heads that read their parent's token read the root token too (root_token=True)")
+        self.root_token, self.parent_token = bool(root_token), bool(parent_token)
         self.root_weight = nn.Parameter(torch.zeros(num_heads, hidden_size, hidden_size)) if root_token else None  # [K, H, H]
+        # [K - 1, H, H]: head k >= 1's product of its parent's embedding (head 0's parent is the root)
+        self.parent_weight = nn.Parameter(torch.zeros(num_heads - 1, hidden_size, hidden_size)) if parent_token else None
         self.weight = nn.Parameter(torch.zeros(num_heads, num_layers, hidden_size, hidden_size))  # [K, L, H, H]
         self.bias = nn.Parameter(torch.zeros(num_heads, num_layers, hidden_size))  # [K, L, H]
         rows = vocab_size if draft_vocab_size is None else draft_vocab_size
@@ -122,12 +132,15 @@ class MedusaHeads(nn.Module):
             self.draft_to_target.copy_(ids.to(self.draft_to_target.device))
 
     def forward(self, h: torch.Tensor, lm_weight: torch.Tensor | None = None, heads: int | None = None,
-                first: int = 0, root_embed: torch.Tensor | None = None) -> torch.Tensor:
+                first: int = 0, root_embed: torch.Tensor | None = None,
+                parent_embed: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [n, ..., V'] of heads ``first .. first + n - 1`` (n = ``heads``, default all) for h [..., H]
         (V' = V without a draft vocabulary; column j scores target id ``draft_to_target[j]`` with one).
 
         lm_weight: the target's LM head [V, H], needed when the heads share it. root_embed [..., H]: the
         target's embedding of each feature's root token, needed by root-token heads (ignored by others).
+        parent_embed [..., H]: parent-token heads from head 1 on, which run one at a time (``heads=1``): the
+        embedding of the token each row's guess follows (ignored by other heads and by head 0).
         """
         n = self.num_heads - first if heads is None else heads
         idx = slice(first, first + n)
@@ -138,6 +151,12 @@ class MedusaHeads(nn.Module):
                 raise ValueError("these Medusa heads read the root token: pass root_embed")
             e = root_embed.reshape(1, -1, self.hidden_size).expand(n, -1, -1)
             x = x + torch.bmm(e, self.root_weight[idx].transpose(1, 2))
+        if self.parent_weight is not None and first + n > 1:
+            if n != 1 or parent_embed is None:
+                raise ValueError("these Medusa heads read their parent's token: from head 1 on they run one at a time "
+                                 "(heads=1), with parent_embed")
+            p = parent_embed.reshape(1, -1, self.hidden_size)
+            x = x + torch.bmm(p, self.parent_weight[first - 1 : first].transpose(1, 2))
         for layer in range(self.num_layers):
             x = x + F.silu(torch.baddbmm(self.bias[idx, layer, None, :], x, self.weight[idx, layer].transpose(1, 2)))
         if self.lm_heads is not None:
@@ -238,13 +257,18 @@ def save_heads(heads: MedusaHeads, out_dir: str | Path, target_dir: str | Path, 
         tensors["lm_heads"] = heads.lm_heads
     if heads.root_weight is not None:
         tensors["root_weight"] = heads.root_weight
+    if heads.parent_weight is not None:
+        tensors["parent_weight"] = heads.parent_weight
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in tensors.items()}
     vocab = {}
     if heads.draft_to_target is not None:
         tensors["draft_to_target"] = heads.draft_to_target.detach().to("cpu", torch.int64).contiguous()
         vocab = {"draft_vocab_size": heads.draft_vocab_size}
     root = {"root_token": True} if heads.root_token else {}
-    config = {"format": FORMAT, "version": VERSION if heads.root_token else 1, "num_heads": heads.num_heads,
+    if heads.parent_token:
+        root["parent_token"] = True
+    version = 3 if heads.parent_token else 2 if heads.root_token else 1
+    config = {"format": FORMAT, "version": version, "num_heads": heads.num_heads,
               "num_layers": heads.num_layers, "hidden_size": heads.hidden_size, "vocab_size": heads.vocab_size,
               "lm_head": heads.lm_head_mode, **vocab, **root,
               "dtype": str(dtype).removeprefix("torch."), "target": target_record(target_dir), **(extra or {})}
@@ -302,13 +326,17 @@ def _load_ours(path: Path) -> LoadedHeads:
         raise ValueError(f"{str(path / CONFIG_FILE)!r} is not a specserve Medusa config (format {config.get('format')!r})")
     if config.get("version") not in VERSIONS:
         raise ValueError(f"{str(path / CONFIG_FILE)!r} has version {config.get('version')!r}; this specserve reads "
-                         f"{' and '.join(map(str, VERSIONS))}")
+                         f"versions {', '.join(map(str, VERSIONS))}")
     root_token = config.get("root_token", False)
     if root_token not in (False, True) or (root_token and config["version"] < 2):
-        raise ValueError(f"{str(path / CONFIG_FILE)!r}: root_token must be true or false, and true only in version 2")
+        raise ValueError(f"{str(path / CONFIG_FILE)!r}: root_token must be true or false, and true only from version 2")
+    parent_token = config.get("parent_token", False)
+    if parent_token not in (False, True) or (parent_token and (config["version"] < 3 or not root_token)):
+        raise ValueError(f"{str(path / CONFIG_FILE)!r}: parent_token must be true or false, and true only in version 3 "
+                         "heads that read the root token")
     try:
         heads = MedusaHeads(config["hidden_size"], config["vocab_size"], config["num_heads"], config["num_layers"],
-                            config["lm_head"], config.get("draft_vocab_size"), root_token)
+                            config["lm_head"], config.get("draft_vocab_size"), root_token, parent_token)
         if not isinstance(config["target"], dict):
             raise TypeError("target must be an object")
     except (KeyError, TypeError) as exc:
@@ -410,8 +438,9 @@ def describe_heads(path: str | Path, target: str | Path | None = None) -> dict[s
         out = {"format": f"specserve Medusa heads ({CONFIG_FILE})", "version": str(config.get("version")),
                "weights": str(path / WEIGHTS_FILE), "heads": str(config.get("num_heads")), "layers per head": str(config.get("num_layers")),
                "lm head": "own, one per head" if mode == "own" else "shared: the target's",
-               "reads": "the final feature and the root token's embedding" if config.get("root_token")
-                        else "the final feature",
+               "reads": ("the final feature, the root token's and each node's parent's embedding"
+                         if config.get("parent_token") else "the final feature and the root token's embedding"
+                         if config.get("root_token") else "the final feature"),
                "hidden size": str(config.get("hidden_size")), "vocabulary": str(config.get("vocab_size")),
                "trained for": str(recorded.get("path"))}
         if config.get("draft_vocab_size") is not None:

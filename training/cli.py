@@ -104,6 +104,12 @@ def add_train_parser(sub, parser_class):
     medusa.add_argument("--root-token", action="store_true", default=None,
                         help="heads also read the target's embedding of the root token (the one the target just chose), "
                              "so head 0 predicts the token after a known one instead of guessing both")
+    medusa.add_argument("--parent-token", action="store_true", default=None,
+                        help="heads 1 and on also read the embedding of the tree node they guess a child of (Hydra's "
+                             "heads; needs --root-token): each node gets its own children, one heads call per level")
+    medusa.add_argument("--init-from", default=None, metavar="DIR",
+                        help="start from the trained heads in DIR (same options; e.g. root-token heads fine-tuned into "
+                             "parent-token heads, whose new products start at zero)")
     _run_args(medusa, seq_len=False)
     _distill_args(medusa, prefix="distill options (only when --data is not given)")
     medusa.set_defaults(handler=cmd_medusa)

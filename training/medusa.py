@@ -22,7 +22,10 @@ and soft labels (the stored top-k) are read from the data, so any target the eng
 a GGUF file included. ``--draft-vocab N`` (own LM heads) keeps each head's LM head to the N most frequent
 tokens of the data (EAGLE-3's choice, see training/eagle.py): labels outside it are dropped and the rest
 renormalised, as eagle3 heads are trained. ``--root-token`` heads also read the target's embedding of the
-token at t + 1 (the root, known when they draft): see drafters/medusa_heads.py.
+token at t + 1 (the root, known when they draft); ``--parent-token`` heads, from head 1 on, that of the token at
+t + 1 + k (the tree node whose child head k guesses; teacher-forced here, as the tree holds it when drafting): see
+drafters/medusa_heads.py. ``--init-from DIR`` starts from trained heads of the same shape (fine-tuning them, e.g.
+root-token heads into parent-token heads, whose parent products start at zero: step 0 is the heads as trained).
 
 Output: ``medusa_config.json`` + ``medusa_heads.safetensors`` (fp16; see drafters/medusa_heads.py),
 ``train_log.jsonl``, ``loss_curve.png``, ``train_summary.json``, ``run_config.json``, ``checkpoint/``.
@@ -54,7 +57,7 @@ DEFAULT_SETTINGS = TrainSettings(seq_len=256, batch_size=8, lr=2e-3, max_steps=8
                                  weight_decay=0.0, log_every=10, eval_every=100, eval_batches=4, checkpoint_every=50,
                                  max_minutes=20.0)
 DEFAULT_HEADS = {"num_heads": 3, "num_layers": 1, "lm_head": "shared", "decay": 0.8, "draft_vocab": None,
-                 "root_token": False}
+                 "root_token": False, "parent_token": False, "init_from": None}
 RANKS = 10  # rank accuracies measured per head (for the static tree)
 TREE_SIZE = 20  # nodes of the static tree written into the checkpoint
 CACHE_LIMIT_BYTES = 4 << 30  # cache target features up to this size (fp16), else recompute each batch
@@ -71,6 +74,8 @@ def train_medusa(
     decay: float | None = None,
     draft_vocab: int | None = None,
     root_token: bool | None = None,
+    parent_token: bool | None = None,
+    init_from: str | Path | None = None,
     distill_settings: DistillSettings | None = None,
     **options,
 ) -> dict:
@@ -84,10 +89,12 @@ def train_medusa(
     run = setup.RunOptions.of("train_medusa", options)
     out_dir = Path(out).expanduser()
     given_heads = {"num_heads": num_heads, "num_layers": num_layers, "lm_head": lm_head, "decay": decay,
-                   "draft_vocab": draft_vocab, "root_token": root_token}
+                   "draft_vocab": draft_vocab, "root_token": root_token, "parent_token": parent_token,
+                   "init_from": None if init_from is None else str(Path(init_from).expanduser().resolve())}
     if run.resume:
         recorded = _recorded(out_dir)
-        spec = {"draft_vocab": None, "root_token": False, **recorded["heads"]}  # settings added since read as defaults
+        spec = {"draft_vocab": None, "root_token": False, "parent_token": False, "init_from": None,
+                **recorded["heads"]}  # settings added since read as defaults
         changed = sorted(k for k, v in given_heads.items() if v is not None and v != spec[k])
         if changed:
             raise ValueError(f"--resume: the run in {str(out_dir)!r} was started with other {', '.join(changed)}")
@@ -101,8 +108,9 @@ def train_medusa(
     _check_spec(spec)
     if is_feature_data(data):
         return _train_on_features(target, out_dir, data, spec, settings, run)
-    if spec["draft_vocab"] is not None:
-        raise ValueError("--draft-vocab trains on captured feature data (`train feature-data`): pass it as --data")
+    if spec["draft_vocab"] is not None or spec["init_from"] is not None:
+        raise ValueError("--draft-vocab and --init-from train on captured feature data (`train feature-data`): pass it "
+                         "as --data")
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if target is None:
@@ -162,7 +170,10 @@ def _train_on_features(target, out_dir: Path, data, spec: dict, settings: TrainS
             write_json(out_dir / setup.RUN_CONFIG_FILE, setup.run_record(
                 "train medusa", run, dist, target_path, data, heads=spec, settings=asdict(settings)))
         weights = TargetWeights.of(target_path, True, dist.device)
-        draft_ids = draft_vocabulary(train_set, vocab, spec["draft_vocab"]) if spec["draft_vocab"] else None
+        if spec["init_from"] is not None:  # the heads trained before keep their draft vocabulary
+            draft_ids = _initial_heads(spec, weights.lm_head).draft_to_target
+        else:
+            draft_ids = draft_vocabulary(train_set, vocab, spec["draft_vocab"]) if spec["draft_vocab"] else None
         evalset = heldout_set if heldout_set is not None else train_set
         batches = _CapturedBatches(layers.index(num_layers), draft_ids, vocab)
         return _fit(dist, run, out_dir, target_path, data_dir, spec, settings, weights.lm_head, weights.embed, draft_ids,
@@ -183,10 +194,12 @@ def _fit(dist, run, out_dir: Path, target: Path, data_dir: Path, spec: dict, set
     hidden, vocab = lm_weight.shape[1], lm_weight.shape[0]
     torch.manual_seed(settings.seed)
     heads = MedusaHeads(hidden, vocab, spec["num_heads"], spec["num_layers"], spec["lm_head"],
-                        None if draft_ids is None else len(draft_ids), spec["root_token"])
+                        None if draft_ids is None else len(draft_ids), spec["root_token"], spec["parent_token"])
     if draft_ids is not None:
         heads.set_draft_vocab(draft_ids)
     heads.init_lm_heads(lm_weight)
+    if spec["init_from"] is not None:
+        heads.load_state_dict(_initial_heads(spec, lm_weight).state_dict(), strict=False)
     model = _Trainable(heads, lm_weight if spec["lm_head"] == "shared" else lm_weight[:0],
                        embed if spec["root_token"] else embed[:0])
     num_train, mean_len, train_batch = train
@@ -194,7 +207,9 @@ def _fit(dist, run, out_dir: Path, target: Path, data_dir: Path, spec: dict, set
     weights = [spec["decay"] ** k for k in range(spec["num_heads"])]
     sampler = IndexSampler(num_train, settings.batch_size, settings.seed)
     vocab_note = (f", draft vocabulary {len(draft_ids)}" if draft_ids is not None else "") \
-        + (", reading the root token" if spec["root_token"] else "")
+        + (", reading the root token" if spec["root_token"] else "") \
+        + (" and the parent's" if spec["parent_token"] else "") \
+        + (f", from {spec['init_from']}" if spec["init_from"] else "")
     print(f"medusa: {spec['num_heads']} heads x {spec['num_layers']} block(s), {spec['lm_head']} LM head{vocab_note}, "
           f"{sum(p.numel() for p in heads.parameters()) / 1e6:.2f}M trainable parameters; {num_train} train / "
           f"{num_eval} held-out sequences", file=sys.stderr)
@@ -323,7 +338,10 @@ def _head_terms(module: _Trainable, batch, k: int):
     count = h.shape[1] - shift
     # The root of the feature at t is the token at t + 1 (what the target chose there: known when drafting).
     roots = module.embed[batch["tokens"][:, 1 : count + 1]] if module.heads.root_token else None  # [B, T', H]
-    logits = module.heads(h[:, :count], lm, heads=1, first=k, root_embed=roots)[0].float()  # [B, T', V']
+    # The parent of head k's guess is the token at t + 1 + k (head 0's is the root), teacher-forced: a tree
+    # expands a node with its token known, and a guess below a wrong one is never accepted anyway.
+    parents = module.embed[batch["tokens"][:, shift : count + shift]] if module.heads.parent_token and k else None
+    logits = module.heads(h[:, :count], lm, heads=1, first=k, root_embed=roots, parent_embed=parents)[0].float()
     logq = torch.log_softmax(logits, dim=-1)
     mask = batch["mask"][:, shift:]
     # Labels that are no label (-1 ids, -inf: outside a draft vocabulary; padding) get p = 0 exactly.
@@ -406,6 +424,27 @@ def _check_spec(spec: dict) -> None:
         check_int("draft_vocab", spec["draft_vocab"], 1, 1 << 24)
     if spec["root_token"] not in (False, True):
         raise ValueError(f"root_token must be true or false, got {spec['root_token']!r}")
+    if spec["parent_token"] not in (False, True):
+        raise ValueError(f"parent_token must be true or false, got {spec['parent_token']!r}")
+    if spec["parent_token"] and not spec["root_token"]:
+        raise ValueError("--parent-token heads read the root token too: add --root-token")
+
+
+def _initial_heads(spec: dict, lm_weight: torch.Tensor) -> MedusaHeads:
+    """The heads ``--init-from`` names, checked against this run's shape (they may lack the parent products,
+    which then start at zero). lm_weight: the target's [V, H], for its sizes."""
+    from specserve.drafters.medusa_heads import load_heads
+
+    vocab, hidden = lm_weight.shape
+    heads = load_heads(spec["init_from"], hidden_size=hidden, vocab_size=vocab).heads
+    have = {"num_heads": heads.num_heads, "num_layers": heads.num_layers, "lm_head": heads.lm_head_mode,
+            "draft_vocab": heads.draft_vocab_size, "root_token": heads.root_token}
+    wrong = [f"{k} {v!r} (this run: {spec[k]!r})" for k, v in have.items() if spec[k] != v]
+    if heads.parent_token and not spec["parent_token"]:
+        wrong.append("parent_token True (this run: False)")
+    if wrong:
+        raise ValueError(f"--init-from: the heads in {spec['init_from']!r} have {', '.join(wrong)}: pass the same options")
+    return heads
 
 
 def _recorded(out_dir: Path) -> dict:
@@ -422,7 +461,8 @@ def cmd_medusa(args) -> int:
     _set_threads(args.threads)
     summary = train_medusa(
         args.target, args.out, data=args.data, num_heads=args.heads, num_layers=args.layers, lm_head=args.lm_head,
-        decay=args.decay, draft_vocab=args.draft_vocab, root_token=args.root_token, distill_settings=_distill_settings(args), **run_options(args),
+        decay=args.decay, draft_vocab=args.draft_vocab, root_token=args.root_token, parent_token=args.parent_token,
+        init_from=args.init_from, distill_settings=_distill_settings(args), **run_options(args),
     )
     _report(summary, args.out)
     return 0

@@ -2,8 +2,8 @@
 tree buffers from paths, dynamic selection, budgets, checkpoints in both layouts, wrong targets.
 
 Heads here are tiny (hidden 64, vocabulary 16): random ones that disagree with the target, and ones
-fitted in a second to the target's own greedy continuations, which agree often — plain, and reading the
-root token's embedding as well (``root_token``).
+fitted in a second to the target's own greedy continuations, which agree often — plain, reading the
+root token's embedding as well (``root_token``), and reading each tree node's parent's too (``parent_token``).
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ SHAPES = {
 }
 
 
-def _random_heads(seed: int, lm_head: str = "own", num_heads: int = 3, root_token: bool = False) -> MedusaHeads:
-    heads = MedusaHeads(64, 16, num_heads, 1, lm_head, root_token=root_token)
+def _random_heads(seed: int, lm_head: str = "own", num_heads: int = 3, root_token: bool = False,
+                  parent_token: bool = False) -> MedusaHeads:
+    heads = MedusaHeads(64, 16, num_heads, 1, lm_head, root_token=root_token, parent_token=parent_token)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in heads.parameters():
@@ -49,10 +50,10 @@ def _random_heads(seed: int, lm_head: str = "own", num_heads: int = 3, root_toke
     return heads
 
 
-def _fit_heads(target_dir, num_heads: int = 3, root_token: bool = False) -> MedusaHeads:
+def _fit_heads(target_dir, num_heads: int = 3, root_token: bool = False, parent_token: bool = False) -> MedusaHeads:
     """Heads fitted in a second to the target's greedy continuations of the test prompts (hard labels
-    t + k + 2; root-token heads also read the embedding of the token at t + 1): a random tiny target is
-    chaotic, so they memorise these rather than generalise."""
+    t + k + 2; root-token heads also read the embedding of the token at t + 1, parent-token heads k >= 1 that of
+    the token at t + 1 + k): a random tiny target is chaotic, so they memorise these rather than generalise."""
     llm = LLM(target_dir, device="cpu")
     prompts = PROMPTS + [PROMPT]
     outs = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
@@ -63,7 +64,7 @@ def _fit_heads(target_dir, num_heads: int = 3, root_token: bool = False) -> Medu
     with torch.no_grad():
         feats = hf.model(input_ids=seqs).last_hidden_state  # [B, T, H]
     embed = hf.model.embed_tokens.weight.detach()
-    heads = MedusaHeads(64, 16, num_heads, 1, "own", root_token=root_token)
+    heads = MedusaHeads(64, 16, num_heads, 1, "own", root_token=root_token, parent_token=parent_token)
     heads.init_lm_heads(hf.lm_head.weight)
     torch.manual_seed(0)
     opt = torch.optim.Adam(heads.parameters(), lr=2e-2)
@@ -71,7 +72,8 @@ def _fit_heads(target_dir, num_heads: int = 3, root_token: bool = False) -> Medu
         loss = 0.0
         for k in range(num_heads):
             roots = embed[seqs[:, 1 : seqs.shape[1] - (k + 1)]] if root_token else None
-            logits = heads(feats[:, : -(k + 2)], heads=1, first=k, root_embed=roots)[0]
+            parents = embed[seqs[:, 1 + k : seqs.shape[1] - 1]] if parent_token and k else None
+            logits = heads(feats[:, : -(k + 2)], heads=1, first=k, root_embed=roots, parent_embed=parents)[0]
             loss = loss + torch.nn.functional.cross_entropy(logits.reshape(-1, 16), seqs[:, k + 2 :].reshape(-1))
         opt.zero_grad()
         loss.backward()
@@ -101,6 +103,14 @@ def root_dir(small_vocab_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("medusa_root")
     save_heads(_fit_heads(small_vocab_dir, root_token=True), out, small_vocab_dir,
                extra={"choices": [[0], [0, 0], [1], [0, 0, 0], [0, 1]]})
+    return out
+
+
+@pytest.fixture(scope="module")
+def parent_dir(small_vocab_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("medusa_parent")
+    save_heads(_fit_heads(small_vocab_dir, root_token=True, parent_token=True), out, small_vocab_dir,
+               extra={"choices": [[0], [0, 0], [1], [0, 0, 0], [1, 0], [0, 1], [2]]})
     return out
 
 
@@ -149,15 +159,17 @@ def _requests(contexts, temperature=0.0, seed=None, hidden=True, prefix="r"):
 
 
 @pytest.mark.parametrize("batch", [1, 4])
-@pytest.mark.parametrize("heads", ["random", "fitted", "vocab", "root"])
+@pytest.mark.parametrize("heads", ["random", "fitted", "vocab", "root", "parent"])
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_greedy_equals_plain(small_vocab_dir, reference, request, heads, shape, batch):
+    if heads == "parent" and SHAPES[shape].get("tree") == "dynamic":
+        pytest.skip("parent-token heads draft static trees (refused otherwise: test_bad_options)")
     path = request.getfixturevalue(f"{heads}_dir")
     llm = LLM(small_vocab_dir, drafter=f"medusa:{path}", drafter_options=SHAPES[shape], device="cpu", speculation="static")
     outs = llm.generate(PROMPTS[:batch], GREEDY)
     assert [o.token_ids for o in outs] == reference[:batch]
     accepted = sum(sum(o.spec.accepted_per_position) for o in outs)
-    if heads in ("fitted", "vocab", "root"):  # agreeing heads: most steps accept something
+    if heads in ("fitted", "vocab", "root", "parent"):  # agreeing heads: most steps accept something
         assert accepted >= sum(o.spec.num_steps for o in outs)
     alloc = llm.engine.cache.allocator
     assert alloc.num_free_blocks == alloc.num_blocks
@@ -198,6 +210,8 @@ SAMPLING_CASES = {
     "vocab-static-T1": ("vocab_dir", {}, {"temperature": 1.0}),
     "vocab-dynamic-T0.8": ("vocab_dir", {"tree": "dynamic", "topk": 3, "max_budget": 8}, {"temperature": 0.8}),
     "root-static-T1": ("root_dir", {}, {"temperature": 1.0}),
+    "parent-static-T1": ("parent_dir", {}, {"temperature": 1.0}),
+    "parent-static-T0.8-topk": ("parent_dir", {"storage": "int8"}, {"temperature": 0.8, "top_k": 5}),
 }
 
 
@@ -212,7 +226,7 @@ def test_sampled_tokens_follow_target_distribution(small_vocab_dir, case, reques
     outs = llm.generate([PROMPT] * N, params)
     assert_follows_target(outs, small_vocab_dir, PROMPT, params[0])
     accepted = sum(sum(o.spec.accepted_per_position) for o in outs)
-    assert accepted > (N if fixture in ("fitted_dir", "vocab_dir", "root_dir") else N // 10)  # drafts were accepted
+    assert accepted > (N if fixture in ("fitted_dir", "vocab_dir", "root_dir", "parent_dir") else N // 10)  # drafts were accepted
 
 
 @pytest.mark.parametrize("options", [{}, {"tree": "dynamic", "topk": 4, "max_budget": 12}])
@@ -344,7 +358,7 @@ def test_a_depth_asked_for_limits_the_trees_and_the_heads_run(small_vocab_dir, r
     heads_run = []  # how many heads each propose ran (through the CPU kernels or the torch module)
     if drafter.kernels is not None:
         kernels = drafter.kernels
-        drafter.kernels = lambda feats, reach, roots: heads_run.append(reach) or kernels(feats, reach, roots)
+        drafter.kernels = lambda feats, reach, *rest: heads_run.append(reach) or kernels(feats, reach, *rest)
     else:
         module = drafter.heads
         drafter.heads = lambda *args, heads, **kw: heads_run.append(heads) or module(*args, heads=heads, **kw)
@@ -532,9 +546,78 @@ def test_root_token_heads_round_trip_as_version_2(small_vocab_dir, tmp_path):
     (tmp_path / "a" / "medusa_config.json").write_text(json.dumps({**bad, "version": 1}))
     with pytest.raises(ValueError, match="root_token"):
         load_heads(tmp_path / "a", hidden_size=64, vocab_size=16)
-    (tmp_path / "a" / "medusa_config.json").write_text(json.dumps({**bad, "version": 3}))
-    with pytest.raises(ValueError, match="reads 1 and 2"):
+    (tmp_path / "a" / "medusa_config.json").write_text(json.dumps({**bad, "version": 4}))
+    with pytest.raises(ValueError, match="reads versions 1, 2, 3"):
         load_heads(tmp_path / "a", hidden_size=64, vocab_size=16)
+
+
+def test_parent_token_heads_round_trip_as_version_3_and_need_root_tokens(small_vocab_dir, tmp_path):
+    heads = _random_heads(8, root_token=True, parent_token=True)
+    config = save_heads(heads, tmp_path / "a", small_vocab_dir)
+    assert config["version"] == 3 and config["parent_token"] is True and heads.parent_weight.shape == (2, 64, 64)
+    loaded = load_heads(tmp_path / "a", hidden_size=64, vocab_size=16, target_dir=small_vocab_dir).heads
+    assert loaded.parent_token and torch.equal(loaded.parent_weight, heads.parent_weight)
+    bad = json.loads((tmp_path / "a" / "medusa_config.json").read_text())
+    for broken in ({**bad, "version": 2}, {**bad, "root_token": False}):
+        (tmp_path / "a" / "medusa_config.json").write_text(json.dumps(broken))
+        with pytest.raises(ValueError, match="parent_token"):
+            load_heads(tmp_path / "a", hidden_size=64, vocab_size=16)
+    with pytest.raises(ValueError, match="root token too"):
+        MedusaHeads(64, 16, 3, 1, "own", parent_token=True)
+    with pytest.raises(ValueError, match="one at a time"):
+        heads(torch.zeros(2, 64), heads=2, root_embed=torch.zeros(2, 64))
+
+
+def test_parent_token_heads_give_each_node_its_own_children(small_vocab_dir, tmp_path):
+    """Every expanded node's children are the top ranks of the head of its depth evaluated in float64 with THAT
+    node's token as the parent (so two depth-1 siblings get different children), on the CPU kernels in float32 and
+    in int8 and on the torch module alike."""
+    heads = _random_heads(12, root_token=True, parent_token=True)
+    save_heads(heads, tmp_path / "h", small_vocab_dir,
+               extra={"choices": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [1, 1], [2, 0], [0, 0, 0], [1, 0, 0], [1, 1, 0]]})
+    hf = AutoModelForCausalLM.from_pretrained(str(small_vocab_dir), dtype=torch.float64)
+    embed = hf.model.embed_tokens.weight.detach()
+    ref = load_heads(tmp_path / "h", hidden_size=64, vocab_size=16).heads.double()
+    feature = torch.randn(len(PROMPT), 64, generator=torch.Generator().manual_seed(4))
+    context = PROMPT + [9]
+
+    def head(k: int, parent: int | None) -> torch.Tensor:  # head k's logits, its definition written out
+        x = feature[-1].double() + ref.root_weight[k] @ embed[context[-1]]
+        if k:
+            x = x + ref.parent_weight[k - 1] @ embed[parent]
+        x = x + torch.nn.functional.silu(ref.weight[k, 0] @ x + ref.bias[k, 0])
+        return ref.lm_heads[k] @ x
+
+    model = LLM(small_vocab_dir, device="cpu").engine.model
+    for options, on_kernels in (({}, True), ({"storage": "int8"}, True), ({}, False)):
+        info = target_info(small_vocab_dir, model if on_kernels else _EmbedOnly(model))
+        drafter = create_drafter(f"medusa:{tmp_path / 'h'}", info, {"max_budget": 100, **options})
+        assert (drafter.kernels is not None) == on_kernels
+        (tree,) = drafter.propose([DraftRequest("p", np.asarray(context), 0.0, {2: feature}, None)], [100])
+        assert tree.num_nodes == 11
+        seen = []
+        for row in range(tree.num_nodes + 1):
+            kids = tree.children(row)
+            if not kids:
+                continue
+            depth = 0 if row == 0 else int(tree.depths[row - 1])
+            logits = head(depth, None if row == 0 else int(tree.tokens[row - 1]))
+            ranks = logits.argsort(descending=True).tolist()
+            tol = 0.05 if options else 1e-4  # 8-bit products may swap near-ties: ranks are checked where clear
+            for j, kid in enumerate(kids):
+                gaps = [logits[ranks[i]] - logits[ranks[i + 1]] for i in (j - 1, j) if i >= 0]
+                if min(gaps) > tol:
+                    assert int(tree.tokens[kid]) == ranks[j]
+            if depth == 1:
+                seen.append(logits)
+        assert len(seen) >= 2 and not torch.allclose(seen[0], seen[1])  # siblings' children read their own parents
+
+
+class _EmbedOnly:
+    """A target seen without its CPU kernels (the heads then run as a torch module): its embedding only."""
+
+    def __init__(self, model) -> None:
+        self.embed, self.kernels = model.embed, None
 
 
 def test_a_draft_vocabulary_round_trips_and_bad_maps_are_refused(small_vocab_dir, vocab_dir, tmp_path):
@@ -662,6 +745,11 @@ def test_bad_options(small_vocab_dir, random_dir, options, message):
         create_drafter(f"medusa:{random_dir}", target_info(small_vocab_dir), options)
 
 
+def test_parent_token_heads_refuse_dynamic_trees(small_vocab_dir, parent_dir):
+    with pytest.raises(ValueError, match="static trees only"):
+        create_drafter(f"medusa:{parent_dir}", target_info(small_vocab_dir), {"tree": "dynamic"})
+
+
 def test_options_and_defaults(small_vocab_dir, random_dir, fitted_dir):
     static = create_drafter(f"medusa:{fitted_dir}", target_info(small_vocab_dir))
     assert static.static.num_nodes == static.max_budget == 5  # the checkpoint's own choices
@@ -713,3 +801,30 @@ def test_the_compiled_heads_match_their_float64_definition_and_batch_invariance(
         for a in range(3):
             alone = kernels(feats[a:a + 1].numpy(), depth, root_ids[a:a + 1] if root_token else None)
             assert np.array_equal(alone[0], got[a])
+
+
+def test_compiled_parent_token_heads_match_their_float64_definition_and_batch_invariance(small_vocab_dir, tmp_path):
+    """One head from head 1 on over rows that each read their own parent (two residual blocks, own LM heads), in the
+    compiled call, against the definition written out in float64; a row's logits are bitwise those it gets alone."""
+    heads = MedusaHeads(64, 16, 3, 2, "own", root_token=True, parent_token=True)
+    gen = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_((torch.randn(p.shape, generator=gen) * 0.2).half().float())
+    save_heads(heads, tmp_path / "h", small_vocab_dir)
+    kernels = LLM(small_vocab_dir, drafter=f"medusa:{tmp_path / 'h'}", device="cpu").engine.drafter.kernels
+    embed = AutoModelForCausalLM.from_pretrained(str(small_vocab_dir), dtype=torch.float64).model.embed_tokens.weight
+    feats = torch.randn(4, 64, generator=gen)
+    root_ids, parent_ids = np.array([4, 13, 4, 2]), np.array([1, 1, 5, 15])
+    for k in (1, 2):
+        got = kernels(feats.numpy(), 1, root_ids, k, parent_ids)[:, 0]  # float32[4, 16]
+        x = feats.double() + embed[root_ids].detach() @ heads.root_weight[k].detach().double().T \
+            + embed[parent_ids].detach() @ heads.parent_weight[k - 1].detach().double().T
+        for layer in range(2):
+            y = x @ heads.weight[k, layer].detach().double().T + heads.bias[k, layer].detach().double()
+            x = x + y * torch.sigmoid(y)
+        torch.testing.assert_close(torch.from_numpy(got).double(), x @ heads.lm_heads[k].detach().double().T,
+                                   atol=2e-4, rtol=2e-4)
+        for a in range(4):
+            alone = kernels(feats[a:a + 1].numpy(), 1, root_ids[a:a + 1], k, parent_ids[a:a + 1])
+            assert np.array_equal(alone[0, 0], got[a])

@@ -246,6 +246,41 @@ def test_medusa_heads_train_on_captured_features_and_serve_losslessly(target, fe
                  str(tmp_path / "bad")]) == 2
 
 
+def test_medusa_heads_fine_tune_into_parent_token_heads(target, feature_dir, tmp_path):
+    """`--init-from` trained root-token heads with `--parent-token`: the new heads keep the first run's draft
+    vocabulary, start from its weights (the parent products at zero: step 0's held-out metrics are the first run's
+    last), are written as version 3, serve losslessly beside their file; options that do not fit the heads are
+    refused with one line."""
+    from safetensors.torch import load_file
+    from specserve import LLM, SamplingParams
+
+    common = ["--target", str(target[1]), "--data", str(feature_dir), "--heads", "2", "--lm-head", "own",
+              "--draft-vocab", "64", "--root-token", "--batch-size", "2", "--threads", "1"]
+    first, tuned = tmp_path / "first", tmp_path / "tuned"
+    assert main(["train", "medusa", *common, "--out", str(first), "--max-steps", "4"]) == 0
+    # A learning rate too small to move them: what is written is where the fine-tuning started.
+    assert main(["train", "medusa", *common, "--out", str(tuned), "--max-steps", "2", "--parent-token",
+                 "--init-from", str(first), "--lr", "1e-9"]) == 0
+    config = json.loads((tuned / "medusa_config.json").read_text())
+    assert config["version"] == 3 and config["parent_token"] is True and config["root_token"] is True
+    was, now = (load_file(str(d / "medusa_heads.safetensors")) for d in (first, tuned))
+    assert sorted(now) == sorted([*was, "parent_weight"]) and torch.equal(was["draft_to_target"], now["draft_to_target"])
+    for name in ("weight", "bias", "lm_heads", "root_weight"):
+        torch.testing.assert_close(now[name].float(), was[name].float(), atol=1e-3, rtol=0)
+    assert now["parent_weight"].shape == (1, 64, 64) and float(now["parent_weight"].float().abs().max()) < 1e-3
+
+    prompts = [[5, 17, 33, 2, 9], [40, 41, 42, 43]]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(str(target[1]), drafter=None, threads=1).generate(prompts, params)]
+    spec = LLM(str(target[1]), drafter=f"medusa:{tuned}", speculation="static", threads=1)
+    assert [o.token_ids for o in spec.generate(prompts, params)] == plain
+    assert main(["train", "medusa", *[a for a in common if a != "--root-token"], "--out", str(tmp_path / "bad"),
+                 "--parent-token", "--max-steps", "1"]) == 2  # parent-token heads read the root token too
+    wrong = [a if a != "2" else "3" for a in common]  # three heads from two
+    assert main(["train", "medusa", *wrong, "--out", str(tmp_path / "bad2"), "--parent-token", "--init-from", str(first),
+                 "--max-steps", "1"]) == 2
+
+
 def test_captured_medusa_labels_and_loss_follow_their_definition(feature_dir):
     """A batch's labels are the stored top-k mapped into the draft vocabulary (the rest dropped), and each
     head's KL is sum_i p_i (log p_i - log q_i) over the renormalised labels of row t + k + 1, checked against
