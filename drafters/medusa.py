@@ -370,7 +370,8 @@ def _constrained_static_tree(logits: np.ndarray, grammar, parents: np.ndarray, d
     depth d + 1's nodes) masked with the grammar's state after that row's path (`_RowTree`)."""
     tree = _RowTree(parents, depths, ranks, temperature, uniforms, grammar, id_map)
     for row in range(-1, len(parents)):
-        tree.expand(row, logits[depths[row] if row >= 0 else 0])
+        if row in tree.children:  # (a leaf of the deepest level has no head row)
+            tree.expand(row, logits[depths[row] if row >= 0 else 0])
     return tree.finish()
 
 

@@ -79,6 +79,14 @@ def drafters(llama_dir, tmp_path_factory):
     save_heads(vocab_heads, medusa_vocab, llama_dir)
     out["medusa-vocab"] = (f"medusa:{medusa_vocab}", None)
     out["medusa-vocab-dynamic"] = (f"medusa:{medusa_vocab}", {"tree": "dynamic", "topk": 2, "depth": 2})
+    # Heads that read the root's and each node's parent's token: every row's mask and logits are its own.
+    parent_heads = MedusaHeads(64, 300, 3, 1, "own", root_token=True, parent_token=True)
+    with torch.no_grad():
+        for p in parent_heads.parameters():
+            p.copy_((torch.randn(p.shape, generator=gen) * 0.4).half().float())
+    medusa_parent = tmp_path_factory.mktemp("medusa_parent")
+    save_heads(parent_heads, medusa_parent, llama_dir, extra={"choices": [[0], [1], [0, 0], [1, 0], [0, 1], [0, 0, 0]]})
+    out["medusa-parent"] = (f"medusa:{medusa_parent}", None)
     return out
 
 
@@ -91,7 +99,7 @@ def plain_reference(llama_dir):
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "draft", "eagle1", "eagle3", "medusa", "medusa-static", "medusa-vocab",
-                                     "medusa-vocab-dynamic"])
+                                     "medusa-vocab-dynamic", "medusa-parent"])
 @pytest.mark.parametrize("mode", ["verify", "aware", "forced"])
 def test_greedy_constrained_speculation_equals_plain(llama_dir, drafters, plain_reference, drafter, mode):
     spec, options = drafters[drafter]
@@ -215,7 +223,8 @@ def _masked_marginals(model_dir, prompt: list[int], params: SamplingParams):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter,mode", [("draft", "aware"), ("eagle3", "forced"), ("ngram", "aware"), ("draft", "verify"),
-                                          ("medusa-static", "aware"), ("medusa", "forced"), ("medusa-vocab", "aware")])
+                                          ("medusa-static", "aware"), ("medusa", "forced"), ("medusa-vocab", "aware"),
+                                          ("medusa-parent", "aware")])
 def test_sampled_constrained_output_follows_the_masked_target(llama_dir, drafters, drafter, mode):
     spec, options = drafters[drafter]
     llm = LLM(llama_dir, drafter=spec, drafter_options=options, device="cpu", speculation="static",
