@@ -38,6 +38,7 @@ from specserve.drafters.base import check_int_option, Drafter, DraftRequest, Tar
 from specserve.drafters.medusa_heads import has_heads, load_heads
 from specserve.drafters.medusa_tree import DEFAULT_CHOICES, StaticTree, parse_choices, sample_static_tree
 from specserve.drafters.draft_rng import request_generator
+from specserve.speculation.node_values import path_products
 from specserve.drafters.tree_builder import (DRAFT_Q_SUPPORT, TreeBuilder, allowed_columns, draw_siblings, mask_level,
                                              to_target_ids, top_columns)
 from specserve.verify import DraftTree
@@ -312,7 +313,10 @@ class MedusaDrafter(Drafter):
                 continue
             if temps[a] <= 0:
                 order = _top_ranks(logits[a], int(ranks.max()) + 1)  # [D, ranks]: each head's best columns
-                out.append(_tree(order[depths - 1, ranks], parents, None, None, id_map=self.id_map))
+                tokens = order[depths - 1, ranks]
+                heads = logits[a][: int(depths.max())]
+                own = heads[depths - 1, tokens] - _log_normalizers(heads)[depths - 1]  # each node's head log-prob
+                out.append(_tree(tokens, parents, None, None, _greedy_scores(own, parents), id_map=self.id_map))
                 continue
             tokens, q_ids, q_probs, keep = sample_static_tree(logits[a], float(temps[a]), parents, depths, uniforms[a])
             # A node whose draw failed (q's support ran out) takes its subtree along.
@@ -378,8 +382,10 @@ def _constrained_static_tree(logits: np.ndarray, grammar, parents: np.ndarray, d
 class _RowTree:
     """A static tree's tokens chosen row by row: each expanded row (the root, -1, or a node) gives its children from
     one row of logits — its depth's head's (a grammar's trees), or its own (parent-token heads). Greedy: the child of
-    rank j takes the row's j-th best column; sampled: the j-th draw without replacement from the row's compact q
-    (`draw_siblings`, so q is exactly what each node was drawn from). Under a grammar the row is first masked with
+    rank j takes the row's j-th best column, and the tree's scores are the heads' log-probabilities summed down each
+    path (what the adaptive policy calibrates and cuts by); sampled: the j-th draw without replacement from the
+    row's compact q (`draw_siblings`, so q is exactly what each node was drawn from; no scores: the policy ranks
+    sampled nodes by shape alone). Under a grammar the row is first masked with
     the grammar's state after the row's path (one mask per row: sampling stays exact under the mask). A node with no
     token left (fewer allowed columns than its rank, or q's support ran out) is dropped with its subtree.
 
@@ -394,6 +400,7 @@ class _RowTree:
         self.parents, self.depths, self.ranks = parents, depths, ranks
         self.temperature, self.uniforms, self.grammar, self.id_map = temperature, uniforms, grammar, id_map
         self.tokens = np.zeros(n, dtype=np.int64)
+        self.own = np.zeros(n, dtype=np.float64)  # greedy: each node's log-probability under its row
         self.keep = np.zeros(n, dtype=np.bool_)
         self.support = max(DRAFT_Q_SUPPORT, n)
         self.q_ids = np.full((n, self.support), -1, dtype=np.int64)
@@ -428,9 +435,11 @@ class _RowTree:
             else:
                 candidates = np.flatnonzero(logits > -np.inf)
                 candidates = candidates[np.argsort(-logits[candidates], kind="stable")]
+            normalizer = _log_normalizers(logits[None])[0]
             for i in kids:
                 if self.ranks[i] < len(candidates):
                     self.tokens[i], self.keep[i] = candidates[self.ranks[i]], True
+                    self.own[i] = logits[self.tokens[i]] - normalizer
             return
         count, support = len(kids), self.support
         c_tokens, c_ids = np.zeros(count, np.int64), np.full((count, support), -1, np.int64)
@@ -448,8 +457,21 @@ class _RowTree:
         index = np.cumsum(keep) - 1
         new_parents = np.where(self.parents >= 0, index[np.maximum(self.parents, 0)], -1)[keep]
         if self.temperature <= 0:
-            return _tree(self.tokens[keep], new_parents, None, None, id_map=self.id_map)
+            scores = _greedy_scores(self.own, self.parents)[keep]  # a kept node's ancestors are kept
+            return _tree(self.tokens[keep], new_parents, None, None, scores, id_map=self.id_map)
         return _tree(self.tokens[keep], new_parents, self.q_ids[keep], self.q_probs[keep], id_map=self.id_map)
+
+
+def _log_normalizers(rows: np.ndarray) -> np.ndarray:
+    """float64[R]: log-sum-exp of each row of float32[R, V'] (-inf entries, masked columns, count as zero)."""
+    top = rows.max(axis=1).astype(np.float64)
+    return top + np.log(np.exp(rows - top[:, None].astype(np.float32)).sum(axis=1, dtype=np.float64))
+
+
+def _greedy_scores(own: np.ndarray, parents: np.ndarray) -> np.ndarray:
+    """float32[N]: each node's own log-probability summed down its path (a greedy tree's scores: the heads' guess
+    at log P(accepted), which the adaptive policy calibrates per own term)."""
+    return np.log(path_products(np.exp(own), parents)).astype(np.float32)
 
 
 def _top_ranks(logits: np.ndarray, count: int) -> np.ndarray:

@@ -79,8 +79,8 @@ NEARLY_FREE_SHARE = 0.02
 
 @dataclass
 class _RequestState:
-    # (conditional, parents, depths) of its latest TREE_HISTORY drafted trees (empty ones included: a
-    # step where the drafter found nothing is evidence too), before its factor.
+    # (conditional, parents, depths, drafted depth) of its latest TREE_HISTORY drafted trees (empty ones
+    # included: a step where the drafter found nothing is evidence too), before its factor.
     trees: deque = field(default_factory=lambda: deque(maxlen=TREE_HISTORY))
     sampled: bool = False  # temperature > 0
     factor: float = 1.0
@@ -254,7 +254,7 @@ class AdaptiveBudget:
         for r, tree, budget in zip(requests, trees, budgets):
             if not budget or not tree.num_nodes:
                 if budget:
-                    self._state(r.request_id).trees.append(_EMPTY_TREE)
+                    self._state(r.request_id).trees.append(_EMPTY_TREE + (self._depth,))
                 values.append(np.zeros(0))
                 terms_of.append(None)
                 continue
@@ -263,7 +263,7 @@ class AdaptiveBudget:
             terms = own_terms(scores, parents)
             conditional = self.node_values.conditional(terms, r.params.temperature > 0)
             state = self._state(r.request_id)
-            latest = self._typical[r.params.temperature > 0] = (conditional, parents, depths)
+            latest = self._typical[r.params.temperature > 0] = (conditional, parents, depths, self._depth)
             state.trees.append(latest)
             # No cut by depth here: the plan's depth caps what level drafters spend drafting (they honour
             # it), and nodes past it that cost no drafting (a hybrid's suffix part) are priced by rows below.
@@ -369,18 +369,25 @@ class AdaptiveBudget:
             state = self._requests[request_id] = _RequestState()
         return state
 
-    def _predicted(self, state: _RequestState) -> list[tuple[np.ndarray, np.ndarray]]:
-        """(node values, depths) of this request's recent trees under its factor (a request that has
-        drafted none borrows the latest tree of a request of its kind)."""
+    def _predicted(self, state: _RequestState) -> list[tuple[np.ndarray, np.ndarray, int]]:
+        """(node values, depths, drafted depth) of this request's recent trees under its factor (a request
+        that has drafted none borrows the latest tree of a request of its kind)."""
         trees = state.trees or [self._typical.get(state.sampled) or next(iter(self._typical.values()))]
-        return [(_factored(tree, state.factor), tree[2]) for tree in trees]
+        return [(_factored(tree, state.factor), tree[2], tree[3]) for tree in trees]
 
 
-def _expected_best(history: list[tuple[np.ndarray, np.ndarray]], depth: int) -> np.ndarray:
+def _expected_best(history: list[tuple[np.ndarray, np.ndarray, int]], depth: int) -> np.ndarray:
     """Expected values of a request's next tree, best first, cut to `depth`: element k is the mean over
     its recent trees of their (k+1)-th best node value (0 where a tree had fewer nodes). Keeping the k
-    best is ancestor-closed in every tree, so a cut of k here prices a real cut of each."""
-    best = [np.sort(v[d <= depth])[::-1] for v, d in history]
+    best is ancestor-closed in every tree, so a cut of k here prices a real cut of each.
+
+    Only trees drafted at least `depth` deep price it (all of them when none was): a tree the plan kept to
+    fewer levels says nothing about the deeper ones, and counting its missing nodes as worthless priced a
+    level at the share of steps that explored it — a level drafter's depth, once lowered, stayed low (Medusa
+    heads that read their parent's token: plans of depth 3 priced its nodes at ~0.02 where they were
+    accepted 0.2-0.4 of the time)."""
+    deep = [(v, d) for v, d, drafted in history if drafted >= depth]
+    best = [np.sort(v[d <= depth])[::-1] for v, d in (deep or [(v, d) for v, d, _ in history])]
     out = np.zeros(max(len(b) for b in best))
     for b in best:
         out[:len(b)] += b
@@ -394,7 +401,7 @@ def _factored(tree: tuple, factor: float) -> np.ndarray:
     """Node values of a (conditional, parents, depths) tree under a request's accuracy factor. The factor
     scales each conditional rate and values stay products, so a child is never worth more than its
     parent and every cut by value is ancestor-closed."""
-    conditional, parents, _ = tree
+    conditional, parents = tree[0], tree[1]
     return path_products(np.minimum(conditional * factor, 1.0), parents)
 
 

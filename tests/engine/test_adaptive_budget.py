@@ -273,7 +273,10 @@ def test_a_level_drafter_explores_one_level_deeper_before_each_plan():
     planned = policy._plan_depth
     assert 0 < planned < 6
     depths = [policy.plan(requests, 1).depth for _ in range(REPLAN)]
-    assert planned + 1 in depths and depths.count(planned) == REPLAN - 1
+    # Until the next full plan the planned depth stands, but for the step before it, which drafts one level more
+    # (what the full plan then does with that tree, drafted deeper, is the plan's to decide).
+    first = next(i for i, d in enumerate(depths) if d != planned)
+    assert depths[first] == planned + 1 and set(depths[:first]) == {planned}
     whole = AdaptiveBudget(max_budget=6, max_depth=6, verify_cost=_cost(per_row=0.3), draft_cost=FreeDrafting(),
                            whole_trees=True)
     _run(whole, requests, accepted=1, steps=30, depth=6)
@@ -405,7 +408,7 @@ def test_a_new_request_borrows_the_latest_tree_of_its_own_kind():
         policy.cut([req], [_chain_tree(depth)], [4], 1, 0.0)
     newcomer = _Req("n", temperature=1.0)
     policy.plan([newcomer], 1)
-    assert [len(v) for v, _ in policy._predicted(policy._requests["n"])] == [1]
+    assert [len(v) for v, _, _ in policy._predicted(policy._requests["n"])] == [1]
 
 
 def test_a_new_request_probes_a_tree_of_its_own_first():
@@ -437,3 +440,17 @@ def test_plan_predicts_from_recent_trees_not_only_the_last():
     policy._since_plan = REPLAN  # a full plan now
     assert policy.plan(requests, 1).budgets == [6]
     assert len(policy._requests["a"].trees) == 4
+
+
+def test_a_level_is_priced_by_the_trees_that_drafted_it():
+    """A plan prices depth d from the recent trees drafted at least d deep: trees the plan kept shallower have no
+    nodes there, which says nothing about their worth (counted as zeros they priced a level at the share of steps
+    that explored it). With none that deep, every tree prices it."""
+    from specserve.speculation.adaptive import _expected_best
+
+    deep = (np.array([0.8, 0.6, 0.5]), np.array([1, 2, 3]), 3)
+    shallow = (np.array([0.8]), np.array([1]), 1)
+    history = [shallow] * 7 + [deep]
+    np.testing.assert_allclose(_expected_best(history, 3), [0.8, 0.6, 0.5])
+    np.testing.assert_allclose(_expected_best(history, 1), [0.8])  # every tree drafted depth 1
+    np.testing.assert_allclose(_expected_best([shallow] * 8, 2), [0.8])  # none drafted depth 2: all of them price it
