@@ -48,8 +48,12 @@ def test_the_default_models_default_is_measured_on_chat_and_recorded_with_its_op
 
     monkeypatch.setattr(suite, "run_eval", fake_eval)
     record = pick_default_drafter(DEFAULT_CANDIDATES["default"], str(tmp_path / "run"), model="default")
-    (cfg,) = seen
-    assert cfg.dataset == "builtin:heldout-chat" and cfg.model == str(tmp_path / "model.gguf")
+    cfg, sampled = seen
+    assert cfg.dataset == "builtin:heldout-chat" and cfg.model == str(tmp_path / "model.gguf") and cfg.temperature == 0
+    # The eligible greedy leaders again at temperature 1 (the fake gives the same figures, all above the floor but
+    # lookahead's): the choice stands.
+    assert sampled.temperature == 1.0 and sampled.drafters == [PER_REQUEST_SUFFIX, "ngram", "lookahead"]
+    assert record["candidates"]["ngram"]["sampled_speedup"] == 1.10 and "sampled_speedup" not in record["candidates"]["suffix"]
     assert sorted(cfg.drafters) == sorted(figures)  # no drafter ships in this test's folder: the heads do not run
     assert record["not_run"] == ["eagle", "hybrid:suffix+eagle", "hybrid:suffix+medusa", "hybrid:suffix+medusa#per-request",
                                  "medusa"]
@@ -63,6 +67,31 @@ def test_the_default_models_default_is_measured_on_chat_and_recorded_with_its_op
     assert default_drafter_options(default_model_file()) == {"shared_tokens": 0}
     assert f"`{PER_REQUEST_SUFFIX}` **(default)**" in table_markdown(record)
     assert default_drafter(tmp_path / "another.gguf") is None and default_drafter_options(tmp_path / "another.gguf") == {}
+
+
+def test_a_default_that_slows_sampled_decoding_is_passed_over(tmp_path, shipped, monkeypatch):
+    """The greedy leader runs 0.96x plain at temperature 1 (below the 0.97 floor): the next leader above the floor is
+    chosen; with every leader below it, the greedy rule alone decides."""
+    import specserve.evals.suite as suite
+    from specserve.evals.default_drafter import PER_REQUEST_SUFFIX, pick_default_drafter, table_markdown
+    from specserve.loading import default_model
+
+    monkeypatch.setattr(default_model, "default_model_path", lambda fetch=True: tmp_path / "model.gguf")
+    greedy = {"ngram": (1.10, 1.3), "lookahead": (1.05, 1.2), PER_REQUEST_SUFFIX: (1.36, 2.4)}
+    for at_one, expected in (({"ngram": 1.02, "lookahead": 0.99, PER_REQUEST_SUFFIX: 0.96}, "ngram"),
+                             ({"ngram": 0.90, "lookahead": 0.95, PER_REQUEST_SUFFIX: 0.96}, "suffix")):
+        def fake_eval(cfg):
+            speed = {n: (at_one[n] if cfg.temperature else s, t) for n, (s, t) in greedy.items() if n in cfg.drafters}
+            return {"drafters": {n: {"speedup": s, "tau": t, "tokens_per_s": 50 * s, "identical_fraction": 1.0}
+                                 for n, (s, t) in speed.items()},
+                    "settings": {"num_prompts": 8}, "plain": {"tokens_per_s": 50.0}, "machine": {}}
+
+        monkeypatch.setattr(suite, "run_eval", fake_eval)
+        record = pick_default_drafter({"ngram": {}, "lookahead": {}, PER_REQUEST_SUFFIX: {"shared_tokens": 0}},
+                                      str(tmp_path / "run"), model="default")
+        assert record["default_drafter"] == expected
+        assert record["candidates"][PER_REQUEST_SUFFIX]["sampled_speedup"] == 0.96
+        assert f"| 1.36 | 2.40 | 68 | 0.96 |" in table_markdown(record)
 
 
 def test_auto_on_the_default_models_file_builds_the_recorded_drafter_with_its_options(tmp_path, shipped, monkeypatch,
