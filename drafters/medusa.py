@@ -58,7 +58,7 @@ class MedusaDrafter(Drafter):
     """Medusa heads drafter (static or dynamic trees, with draft probabilities).
 
     Options:
-      tree:       "static" (default) or "dynamic".
+      tree:       "static" (default) or "dynamic" (not for heads that read their parent's token).
       choices:    static tree: list of rank paths, or that list as a JSON string (default: the
                   checkpoint's list, else `DEFAULT_CHOICES`). Every prefix of a path must be a path.
       topk:       dynamic tree: candidate ranks per node, in [1, 64] (default 4).
