@@ -39,8 +39,8 @@ from specserve.drafters.medusa_heads import has_heads, load_heads
 from specserve.drafters.medusa_tree import DEFAULT_CHOICES, StaticTree, parse_choices, sample_static_tree
 from specserve.drafters.draft_rng import request_generator
 from specserve.speculation.node_values import path_products
-from specserve.drafters.tree_builder import (DRAFT_Q_SUPPORT, TreeBuilder, allowed_columns, draw_siblings, mask_level,
-                                             to_target_ids, top_columns)
+from specserve.drafters.tree_builder import (DRAFT_Q_SUPPORT, TreeBuilder, allowed_columns, draw_siblings,
+                                             log_normalizer, mask_level, to_target_ids, top_columns)
 from specserve.verify import DraftTree
 
 TREES = ("static", "dynamic")
@@ -152,7 +152,7 @@ class MedusaDrafter(Drafter):
         self.device, self.dtype = target.device, target.dtype
         self.heads = heads.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
         self.lm_weight = None
-        self.root_embed = None  # the target's token embeddings [V, H], for heads that read the root token
+        self.root_embed = None  # the target's token embeddings [V, H], for heads that read the root (and parent) token
         if heads.root_token:
             if target.model is None or getattr(target.model, "embed", None) is None:
                 raise ValueError(f"medusa heads in {self.path!r} read the root token through the target's embeddings, "
@@ -314,8 +314,8 @@ class MedusaDrafter(Drafter):
             if temps[a] <= 0:
                 order = _top_ranks(logits[a], int(ranks.max()) + 1)  # [D, ranks]: each head's best columns
                 tokens = order[depths - 1, ranks]
-                heads = logits[a][: int(depths.max())]
-                own = heads[depths - 1, tokens] - _log_normalizers(heads)[depths - 1]  # each node's head log-prob
+                normalizers = np.array([log_normalizer(row) for row in logits[a][: int(depths.max())]])
+                own = logits[a][depths - 1, tokens] - normalizers[depths - 1]  # each node's head log-prob
                 out.append(_tree(tokens, parents, None, None, _greedy_scores(own, parents), id_map=self.id_map))
                 continue
             tokens, q_ids, q_probs, keep = sample_static_tree(logits[a], float(temps[a]), parents, depths, uniforms[a])
@@ -341,7 +341,7 @@ class MedusaDrafter(Drafter):
             for (a, node), row in zip(rows, logits):
                 trees[a].expand(node, row)
             rows = [(a, node) for a, tree in enumerate(trees) for node in tree.expandable(level)]
-            if not rows or level >= self.depth:
+            if not rows:  # (always so at s's deepest level)
                 break
             which = np.array([a for a, _ in rows], dtype=np.int64)
             parents = np.array([trees[a].tokens[node] for a, node in rows], dtype=np.int64)
@@ -435,7 +435,7 @@ class _RowTree:
             else:
                 candidates = np.flatnonzero(logits > -np.inf)
                 candidates = candidates[np.argsort(-logits[candidates], kind="stable")]
-            normalizer = _log_normalizers(logits[None])[0]
+            normalizer = log_normalizer(np.ascontiguousarray(logits))
             for i in kids:
                 if self.ranks[i] < len(candidates):
                     self.tokens[i], self.keep[i] = candidates[self.ranks[i]], True
@@ -460,12 +460,6 @@ class _RowTree:
             scores = _greedy_scores(self.own, self.parents)[keep]  # a kept node's ancestors are kept
             return _tree(self.tokens[keep], new_parents, None, None, scores, id_map=self.id_map)
         return _tree(self.tokens[keep], new_parents, self.q_ids[keep], self.q_probs[keep], id_map=self.id_map)
-
-
-def _log_normalizers(rows: np.ndarray) -> np.ndarray:
-    """float64[R]: log-sum-exp of each row of float32[R, V'] (-inf entries, masked columns, count as zero)."""
-    top = rows.max(axis=1).astype(np.float64)
-    return top + np.log(np.exp(rows - top[:, None].astype(np.float32)).sum(axis=1, dtype=np.float64))
 
 
 def _greedy_scores(own: np.ndarray, parents: np.ndarray) -> np.ndarray:

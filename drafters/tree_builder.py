@@ -241,6 +241,19 @@ def _frontier_rows(per_request: list, builder: TreeBuilder, front: Frontier | No
 
 
 @numba.njit(cache=True, nogil=True)
+def log_normalizer(row):
+    """log Σ exp(row) in float64 (a row of logits; -inf entries, masked columns, add nothing): what a greedy node's
+    log-probability subtracts from its logit."""
+    peak = -np.inf
+    for t in range(row.shape[0]):
+        peak = max(peak, row[t])
+    total = 0.0
+    for t in range(row.shape[0]):
+        total += math.exp(row[t] - peak)
+    return peak + math.log(total)
+
+
+@numba.njit(cache=True, nogil=True)
 def top_columns(row, count, ids, values):
     """The `count` largest entries of row (ties: the lower index first), best first, into ids/values."""
     for j in range(count):
@@ -318,11 +331,7 @@ def _expand_level(logits, requests, width, level, k, w, depth, temperatures, uni
             first = base + f * k
             if temp == 0.0:
                 top_columns(row, k, top_ids, top_vals)
-                peak = top_vals[0]
-                total = 0.0
-                for t in range(row.shape[0]):
-                    total += math.exp(row[t] - peak)
-                lse = peak + math.log(total)
+                lse = log_normalizer(row)
                 for j in range(k):
                     g = first + j
                     parents[a, g] = parent

@@ -170,8 +170,9 @@ def _train_on_features(target, out_dir: Path, data, spec: dict, settings: TrainS
             write_json(out_dir / setup.RUN_CONFIG_FILE, setup.run_record(
                 "train medusa", run, dist, target_path, data, heads=spec, settings=asdict(settings)))
         weights = TargetWeights.of(target_path, True, dist.device)
-        if spec["init_from"] is not None:  # the heads trained before keep their draft vocabulary
-            draft_ids = _initial_heads(spec, weights.lm_head).draft_to_target
+        initial = _initial_heads(spec, weights.lm_head) if spec["init_from"] is not None else None
+        if initial is not None:  # the heads trained before keep their draft vocabulary
+            draft_ids = initial.draft_to_target
         else:
             draft_ids = draft_vocabulary(train_set, vocab, spec["draft_vocab"]) if spec["draft_vocab"] else None
         evalset = heldout_set if heldout_set is not None else train_set
@@ -179,15 +180,16 @@ def _train_on_features(target, out_dir: Path, data, spec: dict, settings: TrainS
         return _fit(dist, run, out_dir, target_path, data_dir, spec, settings, weights.lm_head, weights.embed, draft_ids,
                     train=(len(train_set), float(train_set.lengths.float().mean()),
                            lambda ids: batches(train_set, ids, dist.device)),
-                    heldout=(len(evalset), lambda ids: batches(evalset, ids, dist.device)))
+                    heldout=(len(evalset), lambda ids: batches(evalset, ids, dist.device)), initial=initial)
 
 
 def _fit(dist, run, out_dir: Path, target: Path, data_dir: Path, spec: dict, settings: TrainSettings,
-         lm_weight: torch.Tensor, embed: torch.Tensor, draft_ids: torch.Tensor | None, *, train, heldout) -> dict:
+         lm_weight: torch.Tensor, embed: torch.Tensor, draft_ids: torch.Tensor | None, *, train, heldout,
+         initial: MedusaHeads | None = None) -> dict:
     """Train the heads and write them with their tree and records; return the run summary.
 
     lm_weight, embed: the target's LM head and token embeddings [V, H] (float32); draft_ids: the draft vocabulary
-    int64[V'] or None; train: (sequences, mean length, ids -> batch); heldout: (sequences, ids -> batch). A batch
+    int64[V'] or None; initial: trained heads to start from (`--init-from`), or None; train: (sequences, mean length, ids -> batch); heldout: (sequences, ids -> batch). A batch
     holds tokens int64[B, T], features float32[B, T, H], mask bool[B, T] (row t has a label), topk_ids
     int64[B, T, k] (columns of the heads' logits, -1 outside a draft vocabulary) and topk_logprobs float32[B, T, k]
     (-inf there)."""
@@ -198,8 +200,8 @@ def _fit(dist, run, out_dir: Path, target: Path, data_dir: Path, spec: dict, set
     if draft_ids is not None:
         heads.set_draft_vocab(draft_ids)
     heads.init_lm_heads(lm_weight)
-    if spec["init_from"] is not None:
-        heads.load_state_dict(_initial_heads(spec, lm_weight).state_dict(), strict=False)
+    if initial is not None:  # every tensor they have; parent products they lack stay at zero
+        heads.load_state_dict(initial.state_dict(), strict=False)
     model = _Trainable(heads, lm_weight if spec["lm_head"] == "shared" else lm_weight[:0],
                        embed if spec["root_token"] else embed[:0])
     num_train, mean_len, train_batch = train

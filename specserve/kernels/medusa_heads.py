@@ -37,6 +37,15 @@ def _add_silu(x, y):
             x[a, i] += v * (one / (one + np.float32(math.exp(-v))))
 
 
+@numba.njit(inline="always")
+def _add(x, y):
+    """x += y, float32, element by element (a product's output added to the heads' rows)."""
+    rows, width = x.shape
+    for a in range(rows):
+        for i in range(width):
+            x[a, i] += y[a, i]
+
+
 @numba.njit(parallel=CALLS_PARALLEL_KERNELS, boundscheck=False, cache=True)
 def medusa_heads(feats, roots, parents, first, root_w, root_s, root_b, parent_w, parent_s, parent_b, block_w, block_s,
                  block_b, blocks_per_head, lm_w, lm_s, lm_b, shared_lm_head, out):
@@ -62,14 +71,10 @@ def medusa_heads(feats, roots, parents, first, root_w, root_s, root_b, parent_w,
         x[:] = feats
         if roots.shape[0]:
             linear_rows(roots, root_w[k], root_s[k], root_b[k], scratch, False)
-            for a in range(num_req):
-                for i in range(hidden):
-                    x[a, i] += scratch[a, i]
+            _add(x, scratch)
         if parents.shape[0] and k >= 1:
             linear_rows(parents, parent_w[k - 1], parent_s[k - 1], parent_b[k - 1], scratch, False)
-            for a in range(num_req):
-                for i in range(hidden):
-                    x[a, i] += scratch[a, i]
+            _add(x, scratch)
         for layer in range(blocks_per_head):
             b = k * blocks_per_head + layer
             linear_rows(x, block_w[b], block_s[b], block_b[b], scratch, False)

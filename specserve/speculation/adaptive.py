@@ -386,8 +386,8 @@ def _expected_best(history: list[tuple[np.ndarray, np.ndarray, int]], depth: int
     level at the share of steps that explored it — a level drafter's depth, once lowered, stayed low (Medusa
     heads that read their parent's token: plans of depth 3 priced its nodes at ~0.02 where they were
     accepted 0.2-0.4 of the time)."""
-    deep = [(v, d) for v, d, drafted in history if drafted >= depth]
-    best = [np.sort(v[d <= depth])[::-1] for v, d in (deep or [(v, d) for v, d, _ in history])]
+    priced = [tree for tree in history if tree[2] >= depth] or history
+    best = [np.sort(v[d <= depth])[::-1] for v, d, _ in priced]
     out = np.zeros(max(len(b) for b in best))
     for b in best:
         out[:len(b)] += b
@@ -398,7 +398,7 @@ _EMPTY_TREE = (np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.in
 
 
 def _factored(tree: tuple, factor: float) -> np.ndarray:
-    """Node values of a (conditional, parents, depths) tree under a request's accuracy factor. The factor
+    """Node values of a (conditional, parents, depths, drafted depth) tree under a request's accuracy factor. The factor
     scales each conditional rate and values stay products, so a child is never worth more than its
     parent and every cut by value is ancestor-closed."""
     conditional, parents = tree[0], tree[1]
