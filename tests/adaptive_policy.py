@@ -19,7 +19,7 @@ from specserve.speculation.cost_model import DraftCost, VerifyCost
 class FixedVerifyCost(VerifyCost):
     """A verify cost that measured steps do not move (the tiny model's real steps would)."""
 
-    def observe(self, rows: int, seconds: float) -> None:
+    def observe(self, rows: int, seconds: float, sequences: int = 1) -> None:
         pass
 
 

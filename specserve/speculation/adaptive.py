@@ -3,7 +3,7 @@
 Model (all measured on this machine, see `cost_model` and `node_values`):
 
     tokens(step)  = decodes + Σ over verified nodes of value(node)        (value = P(node accepted))
-    seconds(step) = overhead + draft_cost(depth, drafting requests, backlog) + verify_cost(rows)
+    seconds(step) = overhead + draft_cost(depth, drafting requests, backlog) + verify_cost(rows, requests)
                     + tree_cost × trees verified
 
 **Plan** (before drafting): for every depth L = 0 (plain decoding) .. the drafter's depth, predict
@@ -172,7 +172,7 @@ class AdaptiveBudget:
         self._since_plan = 0
         histories = [self._predicted(s) for s in states]
         backlogs = np.array([s.backlog for s in states], dtype=np.float64) / AMORTIZE_STEPS
-        plain_rate = len(requests) / self._seconds(0.0, fixed_rows)
+        plain_rate = len(requests) / self._seconds(0.0, fixed_rows, len(requests))
         best_depth, best_rate, best_kept, best_spec_rate = 0, plain_rate, None, 0.0
         for depth in [self.max_depth] if self.whole_trees else range(1, self.max_depth + 1):
             values = [_expected_best(history, depth) for history in histories]
@@ -233,7 +233,7 @@ class AdaptiveBudget:
     def _nearly_free(self, requests: int, fixed_rows: int) -> bool:
         """Whether drafting for every request costs at most NEARLY_FREE_SHARE of a plain step (whole-tree
         drafters only: a level drafter's empty levels still cost a forward each)."""
-        plain_s = self._seconds(0.0, fixed_rows)
+        plain_s = self._seconds(0.0, fixed_rows, requests)
         return self.whole_trees and self.draft_cost(self.max_depth, requests, 0) <= NEARLY_FREE_SHARE * plain_s
 
     def _probe_pays(self, state: _RequestState, steps: int, fixed_rows: int, requests: int) -> bool:
@@ -241,8 +241,8 @@ class AdaptiveBudget:
         batch waits for a probe: with n requests each probing, the probes' share of the time stays under
         PROBE_SHARE when each waits n times longer than it would alone)."""
         cost = self.draft_cost(self.max_depth, 1, state.backlog or 0) + self.tree_s
-        cost += self.verify_cost(fixed_rows + PROBE_NODES) - self.verify_cost(fixed_rows)
-        return steps * self._seconds(0.0, fixed_rows) / requests * PROBE_SHARE >= cost
+        cost += self.verify_cost.curve(fixed_rows + PROBE_NODES) - self.verify_cost.curve(fixed_rows)
+        return steps * self._seconds(0.0, fixed_rows, requests) / requests * PROBE_SHARE >= cost
 
     # ---- after drafting -------------------------------------------------------------------------
 
@@ -307,27 +307,31 @@ class AdaptiveBudget:
         counts = [len(v) for v in values]
         total = sum(counts)
         if not total:
-            return np.zeros(len(values), dtype=np.int64), len(values) / self._seconds(fixed_s, fixed_rows)
+            return np.zeros(len(values), dtype=np.int64), len(values) / self._seconds(fixed_s, fixed_rows, len(values))
         flat = np.concatenate(values).astype(np.float64, copy=False)
         owner = np.repeat(np.arange(len(values), dtype=np.int64), counts)
-        seconds = self.verify_cost(fixed_rows + np.arange(total + 1))
+        seconds = self.verify_cost(fixed_rows + np.arange(total + 1), len(values))
         return best_cut(flat, owner, len(values), seconds, self.overhead_s + fixed_s, self.tree_s)
 
-    def _seconds(self, fixed_s: float, rows: int) -> float:
-        return self.overhead_s + fixed_s + self.verify_cost(rows)
+    def _seconds(self, fixed_s: float, rows: int, requests: int) -> float:
+        return self.overhead_s + fixed_s + self.verify_cost(rows, requests)
 
     # ---- learning -------------------------------------------------------------------------------
 
     def observe(self, record: StepRecord) -> None:
         trees = sum(rec.drafted > 0 for rec in record.requests)
-        if self.verify_cost is not None and record.num_tokens and not (trees and self._probes_only(record)):
+        sequences = max(len(record.requests), 1)
+        # (A step with prompt chunks beside several decodes teaches nothing either: its rows are mostly prompt,
+        # whose cost is the curve's far end, not what the decodes' sequences add.)
+        if (self.verify_cost is not None and record.num_tokens and not (trees and self._probes_only(record))
+                and not (record.num_prefill_tokens and sequences > 1)):
             # Every step teaches the row cost at its rows, a drafting step net of its trees' calibrated
             # overhead: calibration alone was off by up to 0.5 ms at the row counts only trees reach
             # (7 rows at batch 1), and learning a per-tree overhead from what steps took beyond the
             # row model instead folded that error into every tree, whatever its size. Steps whose only
             # trees were probes teach nothing: a probe is a lone tree step amid plain ones and runs
             # the tree path cold (1-2 ms more than in steady drafting, measured).
-            self.verify_cost.observe(record.num_tokens, record.verify_s - trees * self.tree_s)
+            self.verify_cost.observe(record.num_tokens, record.verify_s - trees * self.tree_s, sequences)
         drafted = {rec.request_id for rec in record.requests if rec.budget > 0}
         if drafted:  # probes too: the backlog term carries their catch-up
             backlog = sum(self._requests[i].backlog or 0 for i in drafted if i in self._requests)

@@ -22,8 +22,20 @@ OUTLIER = 3.0
 
 
 class VerifyCost:
-    """Seconds of one step's target forward plus acceptance, as a function of its rows: piecewise
-    linear between knots (rows, ascending), extrapolated along the last segment."""
+    """Seconds of one step's target forward plus acceptance, as a function of its rows and of how many
+    sequences they belong to:
+
+        cost(rows, sequences) = curve(rows) + offset(sequences)
+
+    curve: piecewise linear between knots (rows, ascending), extrapolated along the last segment — one
+    sequence's rows (calibrated on one sequence, learned online from steps of one sequence). offset: what
+    each further sequence adds whatever its rows (its own attention over its context, its logits and
+    bookkeeping), learned online per sequence count from steps of that many (offset(1) = 0). Rows of one
+    sequence and rows of many cost differently: the default model's 8 rows took 12.6 ms as one sequence's
+    and 21 ms as eight sequences' single rows (2026-12-03); folded into the curve, eight decodes' steps
+    raised its 8-row knot to 21 ms and every knot above it to at least that, so the first 8 draft rows of
+    a batch of 8 looked free and an adaptive batch of 8 verified at a loss. With the offset apart, the
+    marginal cost of a draft row is the curve's at every batch size."""
 
     def __init__(self, knots: list[int], seconds: list[float]) -> None:
         if len(knots) != len(seconds) or not knots:
@@ -31,10 +43,17 @@ class VerifyCost:
         self.knots = np.asarray(knots, dtype=np.float64)
         self._knot_list = [float(k) for k in knots]
         self.seconds = np.maximum.accumulate(np.maximum(np.asarray(seconds, dtype=np.float64), 1e-7))
+        self._offsets: dict[int, float] = {}  # sequences (> 1) -> learned offset
+        self._offset_steps: dict[int, int] = {}
 
-    def __call__(self, rows):
-        """Predicted seconds for `rows` (a number, or an array of them). Called several times a step: a number
-        is interpolated in plain Python (numpy's per-call overhead was most of its cost), an array by np.interp."""
+    def __call__(self, rows, sequences: int = 1):
+        """Predicted seconds for `rows` (a number, or an array of them) of `sequences` sequences."""
+        return self.curve(rows) + self.offset(sequences)
+
+    def curve(self, rows):
+        """One sequence's predicted seconds for `rows` (a number, or an array of them). Called several times a
+        step: a number is interpolated in plain Python (numpy's per-call overhead was most of its cost), an array
+        by np.interp."""
         knots, y = self._knot_list, self.seconds
         slope = (y[-1] - y[-2]) / (knots[-1] - knots[-2]) if len(knots) > 1 else 0.0  # past the last knot
         if isinstance(rows, (int, float, np.integer, np.floating)):
@@ -53,11 +72,33 @@ class VerifyCost:
             out[over] = y[-1] + slope * (x[over] - knots[-1])
         return out
 
-    def observe(self, rows: int, seconds: float) -> None:
-        """Move the two knots around `rows` towards a measured step, in proportion to their weight
-        (scalar Python: this runs every step)."""
-        predicted = self(rows)
+    def offset(self, sequences: int) -> float:
+        """Seconds a step of `sequences` sequences costs beyond one sequence with as many rows: learned where
+        steps of that many were seen, else interpolated linearly between the nearest counts seen (1 costs
+        nothing), or scaled in proportion beyond the largest."""
+        if sequences <= 1:
+            return 0.0
+        known = self._offsets.get(sequences)
+        if known is not None:
+            return known
+        lower, lower_s = 1, 0.0
+        for count in sorted(self._offsets):
+            if count > sequences:
+                w = (sequences - lower) / (count - lower)
+                return lower_s + w * (self._offsets[count] - lower_s)
+            lower, lower_s = count, self._offsets[count]
+        return lower_s * (sequences - 1) / (lower - 1) if lower > 1 else 0.0
+
+    def observe(self, rows: int, seconds: float, sequences: int = 1) -> None:
+        """Learn from a measured step: one sequence's steps move the two knots around `rows` towards it, in
+        proportion to their weight; a step of several sequences moves their offset (by the mean of its first
+        steps, then at RATE). Scalar Python: this runs every step."""
+        predicted = self(rows, sequences)
         error = min(seconds, predicted * OUTLIER) - predicted
+        if sequences > 1:
+            steps = self._offset_steps[sequences] = self._offset_steps.get(sequences, 0) + 1
+            self._offsets[sequences] = self.offset(sequences) + max(RATE, 1.0 / steps) * error
+            return
         knots, y = self.knots, self.seconds
         i = bisect.bisect_left(self._knot_list, rows)
         if i == 0 or len(knots) == 1:
@@ -81,21 +122,37 @@ class VerifyCost:
 # one knot. Measured on the default model (2026-12-03): a start-up calibration that timed each knot's repeats in a
 # row read 2 rows as 1.20x one row (interleaved timings: 1.01x) and a tree's overhead as 6.6 ms (0.2-0.7 ms),
 # which kept an adaptive engine from drafting for its whole life — both are only ever corrected by drafting steps.
-CALIBRATION_ROUNDS = 5  # up to 16 rows, where the differences that decide small trees are a few hundred µs
+CALIBRATION_ROUNDS = 3  # up to DENSE_ROWS rows, where the differences that decide small trees are a few hundred µs
 CALIBRATION_ROUNDS_LARGE = 2  # above: the forward is long, and compute-bound
+# Every row count up to DENSE_ROWS is its own knot, then every COARSE_STEP rows up to COARSE_ROWS, then powers
+# of two. The products run rows in passes of a few rows (4 in our kernels), so the cost is a staircase, not a
+# line: on the default model (Q4_1, 2026-12-03) 1 row 7.8 ms, 2-4 rows 8.8-8.9, 5 rows 10.6, 8 rows 12.6, 9 rows
+# 14.8. Knots at 1, 2, 4, 8, 16 alone read 5 rows as 9.9 ms and 9 as 13.7 — a node that opens a pass priced at
+# half its cost, which is what made an adaptive batch of 8 (8 rows before any draft) verify at a loss.
+DENSE_ROWS = 16
+COARSE_STEP = 4
+COARSE_ROWS = 32
+
+
+def calibration_knots(max_rows: int) -> list[int]:
+    """The row counts the verify cost is timed at (ascending, up to max_rows, max_rows included)."""
+    max_rows = max(1, max_rows)
+    knots = set(range(1, min(DENSE_ROWS, max_rows) + 1))
+    knots |= set(range(DENSE_ROWS + COARSE_STEP, min(COARSE_ROWS, max_rows) + 1, COARSE_STEP))
+    knots |= {1 << i for i in range(max_rows.bit_length()) if (1 << i) <= max_rows}
+    return sorted(knots | {max_rows})
 
 
 def calibrate_verify_cost(time_forward: Callable[[int], float], max_rows: int) -> VerifyCost:
-    """Time the target forward at rows 1, 2, 4, ... up to max_rows (after two warm-up forwards): the fastest of
+    """Time the target forward at `calibration_knots(max_rows)` (after two warm-up forwards): the fastest of
     interleaved rounds per row count, the starting point the online corrections refine."""
-    max_rows = max(1, max_rows)
-    knots = sorted({min(1 << i, max_rows) for i in range(int(math.log2(max_rows)) + 2)})
+    knots = calibration_knots(max_rows)
     time_forward(1)
     time_forward(2)
     best = {k: math.inf for k in knots}
     for round_index in range(CALIBRATION_ROUNDS):
         for k in knots:
-            if k <= 16 or round_index < CALIBRATION_ROUNDS_LARGE:
+            if k <= DENSE_ROWS or round_index < CALIBRATION_ROUNDS_LARGE:
                 best[k] = min(best[k], time_forward(k))
     return VerifyCost(knots, [best[k] for k in knots])
 

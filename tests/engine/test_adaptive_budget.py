@@ -77,6 +77,51 @@ def test_verify_cost_interpolates_and_learns():
     assert all(np.diff(cost.seconds) >= 0)  # never cheaper to verify more
 
 
+def test_verify_cost_learns_what_further_sequences_add_apart_from_the_rows_curve():
+    """A batch's steps teach an offset for that many sequences and leave one sequence's curve alone: the marginal
+    cost of a draft row at batch 8 is the curve's (a new 4-row pass here), not zero. (Learned into the curve, eight
+    decodes' 21 ms steps had lifted every knot from 8 rows up to 21 ms: the first draft rows looked free.)"""
+    staircase = [7.8, 8.8, 8.9, 8.9, 10.6, 11.9, 12.3, 12.6, 14.8, 16.4, 16.8, 17.2]  # ms, one sequence, 1-12 rows
+    cost = VerifyCost(list(range(1, 13)), [1e-3 * s for s in staircase])
+    for _ in range(300):  # eight decodes' plain steps: 8 rows, 21 ms
+        cost.observe(8, 21e-3, sequences=8)
+    assert cost(8, 8) == pytest.approx(21e-3, rel=1e-3)
+    assert cost.curve(8) == pytest.approx(12.6e-3) and cost.curve(9) == pytest.approx(14.8e-3)  # untouched
+    assert cost(9, 8) - cost(8, 8) == pytest.approx((14.8 - 12.6) * 1e-3)  # the ninth row opens a pass
+    assert cost(1) == pytest.approx(7.8e-3)  # one sequence costs what it did
+    # A count never seen: between the nearest seen (1 costs nothing), in proportion beyond the largest.
+    assert cost.offset(4) == pytest.approx((21 - 12.6) * 1e-3 * 3 / 7, rel=1e-3)
+    assert cost.offset(15) == pytest.approx((21 - 12.6) * 1e-3 * 2, rel=1e-3)
+    first = VerifyCost([1, 2], [1e-3, 2e-3])
+    first.observe(2, 5e-3, sequences=2)  # a count's first step sets its offset outright
+    assert first(2, 2) == pytest.approx(5e-3)
+
+
+def test_a_batch_does_not_verify_rows_its_own_steps_made_look_free():
+    """Eight decodes whose plain steps take 21 ms, one sequence's rows the staircase below: a draft node worth 0.3
+    tokens per request does not pay (8.3 tokens in 23.2 ms, 8 in 21 ms plain), however many requests have one."""
+    staircase = [7.8, 8.8, 8.9, 8.9, 10.6, 11.9, 12.3, 12.6, 14.8, 16.4, 16.8, 17.2, 18.9, 20.4, 20.6, 21.0]
+    policy = AdaptiveBudget(max_budget=4, max_depth=4, verify_cost=VerifyCost(list(range(1, 17)), [1e-3 * s for s in staircase]),
+                            draft_cost=FreeDrafting())
+    requests = [_Req(str(i)) for i in range(8)]
+    for _ in range(100):
+        policy.observe(StepRecord(requests=tuple(RequestStepRecord(r.request_id, 0, 0, 0, 0) for r in requests),
+                                  num_tokens=8, num_prefill_tokens=0, draft_s=0.0, verify_s=21e-3))
+    kept, rate = policy._best_cut([np.array([0.3])] * 8, 8, 0.0)
+    assert kept.tolist() == [0] * 8 and rate == pytest.approx(8 / 21e-3, rel=0.01)
+    kept, _ = policy._best_cut([np.array([0.9, 0.8, 0.7])] * 8, 8, 0.0)  # worth it: 16 rows, two nodes each
+    assert kept.sum() > 0
+
+
+def test_calibration_knots_are_every_row_count_where_passes_step():
+    from specserve.speculation.cost_model import calibration_knots
+
+    assert calibration_knots(64) == list(range(1, 17)) + [20, 24, 28, 32, 64]
+    assert calibration_knots(9) == list(range(1, 10))
+    assert calibration_knots(40) == list(range(1, 17)) + [20, 24, 28, 32, 40]
+    assert calibration_knots(1) == [1]
+
+
 def test_draft_cost_learns_levels_and_backlog():
     cost = DraftCost()
     assert cost(3, 1, 0) == 0.0  # nothing measured: drafting looks free, so the first steps explore
