@@ -42,6 +42,7 @@ import torch
 
 from specserve.drafters.base import (CommitInfo, DraftRequest, Drafter, TargetInfo, check_int_option, create_drafter,
                                      parse_drafter_spec, register)
+from specserve.speculation.node_values import path_products
 from specserve.verify import DraftTree, VerifyResult
 
 # The costly parts draft for a request when the cheap parts' tree expects fewer accepted tokens than this:
@@ -250,13 +251,17 @@ class HybridDrafter(Drafter):
             return DraftTree.empty(), None, 0.0
         tok_arr, par_arr = np.asarray(tokens, dtype=np.int64), np.asarray(parents, dtype=np.int64)
         guess_arr = np.stack(guesses)  # [N, P]
-        values = np.empty(len(tokens))
-        last_sampled: dict[int, float] = {}  # parent -> value of its latest sampled child
-        for n, par in enumerate(parents):  # parents come first, siblings in order
-            own = float(np.max(np.minimum(1.0, guess_arr[n] * factors)))
-            values[n] = max(own, MIN_VALUE) * (values[par] if par >= 0 else 1.0)
-            if q_rows[n] is not None:  # a sampled node never outranks an earlier sampled sibling
-                values[n] = last_sampled[par] = min(values[n], last_sampled.get(par, np.inf))
+        # Each node's own guess: the best calibrated part's; its value: the product down its path.
+        own = np.maximum(np.max(np.minimum(1.0, guess_arr * factors), axis=1), MIN_VALUE)
+        if all(row is None for row in q_rows):
+            values = path_products(own, par_arr)
+        else:
+            values = np.empty(len(tokens))
+            last_sampled: dict[int, float] = {}  # parent -> value of its latest sampled child
+            for n, par in enumerate(parents):  # parents come first, siblings in order
+                values[n] = own[n] * (values[par] if par >= 0 else 1.0)
+                if q_rows[n] is not None:  # a sampled node never outranks an earlier sampled sibling
+                    values[n] = last_sampled[par] = min(values[n], last_sampled.get(par, np.inf))
         keep = np.sort(np.lexsort((np.arange(len(tokens)), -values))[:budget])
         sources = tuple("+".join(self.part_names[k] for k in range(len(trees)) if guess_arr[n, k] > 0) for n in keep)
         q_ids = q_probs = None
