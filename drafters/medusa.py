@@ -38,9 +38,9 @@ from specserve.drafters.base import check_int_option, Drafter, DraftRequest, Tar
 from specserve.drafters.medusa_heads import has_heads, load_heads
 from specserve.drafters.medusa_tree import DEFAULT_CHOICES, StaticTree, parse_choices, sample_static_tree
 from specserve.drafters.draft_rng import request_generator
-from specserve.speculation.node_values import path_products
 from specserve.drafters.tree_builder import (DRAFT_Q_SUPPORT, TreeBuilder, allowed_columns, draw_siblings,
                                              log_normalizer, mask_level, to_target_ids, top_columns)
+from specserve.speculation.node_values import path_products
 from specserve.verify import DraftTree
 
 TREES = ("static", "dynamic")

@@ -189,10 +189,10 @@ def _fit(dist, run, out_dir: Path, target: Path, data_dir: Path, spec: dict, set
     """Train the heads and write them with their tree and records; return the run summary.
 
     lm_weight, embed: the target's LM head and token embeddings [V, H] (float32); draft_ids: the draft vocabulary
-    int64[V'] or None; initial: trained heads to start from (`--init-from`), or None; train: (sequences, mean length, ids -> batch); heldout: (sequences, ids -> batch). A batch
-    holds tokens int64[B, T], features float32[B, T, H], mask bool[B, T] (row t has a label), topk_ids
-    int64[B, T, k] (columns of the heads' logits, -1 outside a draft vocabulary) and topk_logprobs float32[B, T, k]
-    (-inf there)."""
+    int64[V'] or None; train: (sequences, mean length, ids -> batch); heldout: (sequences, ids -> batch); initial:
+    trained heads to start from (`--init-from`), or None. A batch holds tokens int64[B, T], features float32[B, T, H],
+    mask bool[B, T] (row t has a label), topk_ids int64[B, T, k] (columns of the heads' logits, -1 outside a draft
+    vocabulary) and topk_logprobs float32[B, T, k] (-inf there)."""
     hidden, vocab = lm_weight.shape[1], lm_weight.shape[0]
     torch.manual_seed(settings.seed)
     heads = MedusaHeads(hidden, vocab, spec["num_heads"], spec["num_layers"], spec["lm_head"],

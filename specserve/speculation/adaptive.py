@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -77,10 +78,24 @@ TREE_CALIBRATION_NODES = 8
 NEARLY_FREE_SHARE = 0.02
 
 
+class _DraftedTree(NamedTuple):
+    """A drafted tree as the plan prices the next: before any request's accuracy factor."""
+
+    conditional: np.ndarray  # float64[N] each node's calibrated P(accepted | its parent accepted)
+    parents: np.ndarray  # int64[N]
+    depths: np.ndarray  # int64[N]
+    drafted: int  # the depth the step drafted to (its plan's, or one more when exploring)
+
+    @staticmethod
+    def empty(drafted: int) -> "_DraftedTree":
+        """A step where the drafter found nothing."""
+        return _DraftedTree(np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), drafted)
+
+
 @dataclass
 class _RequestState:
-    # (conditional, parents, depths, drafted depth) of its latest TREE_HISTORY drafted trees (empty ones
-    # included: a step where the drafter found nothing is evidence too), before its factor.
+    # Its latest TREE_HISTORY drafted trees (empty ones included: a step where the drafter found nothing is
+    # evidence too).
     trees: deque = field(default_factory=lambda: deque(maxlen=TREE_HISTORY))
     sampled: bool = False  # temperature > 0
     factor: float = 1.0
@@ -125,7 +140,7 @@ class AdaptiveBudget:
         # The latest drafted tree of any greedy (False) / sampled (True) request: what a request that has
         # not drafted yet is predicted to get. Kept per kind: acceptance differs a lot between them, and a
         # sampled request that borrowed a greedy request's tree drafted where it could not pay.
-        self._typical: dict[bool, tuple] = {}
+        self._typical: dict[bool, _DraftedTree] = {}
         self._depth = 0  # this step's plan depth
         self._plan_depth = 0  # the last full plan's depth
         self._since_plan = REPLAN
@@ -254,7 +269,7 @@ class AdaptiveBudget:
         for r, tree, budget in zip(requests, trees, budgets):
             if not budget or not tree.num_nodes:
                 if budget:
-                    self._state(r.request_id).trees.append(_EMPTY_TREE + (self._depth,))
+                    self._state(r.request_id).trees.append(_DraftedTree.empty(self._depth))
                 values.append(np.zeros(0))
                 terms_of.append(None)
                 continue
@@ -263,7 +278,7 @@ class AdaptiveBudget:
             terms = own_terms(scores, parents)
             conditional = self.node_values.conditional(terms, r.params.temperature > 0)
             state = self._state(r.request_id)
-            latest = self._typical[r.params.temperature > 0] = (conditional, parents, depths, self._depth)
+            latest = self._typical[r.params.temperature > 0] = _DraftedTree(conditional, parents, depths, self._depth)
             state.trees.append(latest)
             # No cut by depth here: the plan's depth caps what level drafters spend drafting (they honour
             # it), and nodes past it that cost no drafting (a hybrid's suffix part) are priced by rows below.
@@ -377,7 +392,7 @@ class AdaptiveBudget:
         """(node values, depths, drafted depth) of this request's recent trees under its factor (a request
         that has drafted none borrows the latest tree of a request of its kind)."""
         trees = state.trees or [self._typical.get(state.sampled) or next(iter(self._typical.values()))]
-        return [(_factored(tree, state.factor), tree[2], tree[3]) for tree in trees]
+        return [(_factored(tree, state.factor), tree.depths, tree.drafted) for tree in trees]
 
 
 def _expected_best(history: list[tuple[np.ndarray, np.ndarray, int]], depth: int) -> np.ndarray:
@@ -390,7 +405,7 @@ def _expected_best(history: list[tuple[np.ndarray, np.ndarray, int]], depth: int
     level at the share of steps that explored it — a level drafter's depth, once lowered, stayed low (Medusa
     heads that read their parent's token: plans of depth 3 priced its nodes at ~0.02 where they were
     accepted 0.2-0.4 of the time)."""
-    priced = [tree for tree in history if tree[2] >= depth] or history
+    priced = [(v, d, drafted) for v, d, drafted in history if drafted >= depth] or history
     best = [np.sort(v[d <= depth])[::-1] for v, d, _ in priced]
     out = np.zeros(max(len(b) for b in best))
     for b in best:
@@ -398,15 +413,11 @@ def _expected_best(history: list[tuple[np.ndarray, np.ndarray, int]], depth: int
     return out / len(best)
 
 
-_EMPTY_TREE = (np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
-
-
-def _factored(tree: tuple, factor: float) -> np.ndarray:
-    """Node values of a (conditional, parents, depths, drafted depth) tree under a request's accuracy factor. The factor
-    scales each conditional rate and values stay products, so a child is never worth more than its
-    parent and every cut by value is ancestor-closed."""
-    conditional, parents = tree[0], tree[1]
-    return path_products(np.minimum(conditional * factor, 1.0), parents)
+def _factored(tree: _DraftedTree, factor: float) -> np.ndarray:
+    """Node values of a drafted tree under a request's accuracy factor. The factor scales each conditional
+    rate and values stay products, so a child is never worth more than its parent and every cut by value is
+    ancestor-closed."""
+    return path_products(np.minimum(tree.conditional * factor, 1.0), tree.parents)
 
 
 def _top(values: np.ndarray, k: int) -> np.ndarray:

@@ -101,8 +101,8 @@ def test_a_batch_does_not_verify_rows_its_own_steps_made_look_free():
     """Eight decodes whose plain steps take 21 ms, one sequence's rows the staircase below: a draft node worth 0.3
     tokens per request does not pay (8.3 tokens in 23.2 ms, 8 in 21 ms plain), however many requests have one."""
     staircase = [7.8, 8.8, 8.9, 8.9, 10.6, 11.9, 12.3, 12.6, 14.8, 16.4, 16.8, 17.2, 18.9, 20.4, 20.6, 21.0]
-    policy = AdaptiveBudget(max_budget=4, max_depth=4, verify_cost=VerifyCost(list(range(1, 17)), [1e-3 * s for s in staircase]),
-                            draft_cost=FreeDrafting())
+    cost = VerifyCost(list(range(1, 17)), [1e-3 * s for s in staircase])
+    policy = AdaptiveBudget(max_budget=4, max_depth=4, verify_cost=cost, draft_cost=FreeDrafting())
     requests = [_Req(str(i)) for i in range(8)]
     for _ in range(100):
         policy.observe(StepRecord(requests=tuple(RequestStepRecord(r.request_id, 0, 0, 0, 0) for r in requests),
