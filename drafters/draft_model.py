@@ -117,7 +117,8 @@ class DraftModelDrafter(LevelDrafter):
         if target_model is None or target_model.kernels is not None:
             # A quantized target's draft model is quantized too: its forwards are most of a draft step, and a user
             # who chose int8/int4 chose that speed. A GGUF file's blocks run as stored (no quantization was asked
-            # for), so its draft gets 8-bit products. Output stays the target's (it verifies).
+            # for), so its draft gets `drafter_storage`'s: 4-bit beside 4-bit layers, else 8-bit. Output stays the
+            # target's (it verifies).
             from specserve.kernels import drafter_storage
 
             kernels = target_model.kernels if target_model is not None else None

@@ -334,7 +334,7 @@ class _HeadKernels:
     def __init__(self, head: EagleHead, target_kernels) -> None:
         from specserve.kernels import LayerKernels, PackedLinear, drafter_storage
 
-        # A quantized target's head runs 8-bit too.
+        # A quantized target's head runs quantized too (`drafter_storage`: 4-bit beside 4-bit layers, else 8-bit).
         storage = drafter_storage(target_kernels) or {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(
             head.fc.dtype, "float32")
         self.head = head

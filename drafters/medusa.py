@@ -66,7 +66,8 @@ class MedusaDrafter(Drafter):
       max_budget: most nodes per tree, >= 1 (default 8, or the whole tree when smaller).
       seed:       seeds the per-request samplers (temperature > 0), with the request's seed or id.
       storage:    how the CPU kernels store the heads' weights (`specserve.kernels.STORAGES`: "int8", "q4_1",
-                  "int4", "float16", ...; default int8 beside a quantized target, else the target's storage).
+                  "int4", "float16", ...; default beside a quantized target `kernels.drafter_storage`'s — Q4_1 beside
+                  4-bit layers, else int8 — else the target's storage).
                   The heads' bytes are their time: each drafting step streams them cold after the target's
                   forward (BENCHMARKS.md, "Medusa heads that read the root token").
     """
@@ -512,7 +513,8 @@ class _HeadKernels:
         from specserve.kernels import PackedLinear, drafter_storage
         from specserve.kernels.medusa_heads import medusa_heads
 
-        # A quantized target's heads run 8-bit too (3 heads over 4,096 tokens: 31 MB as float32, 8 as int8).
+        # A quantized target's heads run quantized too (`drafter_storage`; 3 heads over 4,096 tokens: 31 MB as float32,
+        # 8 as int8, 4.8 as Q4_1 beside the default model's 4-bit layers).
         storage = storage or drafter_storage(target_kernels) or target_kernels.storage
         self.blocks = [[PackedLinear(heads.weight[k, layer], heads.bias[k, layer], storage)
                         for layer in range(heads.num_layers)] for k in range(depth)]

@@ -46,10 +46,17 @@ def move_to_arena(products: list[PackedLinear]):
 
 
 def drafter_storage(target_kernels) -> str | None:
-    """"int8" when the target's kernels run quantized products (a GGUF file's blocks or a quantization asked for),
-    else None: a drafter beside it keeps its own storage. A draft level streams the drafter's weights for a row or
-    two, so their bytes are its time (SmolLM2's EAGLE head: 30 MB as float32, 7.5 MB as int8)."""
-    return "int8" if target_kernels is not None and getattr(target_kernels, "quantized", False) else None
+    """A drafter's storage beside a target whose kernels run quantized products (a GGUF file's blocks or a
+    quantization asked for): 4-bit ("q4_1") beside a target whose decoder layers are 4-bit (Q4_0, Q4_1), else
+    "int8"; None beside float products (a drafter keeps its own storage). A draft level streams the drafter's
+    weights for a row or two, so their bytes are its time (SmolLM2's EAGLE head: 30 MB as float32, 7.5 MB as
+    int8): the default model's Medusa heads drafted in 1.2 ms a step as Q4_1 against 1.7 as Q8_0, for the same
+    accepted tokens (BENCHMARKS.md, fifteenth session). Q4_1 rather than Q4_0: its per-run minimum keeps a
+    drafter's small weights closer (the target's own layers set how coarse the drafts may be)."""
+    if target_kernels is None or not getattr(target_kernels, "quantized", False):
+        return None
+    layer_storages = {p.storage for layer in target_kernels.layers for p in layer.products()}
+    return "q4_1" if layer_storages & {"int4", "q4_1"} else "int8"
 
 
 def kernels_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:

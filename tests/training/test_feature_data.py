@@ -169,6 +169,10 @@ def test_an_eagle3_head_trains_on_captured_features_and_serves_losslessly(target
     assert spec8.engine.drafter.head.kernels.fc.scales.size and spec8.engine.drafter.head.kernels.lm_head.scales.size
     assert not spec.engine.drafter.head.kernels.fc.scales.size
     assert [o.token_ids for o in spec8.generate(prompts, params)] == plain8
+    # Beside 4-bit target layers they run 4-bit (Q4_1).
+    spec4 = LLM(str(target[1]), drafter=f"eagle:{head}", speculation="static", threads=1, quantization="int4")
+    assert spec4.engine.drafter.head.kernels.fc.storage == spec4.engine.drafter.head.kernels.lm_head.storage == "q4_1"
+    assert spec8.engine.drafter.head.kernels.fc.storage == "int8"
 
     other_hf = build_model(tmp_path / "other", "llama", hidden_size=64, layers=4, init_std=0.1, seed=1)
     other = write_gguf(other_hf, tmp_path / "other.gguf", "F32")
