@@ -56,11 +56,6 @@ REPLAN = 8
 # cores) would otherwise cost a few percent of plain decoding.
 REPLAN_PLAIN = 32
 CLEAR_LOSS = 0.9
-# A plan drafts only where its predicted rate beats plain decoding's by this share: the prediction errs
-# toward drafting (a tree step's host work and the caches it leaves cold cost ~5-13 % more than the verify
-# curve says, measured at temperature 1), and there a predicted gain of a few percent came out as a loss
-# of a few (0.95-0.96x plain with the q4_1 heads; BENCHMARKS.md, fifteenth session). A real gain is 20 %+.
-PLAN_MARGIN = 0.05
 # A request's accuracy factor scales its calibrated conditional rates; each verified tree moves it by
 # FACTOR_RATE × the relative error of its prediction (accepted vs predicted tokens), within FACTOR_RANGE.
 FACTOR_RATE = 0.2
@@ -137,7 +132,6 @@ class AdaptiveBudget:
     # What a verified tree costs beyond its rows: the tree-masked attention, packing, tree acceptance
     # instead of a plain argmax. Calibrated at start, warm (`calibrate_tree_cost`).
     tree_s: float = 0.0
-    margin: float = PLAN_MARGIN  # (a field: benchmarks compare settings side by side in one process)
 
     wants_calibration = True
 
@@ -194,7 +188,7 @@ class AdaptiveBudget:
         histories = [self._predicted(s) for s in states]
         backlogs = np.array([s.backlog for s in states], dtype=np.float64) / AMORTIZE_STEPS
         plain_rate = len(requests) / self._seconds(0.0, fixed_rows, len(requests))
-        best_depth, best_rate, best_kept, best_spec_rate = 0, plain_rate * (1.0 + self.margin), None, 0.0
+        best_depth, best_rate, best_kept, best_spec_rate = 0, plain_rate, None, 0.0
         for depth in [self.max_depth] if self.whole_trees else range(1, self.max_depth + 1):
             values = [_expected_best(history, depth) for history in histories]
             has = np.array([len(v) > 0 for v in values])
