@@ -230,6 +230,10 @@ class AdaptiveBudget:
                 s.fresh = False
             if pays:
                 s.idle, s.probe_every, s.probing = 0, min(2 * s.probe_every, PROBE_MAX), True
+                # The trees it drafted before decoding plainly describe text it has since left: the next plan
+                # judges it on what the probe drafts (with them, seven stale trees outvoted the probe's one,
+                # and a request stopped by a hard passage stayed plain for the rest of its answer).
+                s.trees.clear()
                 self._since_plan = self._replan_every  # the next step plans with what the probe drafted
                 budgets.append(self.max_budget)
             else:

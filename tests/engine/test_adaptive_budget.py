@@ -15,7 +15,7 @@ from adaptive_policy import FixedVerifyCost, FreeDrafting
 from specserve import LLM, SamplingParams
 from specserve.budget import RequestStepRecord, StepRecord
 from specserve.speculation import AdaptiveBudget
-from specserve.speculation.adaptive import NEARLY_FREE_SHARE, PROBE_FIRST, PROBE_NODES, REPLAN
+from specserve.speculation.adaptive import NEARLY_FREE_SHARE, PROBE_FIRST, PROBE_NODES, REPLAN, TREE_HISTORY
 from specserve.speculation.cost_model import DraftCost, VerifyCost, calibrate_tree_cost
 from specserve.speculation.node_values import NodeValueModel, fallback_scores, path_products
 from specserve.verify import DraftTree
@@ -261,6 +261,32 @@ def test_probing_revives_a_plain_request():
             break
     assert revived_at is not None
 
+
+
+def test_a_probe_is_judged_on_its_own_tree_not_on_trees_from_before_the_pause():
+    """A request that drafted well, then guessed poorly through a hard passage, decodes plainly; when a probe then
+    drafts a good tree, the next plan judges it on that tree: the trees from before the pause describe text it has
+    left (kept, seven poor ones outvoted the probe's and it stayed plain until the next probe, 64 steps on)."""
+    policy = AdaptiveBudget(max_budget=6, max_depth=6, verify_cost=_cost(per_row=0.3), draft_cost=FreeDrafting())
+    requests = [_Req("a")]
+    good, poor = [-0.05 * (d + 1) for d in range(6)], [-3.0 * (d + 1) for d in range(6)]
+    for step in range(60):  # good guesses, all accepted; then unlikely ones, none accepted, until it stops
+        plan = policy.plan(requests, 1)
+        if step >= 16 and not plan.budgets[0]:
+            break
+        cut, _ = policy.cut(requests, [_chain_tree(6, good if step < 16 else poor)], plan.budgets, 1, 0.0)
+        _observe(policy, requests, cut, accepted=cut[0].num_nodes if step < 16 else 0)
+    assert len(policy._requests["a"].trees) == TREE_HISTORY
+    assert policy.plan(requests, 1).budgets == [0]
+    for _ in range(4 * PROBE_FIRST):
+        plan = policy.plan(requests, 1)
+        if plan.budgets[0]:
+            break
+    assert policy._requests["a"].probing
+    cut, _ = policy.cut(requests, [_chain_tree(6, good)], plan.budgets, 1, 0.0)
+    _observe(policy, requests, cut, accepted=cut[0].num_nodes)
+    assert len(policy._requests["a"].trees) == 1  # the probe's tree alone
+    assert policy.plan(requests, 1).budgets == [6]  # the plan right after a probe drafts again
 
 class _PricedDrafting(DraftCost):
     """Drafting that costs `share` of a (one-unit) plain step per request."""
