@@ -207,7 +207,8 @@ class LlamaModel(nn.Module):
     def use_cpu_kernels(self, quantization: str | None = None) -> bool:
         """Run forwards through `specserve.kernels` (compiled, multithreaded, batch-invariant) when the
         model and device allow it; returns whether they do (the reason is logged once otherwise).
-        quantization: "int8" / "int4" packs every product (layers and LM head) as Q8_0 / Q4_0 (`PackedLinear`)."""
+        quantization: "int8" / "int4" / "q4_1" packs every product (layers and LM head) as Q8_0 / Q4_0 / Q4_1
+        (`PackedLinear`; Q4_1 is what a draft model beside 4-bit target layers gets, `kernels.drafter_storage`)."""
         from specserve.kernels import ModelKernels
 
         self.kernels = ModelKernels.for_model(self, quantization)
