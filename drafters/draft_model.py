@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specserve.drafters.base import DraftRequest, TargetInfo, check_int_option, register
+from specserve.drafters.base import DraftRequest, TargetInfo, check_int_option, check_storage_option, register
 from specserve.drafters.draft_vocab import FILE_NAME as DRAFT_VOCAB_FILE
 from specserve.drafters.draft_vocab import load_draft_vocab
 from specserve.drafters.level_drafter import LevelDrafter, LevelWork
@@ -73,6 +73,9 @@ class DraftModelDrafter(LevelDrafter):
       width:      nodes expanded per level (the best by cumulative score), in [1, 64].
       max_budget: most nodes per tree, >= 1; at most the full tree, ``topk * (1 + (depth - 1) * width)``.
       seed:       seeds the per-request draft samplers (temperature > 0), with the request's seed or id.
+      storage:    how the CPU kernels store the draft's weights (`specserve.kernels.STORAGES`); default the
+                  target's quantization, or beside a GGUF file's blocks `kernels.drafter_storage`'s (Q4_1 beside
+                  4-bit layers, else int8), else the draft's own dtype.
     """
 
     needs_hidden_states = False
@@ -88,6 +91,7 @@ class DraftModelDrafter(LevelDrafter):
         width: int = 1,
         max_budget: int | None = None,
         seed: int = 0,
+        storage: str | None = None,
     ) -> None:
         self.depth = _check("depth", depth, 1, 64)
         self.topk = _check("topk", topk, 1, 64)
@@ -95,6 +99,8 @@ class DraftModelDrafter(LevelDrafter):
         full = self.topk * (1 + (self.depth - 1) * self.width)
         self.max_budget = full if max_budget is None else min(_check("max_budget", max_budget, 1, 1 << 20), full)
         self.seed = _check("seed", seed, 0, 2**63 - 1)
+        on_kernels = target.model is not None and getattr(target.model, "kernels", None) is not None
+        storage = check_storage_option("draft", storage, on_kernels)
         self.path = _resolve_path(target, path)
         target_model = target.model
         # The target's attention backend (triton on CUDA): one kernel, and CUDA graphs, for both models.
@@ -122,7 +128,7 @@ class DraftModelDrafter(LevelDrafter):
             from specserve.kernels import drafter_storage
 
             kernels = target_model.kernels if target_model is not None else None
-            self.model.use_cpu_kernels(None if kernels is None else kernels.quantization or drafter_storage(kernels))
+            self.model.use_cpu_kernels(None if kernels is None else storage or kernels.quantization or drafter_storage(kernels))
         self.vocab = cfg.vocab_size if draft_vocab is None else len(draft_vocab)
         self.device = target.device
         self.cache = None  # made by `attach_kv` on the engine's allocator

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specserve.drafters.base import DraftRequest, TargetInfo, check_int_option, register
+from specserve.drafters.base import DraftRequest, TargetInfo, check_int_option, check_storage_option, register
 from specserve.drafters.eagle_checkpoint import load_head
 from specserve.drafters.level_drafter import LevelDrafter, LevelWork
 from specserve.drafters.tree_builder import Frontier, TreeBuilder
@@ -68,6 +68,9 @@ class EagleDrafter(LevelDrafter):
     The defaults (depth 5, topk 2, budget 8) suit small targets on CPU, where verifying a node is
     not free; larger targets and GPUs afford EAGLE-2's wider trees (topk 8-10, budgets of 60).
       seed:       seeds the per-request samplers (temperature > 0), with the request's seed or id.
+      storage:    how the CPU kernels store the head's weights (`specserve.kernels.STORAGES`); default beside a
+                  quantized target `kernels.drafter_storage`'s (Q4_1 beside 4-bit layers, else int8), else the
+                  head's own dtype.
     """
 
     needs_hidden_states = True
@@ -75,7 +78,7 @@ class EagleDrafter(LevelDrafter):
     kv_lookahead = 1  # the pair at slot i is (feature i, token i + 1)
 
     def __init__(self, target: TargetInfo, path: str | None = None, *, depth: int = 5, topk: int = 2,
-                 max_budget: int | None = None, seed: int = 0) -> None:
+                 max_budget: int | None = None, seed: int = 0, storage: str | None = None) -> None:
         self.depth = _check("depth", depth, 1, 32)
         self.topk = self.width = _check("topk", topk, 1, 16)
         full = self.topk + (self.depth - 1) * self.topk * self.topk
@@ -85,7 +88,8 @@ class EagleDrafter(LevelDrafter):
             raise ValueError("the eagle drafter needs a head directory: 'eagle:DIR' (a bare 'eagle' works only where a "
                              "head ships for the target: the tiny model's bundle; none ships for the default model yet)")
         self.path = Path(path).expanduser()
-        self.head = load_head(self.path, target)
+        on_kernels = target.model is not None and getattr(target.model, "kernels", None) is not None
+        self.head = load_head(self.path, target, storage=check_storage_option("eagle", storage, on_kernels))
         self.mode = self.head.mode
         self.id_map = self.head.draft_to_target.cpu().numpy()  # draft id -> target id
         self.vocab = self.head.cfg.draft_vocab_size

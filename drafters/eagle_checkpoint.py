@@ -160,7 +160,8 @@ def read_head(path: str | Path, target_num_layers: int) -> tuple[EagleHeadConfig
                             "(specserve train eagle) or a public EAGLE layout (config.json + weights)")
 
 
-def load_head(path: str | Path, target, device: torch.device | None = None, dtype: torch.dtype | None = None) -> EagleHead:
+def load_head(path: str | Path, target, device: torch.device | None = None, dtype: torch.dtype | None = None,
+              storage: str | None = None) -> EagleHead:
     """Load a head (our format or a public EAGLE-1/2/3 layout) for ``target`` (a `TargetInfo` whose
     ``model`` is the target `LlamaModel`). ValueError when it was made for another target. What was
     detected is on ``head.cfg.source``."""
@@ -192,7 +193,7 @@ def load_head(path: str | Path, target, device: torch.device | None = None, dtyp
             tensor.copy_(state[name].to(tensor.dtype))
     head.requires_grad_(False)
     if model.kernels is not None:
-        head.use_cpu_kernels(model.kernels)
+        head.use_cpu_kernels(model.kernels, storage)
     return head
 
 

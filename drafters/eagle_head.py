@@ -223,16 +223,17 @@ class EagleHead(nn.Module):
         the widest one the head's cache uses)."""
         return PagedKVCache.bytes_per_slot(self.cfg.num_layers, self.mc.num_kv_heads, self.mc.head_dim, torch.float32)
 
-    def use_cpu_kernels(self, target_kernels=None) -> bool:
+    def use_cpu_kernels(self, target_kernels=None, storage: str | None = None) -> bool:
         """Run inference through `specserve.kernels` when the device and dtype allow it. target_kernels:
-        the target's `ModelKernels` (an eagle1 head reads through the target's packed LM head)."""
+        the target's `ModelKernels` (an eagle1 head reads through the target's packed LM head); storage: the
+        products' (None: `kernels.drafter_storage`'s beside a quantized target, else the head's dtype)."""
         from specserve.kernels import kernels_unsupported
 
         if kernels_unsupported(self.fc.device, self.fc.dtype, self.mc.head_dim) is not None:
             return False
         if self.mode == "eagle1" and target_kernels is None:
             return False
-        self.kernels = _HeadKernels(self, target_kernels)
+        self.kernels = _HeadKernels(self, target_kernels, storage)
         return True
 
     # ---- pieces shared by inference and training -------------------------------------------------
@@ -331,11 +332,11 @@ class EagleHead(nn.Module):
 class _HeadKernels:
     """The head's products and its decoder layers on the CPU kernels (weights packed once)."""
 
-    def __init__(self, head: EagleHead, target_kernels) -> None:
+    def __init__(self, head: EagleHead, target_kernels, storage: str | None = None) -> None:
         from specserve.kernels import LayerKernels, PackedLinear, drafter_storage
 
         # A quantized target's head runs quantized too (`drafter_storage`: 4-bit beside 4-bit layers, else 8-bit).
-        storage = drafter_storage(target_kernels) or {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(
+        storage = storage or drafter_storage(target_kernels) or {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(
             head.fc.dtype, "float32")
         self.head = head
         self.layers = [LayerKernels(layer, storage) for layer in head.layers]

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from specserve.drafters.base import check_int_option, Drafter, DraftRequest, TargetInfo, register
+from specserve.drafters.base import check_int_option, check_storage_option, Drafter, DraftRequest, TargetInfo, register
 from specserve.drafters.medusa_heads import has_heads, load_heads
 from specserve.drafters.medusa_tree import DEFAULT_CHOICES, StaticTree, parse_choices, sample_static_tree
 from specserve.drafters.draft_rng import request_generator
@@ -105,11 +105,8 @@ class MedusaDrafter(Drafter):
         if tree == "dynamic" and choices is not None:
             raise ValueError("medusa drafter option choices applies to tree='static'")
         self.seed = _check("seed", seed, 0, 2**63 - 1)
-        if storage is not None:
-            from specserve.kernels.linear import STORAGES
-
-            if storage not in STORAGES:
-                raise ValueError(f"medusa drafter option storage must be one of {list(STORAGES)}, got {storage!r}")
+        on_kernels = target.model is not None and getattr(target.model, "kernels", None) is not None
+        storage = check_storage_option("medusa", storage, on_kernels)
         model_type = getattr(getattr(target.model, "config", None), "model_type", None)
         loaded = load_heads(path, hidden_size=target.hidden_size, vocab_size=target.vocab_size, model_type=model_type,
                             target_dir=target.model_dir)
@@ -501,13 +498,9 @@ class _HeadKernels:
 
     @classmethod
     def build(cls, heads, target, depth: int, storage: str | None = None) -> "_HeadKernels | None":
-        """None off the CPU kernels (the heads then run as torch modules; a storage asked for is refused)."""
+        """None off the CPU kernels (the heads then run as torch modules; `__init__` refused a storage asked for there)."""
         kernels = getattr(target.model, "kernels", None) if target.model is not None else None
-        if kernels is None:
-            if storage is not None:
-                raise ValueError("medusa drafter option storage applies to the CPU kernels, which this target does not run on")
-            return None
-        return cls(heads, kernels, depth, storage)
+        return None if kernels is None else cls(heads, kernels, depth, storage)
 
     def __init__(self, heads, target_kernels, depth: int, storage: str | None = None) -> None:
         from specserve.kernels import PackedLinear, drafter_storage

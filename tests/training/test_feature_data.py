@@ -173,6 +173,14 @@ def test_an_eagle3_head_trains_on_captured_features_and_serves_losslessly(target
     spec4 = LLM(str(target[1]), drafter=f"eagle:{head}", speculation="static", threads=1, quantization="int4")
     assert spec4.engine.drafter.head.kernels.fc.storage == spec4.engine.drafter.head.kernels.lm_head.storage == "q4_1"
     assert spec8.engine.drafter.head.kernels.fc.storage == "int8"
+    # ... unless the drafter's storage option says otherwise; a storage that does not exist is refused in one line.
+    asked = LLM(str(target[1]), drafter=f"eagle:{head}", drafter_options={"storage": "int8"}, speculation="static",
+                threads=1, quantization="int4")
+    assert asked.engine.drafter.head.kernels.fc.storage == asked.engine.drafter.head.kernels.lm_head.storage == "int8"
+    assert [o.token_ids for o in asked.generate(prompts, params)] == [
+        o.token_ids for o in LLM(str(target[1]), drafter=None, threads=1, quantization="int4").generate(prompts, params)]
+    with pytest.raises(ValueError, match="eagle drafter option storage must be one of"):
+        LLM(str(target[1]), drafter=f"eagle:{head}", drafter_options={"storage": "int3"}, threads=1)
 
     other_hf = build_model(tmp_path / "other", "llama", hidden_size=64, layers=4, init_std=0.1, seed=1)
     other = write_gguf(other_hf, tmp_path / "other.gguf", "F32")
@@ -406,6 +414,12 @@ def test_a_draft_model_trains_on_captured_features_and_serves_losslessly(target,
     for options in ({"depth": 3}, {"depth": 3, "topk": 2, "width": 2}):
         spec = LLM(str(target[1]), drafter=f"draft:{draft}", drafter_options=options, speculation="static", threads=1)
         assert [o.token_ids for o in spec.generate(prompts, params)] == plain
+    int4 = LLM(str(target[1]), drafter=f"draft:{draft}", drafter_options={"depth": 3, "storage": "q4_1"},
+               speculation="static", threads=1)
+    assert {p.storage for p in int4.engine.drafter.model.kernels.products()} == {"q4_1"}  # the option, beside F32
+    assert [o.token_ids for o in int4.generate(prompts, params)] == plain
+    with pytest.raises(ValueError, match="draft drafter option storage must be one of"):
+        LLM(str(target[1]), drafter=f"draft:{draft}", drafter_options={"storage": "int3"}, threads=1)
     described = spec.engine.drafter.describe()  # what `specserve info --drafter` prints
     assert (described["layers"], described["draft_vocabulary"]) == (2, 64)
     assert described["embedding"] == "the target's (borrowed)"
