@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from specserve.drafters.tree_builder import SAMPLED_SIBLING_LOGP, TreeBuilder
+from specserve.drafters.tree_builder import SAMPLED_SIBLING_LOGP, TreeBuilder, log_normalizer
 
 
 def greedy_builder(k: int, depth: int, requests: int = 1, vocab: int = 6, width: int | None = None) -> TreeBuilder:
@@ -215,3 +215,17 @@ def test_draw_siblings_stops_when_the_support_is_spent():
         drawn = draw_siblings(row, 1.0, 3, rng.random(3), q_ids, q_probs, tokens, np.empty(support, np.int64),
                               np.empty(support, np.float64), np.empty(support, np.float64))
         assert drawn == 2 and sorted(tokens[:2].tolist()) == [3, 7]
+
+
+@pytest.mark.parametrize("length", [1, 15, 16, 37, 4096, 4100])
+def test_log_normalizer_is_the_rows_log_sum_exp(length):
+    """`log_normalizer` (16 lanes at a time, a tail one by one) against log Σ exp in float64, with masked (-inf)
+    columns adding nothing; a row masked everywhere gives -inf."""
+    rng = np.random.default_rng(length)
+    row = (rng.standard_normal(length) * 4).astype(np.float32)
+    row[rng.random(length) < 0.3] = -np.inf
+    row[0] = 1.5  # at least one visible column
+    finite = row[np.isfinite(row)].astype(np.float64)
+    expected = finite.max() + np.log(np.exp(finite - finite.max()).sum())
+    assert log_normalizer(row) == pytest.approx(expected, rel=1e-6, abs=1e-6)
+    assert log_normalizer(np.full(length, -np.inf, dtype=np.float32)) == -np.inf
