@@ -35,6 +35,11 @@ class TargetInfo:
     model: Any = None
     tokenizer_dir: str | None = None  # where the target's tokenizer.json is (a GGUF target's converted one, cached)
 
+    @property
+    def kernels(self):
+        """The target's `specserve.kernels.ModelKernels`, or None (no model, or one off the CPU kernels)."""
+        return getattr(self.model, "kernels", None) if self.model is not None else None
+
 
 @dataclass(frozen=True)
 class DraftRequest:
@@ -204,20 +209,20 @@ def check_int_option(drafter: str, name: str, value: object, low: int, high: int
     raise ValueError(f"{drafter} drafter option {name} must be an integer {allowed}, got {value!r}")
 
 
-
-def check_storage_option(drafter: str, storage: object, on_kernels: bool) -> str | None:
+def check_storage_option(drafter: str, storage: object, target: TargetInfo) -> str | None:
     """A drafter's `storage` option: None (the default: `kernels.drafter_storage` beside a quantized target, else the
-    drafter's own) or one of `kernels.linear.STORAGES`, which only the CPU kernels run (on_kernels: whether the target
-    runs on them)."""
+    drafter's own) or one of `kernels.linear.STORAGES`, which only the CPU kernels run (refused where the target
+    does not run on them)."""
     if storage is None:
         return None
     from specserve.kernels.linear import STORAGES
 
     if storage not in STORAGES:
         raise ValueError(f"{drafter} drafter option storage must be one of {list(STORAGES)}, got {storage!r}")
-    if not on_kernels:
+    if target.kernels is None:
         raise ValueError(f"{drafter} drafter option storage applies to the CPU kernels, which this target does not run on")
     return storage
+
 
 _REGISTRY: dict[str, type[Drafter]] = {}
 

@@ -99,8 +99,7 @@ class DraftModelDrafter(LevelDrafter):
         full = self.topk * (1 + (self.depth - 1) * self.width)
         self.max_budget = full if max_budget is None else min(_check("max_budget", max_budget, 1, 1 << 20), full)
         self.seed = _check("seed", seed, 0, 2**63 - 1)
-        on_kernels = target.model is not None and getattr(target.model, "kernels", None) is not None
-        storage = check_storage_option("draft", storage, on_kernels)
+        storage = check_storage_option("draft", storage, target)
         self.path = _resolve_path(target, path)
         target_model = target.model
         # The target's attention backend (triton on CUDA): one kernel, and CUDA graphs, for both models.
@@ -127,8 +126,9 @@ class DraftModelDrafter(LevelDrafter):
             # target's (it verifies).
             from specserve.kernels import drafter_storage
 
-            kernels = target_model.kernels if target_model is not None else None
-            self.model.use_cpu_kernels(None if kernels is None else storage or kernels.quantization or drafter_storage(kernels))
+            kernels = target.kernels
+            self.model.use_cpu_kernels(None if kernels is None
+                                       else storage or kernels.quantization or drafter_storage(kernels))
         self.vocab = cfg.vocab_size if draft_vocab is None else len(draft_vocab)
         self.device = target.device
         self.cache = None  # made by `attach_kv` on the engine's allocator

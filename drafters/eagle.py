@@ -88,8 +88,7 @@ class EagleDrafter(LevelDrafter):
             raise ValueError("the eagle drafter needs a head directory: 'eagle:DIR' (a bare 'eagle' works only where a "
                              "head ships for the target: the tiny model's bundle; none ships for the default model yet)")
         self.path = Path(path).expanduser()
-        on_kernels = target.model is not None and getattr(target.model, "kernels", None) is not None
-        self.head = load_head(self.path, target, storage=check_storage_option("eagle", storage, on_kernels))
+        self.head = load_head(self.path, target, storage=check_storage_option("eagle", storage, target))
         self.mode = self.head.mode
         self.id_map = self.head.draft_to_target.cpu().numpy()  # draft id -> target id
         self.vocab = self.head.cfg.draft_vocab_size

@@ -105,8 +105,7 @@ class MedusaDrafter(Drafter):
         if tree == "dynamic" and choices is not None:
             raise ValueError("medusa drafter option choices applies to tree='static'")
         self.seed = _check("seed", seed, 0, 2**63 - 1)
-        on_kernels = target.model is not None and getattr(target.model, "kernels", None) is not None
-        storage = check_storage_option("medusa", storage, on_kernels)
+        storage = check_storage_option("medusa", storage, target)
         model_type = getattr(getattr(target.model, "config", None), "model_type", None)
         loaded = load_heads(path, hidden_size=target.hidden_size, vocab_size=target.vocab_size, model_type=model_type,
                             target_dir=target.model_dir)
@@ -498,9 +497,8 @@ class _HeadKernels:
 
     @classmethod
     def build(cls, heads, target, depth: int, storage: str | None = None) -> "_HeadKernels | None":
-        """None off the CPU kernels (the heads then run as torch modules; `__init__` refused a storage asked for there)."""
-        kernels = getattr(target.model, "kernels", None) if target.model is not None else None
-        return None if kernels is None else cls(heads, kernels, depth, storage)
+        """None off the CPU kernels: the heads then run as torch modules (and no storage was asked for: refused)."""
+        return None if target.kernels is None else cls(heads, target.kernels, depth, storage)
 
     def __init__(self, heads, target_kernels, depth: int, storage: str | None = None) -> None:
         from specserve.kernels import PackedLinear, drafter_storage

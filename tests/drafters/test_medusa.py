@@ -428,7 +428,6 @@ def test_heads_stored_in_any_kernel_storage_stay_lossless(small_vocab_dir, refer
     assert [o.token_ids for o in outs] == reference
 
 
-
 @pytest.mark.parametrize(("quantization", "expected"), [("int8", "int8"), ("int4", "q4_1")])
 def test_heads_beside_a_quantized_target_take_its_bit_width(small_vocab_dir, root_dir, quantization, expected):
     """No storage asked for: beside 8-bit target layers the heads run Q8_0, beside 4-bit ones Q4_1 (their bytes
@@ -439,6 +438,7 @@ def test_heads_beside_a_quantized_target_take_its_bit_width(small_vocab_dir, roo
     assert {q.storage for q in kernels.lm_heads + kernels.roots + [b for bs in kernels.blocks for b in bs]} == {expected}
     plain = LLM(small_vocab_dir, drafter=None, device="cpu", quantization=quantization)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+
 
 def test_sampled_tree_probs_are_what_each_node_was_drawn_from(small_vocab_dir, random_dir):
     drafter = create_drafter(f"medusa:{random_dir}", target_info(small_vocab_dir), {"max_budget": 17})

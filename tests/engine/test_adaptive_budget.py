@@ -262,7 +262,6 @@ def test_probing_revives_a_plain_request():
     assert revived_at is not None
 
 
-
 def test_a_probe_is_judged_on_its_own_tree_not_on_trees_from_before_the_pause():
     """A request that drafted well, then guessed poorly through a hard passage, decodes plainly; when a probe then
     drafts a good tree, the next plan judges it on that tree: the trees from before the pause describe text it has
@@ -287,6 +286,7 @@ def test_a_probe_is_judged_on_its_own_tree_not_on_trees_from_before_the_pause():
     _observe(policy, requests, cut, accepted=cut[0].num_nodes)
     assert len(policy._requests["a"].trees) == 1  # the probe's tree alone
     assert policy.plan(requests, 1).budgets == [6]  # the plan right after a probe drafts again
+
 
 class _PricedDrafting(DraftCost):
     """Drafting that costs `share` of a (one-unit) plain step per request."""
