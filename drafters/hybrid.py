@@ -124,6 +124,8 @@ class HybridDrafter(Drafter):
             raise ValueError(f"hybrid drafter option fallback_below must be a number >= 0, got {fallback_below!r}")
         self.fallback_below = float(fallback_below)
         self._costly = costly
+        # A node's `sources` by the bitmask of the parts that proposed it.
+        self._source_names = ["+".join(n for k, n in enumerate(names) if bits >> k & 1) for bits in range(1 << len(names))]
         self._guessed = np.zeros(len(parts))
         self._accepted = np.zeros(len(parts))
         self._last: dict[str, _Proposal] = {}
@@ -185,7 +187,8 @@ class HybridDrafter(Drafter):
         factors = self.factors
         part_trees: list[list[DraftTree] | None] = [None] * len(self.parts)
         # Cheap parts first: where their tree is already good enough, the costly parts sit the request out.
-        for costly_round in (False, True):
+        # (Without a costly part the second round has nothing to decide: the merge is not priced twice.)
+        for costly_round in (False, True) if any(self._costly) else (False,):
             if costly_round:
                 empty = [DraftTree.empty()] * len(self.parts)
                 for i, r in enumerate(requests):
@@ -225,7 +228,7 @@ class HybridDrafter(Drafter):
             order.insert(0, sampler)
         tokens: list[int] = []
         parents: list[int] = []
-        guesses: list[np.ndarray] = []
+        guesses = np.zeros((sum(tree.num_nodes for tree in trees), len(trees)))  # [at most every node, P]
         q_rows: list[tuple[np.ndarray, np.ndarray] | None] = []
         index: dict[tuple[int, int], int] = {}
         for k in order:
@@ -243,14 +246,13 @@ class HybridDrafter(Drafter):
                     node = index[key] = len(tokens)
                     tokens.append(tok)
                     parents.append(parent)
-                    guesses.append(np.zeros(len(trees)))
                     q_rows.append(None if q is None else (q[0][n].cpu().numpy(), q[1][n].float().cpu().numpy()))
-                guesses[node][k] = max(guesses[node][k], cond[n])
+                guesses[node, k] = max(guesses[node, k], cond[n])
                 local[n] = node
         if not tokens:
             return DraftTree.empty(), None, 0.0
         tok_arr, par_arr = np.asarray(tokens, dtype=np.int64), np.asarray(parents, dtype=np.int64)
-        guess_arr = np.stack(guesses)  # [N, P]
+        guess_arr = guesses[:len(tokens)]  # [N, P]
         # Each node's own guess: the best calibrated part's; its value: the product down its path.
         own = np.maximum(np.max(np.minimum(1.0, guess_arr * factors), axis=1), MIN_VALUE)
         if all(row is None for row in q_rows):
@@ -262,8 +264,9 @@ class HybridDrafter(Drafter):
                 values[n] = own[n] * (values[par] if par >= 0 else 1.0)
                 if q_rows[n] is not None:  # a sampled node never outranks an earlier sampled sibling
                     values[n] = last_sampled[par] = min(values[n], last_sampled.get(par, np.inf))
-        keep = np.sort(np.lexsort((np.arange(len(tokens)), -values))[:budget])
-        sources = tuple("+".join(self.part_names[k] for k in range(len(trees)) if guess_arr[n, k] > 0) for n in keep)
+        keep = np.sort(np.argsort(-values, kind="stable")[:budget])  # the best; ties: the lower index
+        proposed_by = (guess_arr[keep] > 0) @ (1 << np.arange(len(trees)))  # int[K]: a bit per part
+        sources = tuple(self._source_names[b] for b in proposed_by.tolist())
         q_ids = q_probs = None
         if sampled and any(row is not None for row in q_rows):
             width = max(len(row[0]) for row in q_rows if row is not None)
