@@ -20,7 +20,10 @@ cache directory; llama.cpp's code is run from the user's llama.cpp tree, never c
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import hashlib
+import logging
 import os
 import subprocess
 import sys
@@ -28,6 +31,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger("specserve")
 
 ENV_SOURCE = "LLAMA_CPP_SOURCE"
 CONVERTER = "convert_hf_to_gguf.py"
@@ -232,6 +237,42 @@ def _stage_with_standin_tokenizer(model_dir: Path, staged: Path) -> Path:
     return staged
 
 
+@contextlib.contextmanager
+def _model_params(**fields):
+    """llama-cpp-python's `Llama` with these fields of llama.cpp's model parameters (its constructor does not
+    take them all: it starts from `llama_model_default_params`, patched here while it runs)."""
+    import llama_cpp
+    import llama_cpp.llama as llama_module
+
+    default = llama_cpp.llama_model_default_params
+
+    def patched():
+        params = default()
+        for name, value in fields.items():
+            setattr(params, name, value)
+        return params
+
+    llama_module.llama_cpp.llama_model_default_params = patched
+    try:
+        yield
+    finally:
+        llama_module.llama_cpp.llama_model_default_params = default
+
+
+@functools.lru_cache(maxsize=None)
+def _extra_buffers_run(gguf: Path) -> bool:
+    """Whether llama.cpp decodes a 2-token batch of `gguf` with its extra weight buffers (repacked / AMX layouts),
+    tried in a child process: a llama-cpp-python 0.3.36 built natively on an AMX Xeon crashed (SIGSEGV) on every
+    batch of 2 or more tokens with them and ran without them. Without them llama.cpp runs its plain CPU kernels."""
+    code = ("import sys, llama_cpp; llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=64, n_threads=1, verbose=False); "
+            "llm.eval([1, 2])")
+    proc = subprocess.run([sys.executable, "-c", code, str(gguf)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        log.warning("llama.cpp's extra weight buffers (repacked / AMX layouts) crashed a 2-token batch of %s "
+                    "(exit status %s): the peer runs without them", gguf.name, proc.returncode)
+    return proc.returncode == 0
+
+
 @dataclass
 class LlamaCpp:
     """A GGUF model loaded in llama-cpp-python with a fixed thread count.
@@ -262,11 +303,14 @@ class LlamaCpp:
         import llama_cpp
 
         kv = {"f32": llama_cpp.GGML_TYPE_F32, "f16": llama_cpp.GGML_TYPE_F16}[self.kv_type]
+        # llama.cpp's extra weight buffers (its repacked and AMX layouts) unless they crash this host (`_extra_buffers_run`)
+        self.extra_buffers = self.gpu or _extra_buffers_run(self.gguf)
         try:
-            self.llm = llama_cpp.Llama(model_path=str(self.gguf), n_ctx=self.n_ctx, n_batch=min(self.n_ctx, 512),
-                                       n_threads=self.threads, n_threads_batch=self.threads, type_k=kv, type_v=kv,
-                                       n_gpu_layers=-1 if self.gpu else 0, logits_all=self.logits_all,
-                                       draft_model=self._draft_model(), verbose=False)
+            with _model_params(use_extra_bufts=self.extra_buffers):
+                    self.llm = llama_cpp.Llama(model_path=str(self.gguf), n_ctx=self.n_ctx, n_batch=min(self.n_ctx, 512),
+                                           n_threads=self.threads, n_threads_batch=self.threads, type_k=kv, type_v=kv,
+                                           n_gpu_layers=-1 if self.gpu else 0, logits_all=self.logits_all,
+                                           draft_model=self._draft_model(), verbose=False)
         except Exception as exc:  # a GGUF this llama.cpp cannot read: usually a converter newer than the library
             raise ValueError(f"llama-cpp-python cannot load {self.gguf} ({exc}); use the converter from the "
                              "same llama.cpp version as the installed llama-cpp-python") from exc
