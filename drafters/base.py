@@ -275,9 +275,13 @@ def create_drafter(spec: str, target: TargetInfo, options: dict[str, Any] | None
         raise ValueError(f"unknown drafter {name!r}; registered drafters: {known}")
     cls = _REGISTRY[name]
     options = dict(options or {})
-    accepted = inspect.signature(cls.__init__).parameters
-    unknown = sorted(k for k in options if k not in accepted or k in ("self", "target", "path"))
+    allowed = option_names(cls)
+    unknown = sorted(k for k in options if k not in allowed)
     if unknown:
-        allowed = sorted(k for k in accepted if k not in ("self", "target", "path"))
         raise ValueError(f"unknown option(s) {unknown} for drafter {name!r}; allowed: {allowed}")
     return cls(target, path=path, **options)
+
+
+def option_names(cls: type) -> list[str]:
+    """The options a drafter class takes (its constructor's keywords but the target and path), sorted."""
+    return sorted(k for k in inspect.signature(cls.__init__).parameters if k not in ("self", "target", "path"))

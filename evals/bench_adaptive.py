@@ -9,7 +9,8 @@ request i of round r has seed 1000·r + i, the same for every configuration):
 - plain:control:   a second, separately loaded plain `LLM` (a control: two instances of the same model
                    differ by a few percent here — memory placement — and that is noise too);
 - static:default:  the drafter with its default options, every request its fixed budget;
-- static:bBdD:     the drafter with max_budget=B, depth=D (the sweep), budgets fixed;
+- static:bBdD:     the drafter with max_budget=B, depth=D (the sweep), budgets fixed (static:bB: a drafter without a
+                   depth option, a hybrid, at its own depth);
 - adaptive:        the drafter with its default options, `speculation="adaptive"`.
 
 Every configuration is one `LLM` built once per drafter (plain once for all), warmed up once at each
@@ -44,6 +45,7 @@ import sys
 import time
 from pathlib import Path
 
+from specserve.drafters.base import option_names
 from specserve.evals.common import forget_shared, machine, model_label, parse_batch_sizes, set_threads, sync, write_json
 from specserve.evals.metrics import SpecCounts
 from specserve.cli import MODEL_HELP
@@ -395,13 +397,16 @@ def run(args: argparse.Namespace) -> int:
                               "load_s": load_s}
 
         add("static:default", "static", None)
+        # A drafter without a depth option (a hybrid: `auto`) sweeps its budgets at its own depth.
+        takes_depth = "depth" in option_names(type(llms["static:default"].engine.drafter))
         for b, d in sweep[name]:
+            label, options = (f"static:b{b}d{d}", {"max_budget": b, "depth": d}) if takes_depth else (f"static:b{b}", {"max_budget": b})
             try:
-                add(f"static:b{b}d{d}", "static", {"max_budget": b, "depth": d})
+                add(label, "static", options)
             except ValueError as exc:
                 if args.sweep:  # asked for: bad input
                     raise
-                skipped.append(f"static:b{b}d{d} ({exc})")  # a default setting this drafter cannot take
+                skipped.append(f"{label} ({exc})")  # a default setting this drafter cannot take
         add("adaptive", "adaptive", None)
         for label, llm in llms.items():
             if not label.startswith("plain"):

@@ -305,9 +305,14 @@ class LlamaCpp:
         kv = {"f32": llama_cpp.GGML_TYPE_F32, "f16": llama_cpp.GGML_TYPE_F16}[self.kv_type]
         # llama.cpp's extra weight buffers (its repacked and AMX layouts) unless they crash this host (`_extra_buffers_run`)
         self.extra_buffers = self.gpu or _extra_buffers_run(self.gguf)
+        # Prompt lookup evaluates a step's draft (up to prompt_lookup tokens after the sampled one) past the answer's
+        # last token. llama-cpp-python keeps drafts within llama.cpp's context, which llama.cpp pads (to 256), but
+        # its buffer of token ids holds the n_ctx asked for: an answer ending near an unpadded n_ctx overflowed it
+        # ("could not broadcast ... (11,) into ... (10,)"). Room for one draft past the answer keeps them apart.
+        context = self.n_ctx + (self.prompt_lookup + 1 if self.prompt_lookup else 0)
         try:
             with _model_params(use_extra_bufts=self.extra_buffers):
-                    self.llm = llama_cpp.Llama(model_path=str(self.gguf), n_ctx=self.n_ctx, n_batch=min(self.n_ctx, 512),
+                    self.llm = llama_cpp.Llama(model_path=str(self.gguf), n_ctx=context, n_batch=min(context, 512),
                                            n_threads=self.threads, n_threads_batch=self.threads, type_k=kv, type_v=kv,
                                            n_gpu_layers=-1 if self.gpu else 0, logits_all=self.logits_all,
                                            draft_model=self._draft_model(), verbose=False)

@@ -142,3 +142,18 @@ def test_bench_adaptive_bad_input(llama_dir, capsys, args, message):
     rc = main(["bench", "adaptive", "--model", str(llama_dir), "--drafters", "ngram", "--device", "cpu", *args])
     err = capsys.readouterr().err
     assert rc == 2 and len(err.strip().splitlines()) == 1 and message in err
+
+
+def test_a_hybrid_without_a_depth_option_sweeps_its_budgets(llama_dir, tmp_path, capsys):
+    # A hybrid (what `auto` is on the default model) takes max_budget but no depth: its sweep settings run at its own
+    # depth ("static:bB") instead of being skipped as options it cannot take.
+    out = tmp_path / "h.json"
+    rc = main(["bench", "adaptive", "--model", str(llama_dir), "--drafters", "hybrid:ngram+suffix", "--batch-sizes", "1",
+               "--temperatures", "0", "--max-tokens", "8", "--prompt-chars", "120", "--repeats", "1",
+               "--sweep", "hybrid=2x2", "--device", "cpu", "--json", str(out)])
+    capsys.readouterr()
+    assert rc == 0
+    entry = json.loads(out.read_text())["drafters"]["hybrid:ngram+suffix"]
+    assert entry["sweep_skipped"] == []
+    assert set(entry["configs"]) == {"plain", "plain:control", "static:default", "static:b2", "adaptive"}
+    assert entry["configs"]["static:b2"]["max_budget"] == 2

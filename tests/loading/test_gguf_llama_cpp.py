@@ -109,6 +109,14 @@ def test_llama_cpp_prompt_lookup_peer_decodes_what_plain_llama_cpp_does(hf_dir, 
     assert plain.llm.draft_model is None and lookup.llm.draft_model is not None
     for prompt in ([5, 6, 7, 8, 9] * 6, [40, 41, 42, 43, 44, 45, 46]):
         assert lookup.generate(prompt, 24) == plain.generate(prompt, 24)
+    # An answer that ends at the last slot of a context llama.cpp pads (250 -> 256): llama-cpp-python keeps drafts
+    # within the padded size but its buffer of token ids holds 250, and overflowed ("could not broadcast") before
+    # the peer made room for one draft past the answer. A greedy random model falls into a cycle, so a prompt
+    # holding the cycle is continued by drafts to the end.
+    plain, lookup = LlamaCpp(path, 1, 250), LlamaCpp(path, 1, 250, prompt_lookup=10)
+    seed = [40, 41, 42, 43, 44, 45, 46]
+    prompt = seed + plain.generate(seed, 160)
+    assert lookup.generate(prompt, 250 - len(prompt)) == plain.generate(prompt, 250 - len(prompt))
 
 
 def test_bench_drafters_runs_llama_cpp_beside_us_on_the_same_file(hf_dir, tmp_path, capsys):
