@@ -45,7 +45,6 @@ import sys
 import time
 from pathlib import Path
 
-from specserve.drafters.base import option_names
 from specserve.evals.common import forget_shared, machine, model_label, parse_batch_sizes, set_threads, sync, write_json
 from specserve.evals.metrics import SpecCounts
 from specserve.cli import MODEL_HELP
@@ -398,6 +397,8 @@ def run(args: argparse.Namespace) -> int:
 
         add("static:default", "static", None)
         # A drafter without a depth option (a hybrid: `auto`) sweeps its budgets at its own depth.
+        from specserve.drafters.base import option_names  # (here: argument errors answer before torch loads)
+
         takes_depth = "depth" in option_names(type(llms["static:default"].engine.drafter))
         for b, d in sweep[name]:
             label, options = (f"static:b{b}d{d}", {"max_budget": b, "depth": d}) if takes_depth else (f"static:b{b}", {"max_budget": b})
