@@ -15,7 +15,7 @@ from adaptive_policy import FixedVerifyCost, FreeDrafting
 from specserve import LLM, SamplingParams
 from specserve.budget import RequestStepRecord, StepRecord
 from specserve.speculation import AdaptiveBudget
-from specserve.speculation.adaptive import NEARLY_FREE_SHARE, PROBE_FIRST, PROBE_NODES, REPLAN, TREE_HISTORY
+from specserve.speculation.adaptive import NEARLY_FREE_SHARE, PROBE_FIRST, PROBE_NODES, REPLAN, SAMPLED_MARGIN, TREE_HISTORY
 from specserve.speculation.cost_model import DraftCost, VerifyCost, calibrate_tree_cost
 from specserve.speculation.node_values import NodeValueModel, fallback_scores, path_products
 from specserve.verify import DraftTree
@@ -286,6 +286,33 @@ def test_a_probe_is_judged_on_its_own_tree_not_on_trees_from_before_the_pause():
     _observe(policy, requests, cut, accepted=cut[0].num_nodes)
     assert len(policy._requests["a"].trees) == 1  # the probe's tree alone
     assert policy.plan(requests, 1).budgets == [6]  # the plan right after a probe drafts again
+
+
+def test_sampled_requests_draft_only_for_a_clear_predicted_gain():
+    """A one-node tree accepted 2 times in 5 pays 1.4 tokens for a step of 1.3 plain steps (+7.7 %): a greedy request
+    drafts it every step, a sampled one decodes plainly (a plan chosen on a request's good-looking trees is optimistic,
+    and a sampled node's acceptance is a draw: the gain must beat SAMPLED_MARGIN). Accepted 3 times in 5 (+23 %), both
+    draft."""
+    import math
+
+    assert 1.4 / 1.3 - 1 < SAMPLED_MARGIN < 1.6 / 1.3 - 1
+
+    def drafting_steps(temperature: float, accepted_of_5: int, steps: int = 120) -> int:
+        policy = AdaptiveBudget(max_budget=1, max_depth=1, verify_cost=_cost(per_row=0.3), draft_cost=FreeDrafting())
+        requests = [_Req("a", temperature=temperature)]
+        drafted = late = 0
+        for step in range(steps):
+            plan = policy.plan(requests, 1)
+            tree = _chain_tree(1, [math.log(accepted_of_5 / 5)]) if plan.budgets[0] else DraftTree.empty()
+            cut, _ = policy.cut(requests, [tree], plan.budgets, 1, 0.0)
+            _observe(policy, requests, cut, accepted=int(drafted % 5 < accepted_of_5))
+            if plan.budgets[0]:
+                drafted += 1
+                late += step >= steps // 2
+        return late  # drafting steps in the second half, once calibrated
+
+    assert drafting_steps(0.0, 2) == 60 and drafting_steps(1.0, 2) == 0
+    assert drafting_steps(0.0, 3) == 60 and drafting_steps(1.0, 3) == 60
 
 
 class _PricedDrafting(DraftCost):
