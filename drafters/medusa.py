@@ -497,7 +497,8 @@ class _HeadKernels:
 
     @classmethod
     def build(cls, heads, target, depth: int, storage: str | None = None) -> "_HeadKernels | None":
-        """None off the CPU kernels: the heads then run as torch modules (and no storage was asked for: refused)."""
+        """None off the CPU kernels: the heads then run as torch modules (a storage option was refused there, by
+        `check_storage_option`)."""
         return None if target.kernels is None else cls(heads, target.kernels, depth, storage)
 
     def __init__(self, heads, target_kernels, depth: int, storage: str | None = None) -> None:

@@ -401,7 +401,10 @@ def run(args: argparse.Namespace) -> int:
 
         takes_depth = "depth" in option_names(type(llms["static:default"].engine.drafter))
         for b, d in sweep[name]:
-            label, options = (f"static:b{b}d{d}", {"max_budget": b, "depth": d}) if takes_depth else (f"static:b{b}", {"max_budget": b})
+            if takes_depth:
+                label, options = f"static:b{b}d{d}", {"max_budget": b, "depth": d}
+            else:
+                label, options = f"static:b{b}", {"max_budget": b}
             try:
                 add(label, "static", options)
             except ValueError as exc:

@@ -241,10 +241,10 @@ def _stage_with_standin_tokenizer(model_dir: Path, staged: Path) -> Path:
 def _model_params(**fields):
     """llama-cpp-python's `Llama` with these fields of llama.cpp's model parameters (its constructor does not
     take them all: it starts from `llama_model_default_params`, patched here while it runs)."""
-    import llama_cpp
-    import llama_cpp.llama as llama_module
+    from llama_cpp import llama as llama_module
 
-    default = llama_cpp.llama_model_default_params
+    bindings = llama_module.llama_cpp  # the module `Llama.__init__` reads the defaults from
+    default = bindings.llama_model_default_params
 
     def patched():
         params = default()
@@ -252,11 +252,11 @@ def _model_params(**fields):
             setattr(params, name, value)
         return params
 
-    llama_module.llama_cpp.llama_model_default_params = patched
+    bindings.llama_model_default_params = patched
     try:
         yield
     finally:
-        llama_module.llama_cpp.llama_model_default_params = default
+        bindings.llama_model_default_params = default
 
 
 @functools.lru_cache(maxsize=None)
@@ -304,15 +304,15 @@ class LlamaCpp:
 
         kv = {"f32": llama_cpp.GGML_TYPE_F32, "f16": llama_cpp.GGML_TYPE_F16}[self.kv_type]
         # llama.cpp's extra weight buffers (its repacked and AMX layouts) unless they crash this host (`_extra_buffers_run`)
-        self.extra_buffers = self.gpu or _extra_buffers_run(self.gguf)
+        extra_buffers = self.gpu or _extra_buffers_run(self.gguf)
         # Prompt lookup evaluates a step's draft (up to prompt_lookup tokens after the sampled one) past the answer's
         # last token. llama-cpp-python keeps drafts within llama.cpp's context, which llama.cpp pads (to 256), but
         # its buffer of token ids holds the n_ctx asked for: an answer ending near an unpadded n_ctx overflowed it
         # ("could not broadcast ... (11,) into ... (10,)"). Room for one draft past the answer keeps them apart.
         context = self.n_ctx + (self.prompt_lookup + 1 if self.prompt_lookup else 0)
         try:
-            with _model_params(use_extra_bufts=self.extra_buffers):
-                    self.llm = llama_cpp.Llama(model_path=str(self.gguf), n_ctx=context, n_batch=min(context, 512),
+            with _model_params(use_extra_bufts=extra_buffers):
+                self.llm = llama_cpp.Llama(model_path=str(self.gguf), n_ctx=context, n_batch=min(context, 512),
                                            n_threads=self.threads, n_threads_batch=self.threads, type_k=kv, type_v=kv,
                                            n_gpu_layers=-1 if self.gpu else 0, logits_all=self.logits_all,
                                            draft_model=self._draft_model(), verbose=False)

@@ -7,6 +7,8 @@ request; probes bring a plain request back; every request finishes; calibration 
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -293,8 +295,6 @@ def test_sampled_requests_draft_only_for_a_clear_predicted_gain():
     drafts it every step, a sampled one decodes plainly (a plan chosen on a request's good-looking trees is optimistic,
     and a sampled node's acceptance is a draw: the gain must beat SAMPLED_MARGIN). Accepted 3 times in 5 (+23 %), both
     draft."""
-    import math
-
     assert 1.4 / 1.3 - 1 < SAMPLED_MARGIN < 1.6 / 1.3 - 1
 
     def drafting_steps(temperature: float, accepted_of_5: int, steps: int = 120) -> int:
