@@ -15,9 +15,10 @@ counts summed over both; a child's score is its parent's times ``count / total``
 acceptance estimate). The best-scoring candidate is added next (ties: the earlier candidate; siblings
 in count-descending, token-ascending order) until the tree holds ``min(budget, max_budget)`` nodes or
 nothing is left; no node is deeper than ``depth``. As in SuffixDecoding, weak evidence does not fill the
-budget: a tree has at most ``spec_factor`` × the root's match length nodes, and no node scoring below
-``min_prob`` (on fresh text a 1-token match would otherwise fill the budget with guesses that cost
-verify rows). Drafts are deterministic (no q: the verifier treats
+budget: a tree has at most ``spec_factor`` × the root's match length nodes (unless the match is ``max_match``
+long: the index cannot tell a longer one apart, and a passage being copied earns a chain ``depth`` deep), and
+no node scoring below ``min_prob`` (on fresh text a 1-token match would otherwise fill the budget with
+guesses that cost verify rows). Drafts are deterministic (no q: the verifier treats
 them as one-hot, which is lossless); ``DraftTree.scores`` carries the log scores for the adaptive
 policy. Under a grammar the request's rule drops forbidden nodes of a tree without q, so the drafter ignores
 ``DraftRequest.mask``.
@@ -104,6 +105,10 @@ class _RequestState:
 
 
 SHARED_TOKENS = 32768  # the shared index's default cap, in tokens
+# A passage being copied (a match as long as ``max_match``) drafts a chain this deep: on the default model's
+# multi-turn code edits, static drafting's τ went from 3.11 at depth 8 to 3.49 at 16 (BENCHMARKS.md, "Suffix
+# chains as deep as the passage copied"); shorter matches stay within ``spec_factor`` × their length.
+DEFAULT_DEPTH = 16
 
 
 @register("suffix")
@@ -135,7 +140,7 @@ class SuffixDrafter(Drafter):
         *,
         min_match: int = 1,
         max_match: int = 8,
-        depth: int = 8,
+        depth: int = DEFAULT_DEPTH,
         max_budget: int = 24,
         shared_tokens: int = SHARED_TOKENS,
         spec_factor: int = 1,

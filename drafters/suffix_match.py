@@ -318,8 +318,10 @@ def build_suffix_tree(a_keys, a_head, a_total, a_tok, a_cnt, a_next, b_keys, b_h
     added, so only they become candidates.
 
     Two cuts keep weak evidence from filling the budget (SuffixDecoding's): with ``spec_factor > 0`` the
-    tree has at most ``spec_factor * k`` nodes, ``k`` the root's match length; a candidate whose score is
-    below ``min_prob`` is not made."""
+    tree has at most ``spec_factor * k`` nodes, ``k`` the root's match length, unless the match is
+    ``max_match`` long (the index cannot tell how much longer it is: a passage being copied, which is
+    worth a chain as deep as the drafter's ``depth``); a candidate whose score is below ``min_prob`` is
+    not made."""
     tokens = np.empty(max(cap, 0), np.int64)
     parents = np.empty(max(cap, 0), np.int64)
     scores = np.empty(max(cap, 0), np.float32)
@@ -360,7 +362,7 @@ def build_suffix_tree(a_keys, a_head, a_total, a_tok, a_cnt, a_next, b_keys, b_h
             tstart = max(0, tl - max_match)
             k, n, total = _lookup(a_keys, a_head, a_total, a_tok, a_cnt, a_next, b_keys, b_head, b_total, b_tok,
                                   b_cnt, b_next, tail[tstart:tl], tl - tstart, min_match, max_match, keys, toks, cnts)
-            if parent < 0 and spec_factor > 0:
+            if parent < 0 and spec_factor > 0 and k < max_match:
                 cap = min(cap, spec_factor * k)
             if n > 0:
                 order = _top(toks, cnts, n, cap)

@@ -55,8 +55,9 @@ def brute_lookup(corpus: list[list[int]], tail: list[int], min_match: int, max_m
 
 def brute_tree(corpus, ctx, min_match, max_match, depth, cap, spec_factor=0, min_prob=0.0):
     tokens, parents, scores, depths = [], [], [], []
-    if spec_factor > 0:
-        cap = min(cap, spec_factor * brute_lookup(corpus, ctx, min_match, max_match)[0])
+    root_match = brute_lookup(corpus, ctx, min_match, max_match)[0]
+    if spec_factor > 0 and root_match < max_match:  # a match as long as max_match: a copied passage, no cut
+        cap = min(cap, spec_factor * root_match)
     if cap <= 0 or depth <= 0 or not ctx:
         return tokens, parents
     cands: list[list] = []  # [score, parent, token, live]
@@ -119,6 +120,18 @@ def test_weak_evidence_cuts():
     # the defaults are SuffixDecoding's
     d = SuffixDrafter(TARGET)
     assert (d.spec_factor, d.min_prob) == (1, 0.1)
+
+
+def test_a_copied_passage_drafts_a_chain_as_deep_as_depth():
+    # The context ends with the first 4 tokens of a 12-token passage it holds: a match of max_match (4) tokens
+    # is as long as the index can tell, so spec_factor does not cut the chain to 4 nodes; depth does.
+    passage = list(range(10, 22))
+    ctx = [1] + passage + [2] + passage[:4]
+    chain = passage[4:] + [2, 10]
+    assert as_lists(drafter(max_match=4, spec_factor=1, depth=10).propose([request(ctx)], [24])[0]) == (chain, list(range(-1, 9)))
+    assert as_lists(drafter(max_match=4, spec_factor=1, depth=5).propose([request(ctx)], [24])[0])[0] == chain[:5]
+    # a match shorter than max_match (4 of 5: the passage's earlier copy follows 1, not 2): spec_factor x 4 nodes
+    assert as_lists(drafter(max_match=5, spec_factor=1, depth=10).propose([request(ctx)], [24])[0])[0] == chain[:4]
 
 
 def test_no_match_and_zero_budget_give_the_empty_tree():
