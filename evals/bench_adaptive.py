@@ -45,7 +45,7 @@ import sys
 import time
 from pathlib import Path
 
-from specserve.evals.common import forget_shared, machine, model_label, parse_batch_sizes, set_threads, sync, write_json
+from specserve.evals.common import machine, model_label, parse_batch_sizes, set_threads, start_cold, sync, write_json
 from specserve.evals.metrics import SpecCounts
 from specserve.cli import MODEL_HELP
 
@@ -229,7 +229,7 @@ def _measure_cell(llms: dict, prompts: list[list[int]], temperature: float, max_
         params = _params(temperature, max_tokens, len(prompts), r)
         tokens: dict[str, list[list[int]]] = {}
         for name in order:
-            forget_shared(llms[name])
+            start_cold(llms[name])
             outs, wall = [], 0.0
             for group in groups:
                 sync(device)

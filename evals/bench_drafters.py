@@ -28,7 +28,7 @@ import sys
 import time
 
 from specserve.defaults import QUANTIZATIONS
-from specserve.evals.common import forget_shared, set_threads, sync, write_json
+from specserve.evals.common import set_threads, start_cold, sync, write_json
 from specserve.evals.metrics import SpecCounts
 from specserve.cli import MODEL_HELP
 from specserve.training.chat_prompts import KINDS as CHAT_KINDS
@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
     outputs: dict[str, list] = {name: [] for name in names}
     for _ in range(args.repeats):
         for name, llm in llms.items():
-            forget_shared(llm)
+            start_cold(llm)
             t0 = time.perf_counter()
             outs = [llm.generate([p], params)[0] for p in prompts]
             rates[name].append(len(prompts) * args.max_tokens / (time.perf_counter() - t0))
@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     kernel_s = {}
     for name, llm in llms.items():  # the roofline pass (see the module docstring)
         clock = KernelClock(llm)
-        forget_shared(llm)
+        start_cold(llm)
         for p in prompts:
             llm.generate([p], params)
         kernel_s[name] = clock.seconds

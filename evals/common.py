@@ -104,6 +104,19 @@ def clear_prefix_cache(engine) -> None:
         engine.prefix_cache.clear()
 
 
+def start_cold(llm) -> None:
+    """Before a timed run that is compared with other systems: nothing from earlier requests carries over —
+    the drafter's index of finished outputs (`forget_shared`) and the prefix cache, so every system prefills
+    every prompt, as llama.cpp's peer does (`reset()`). With the cache kept, a system whose cache already
+    held a prompt skipped its prefill: on multi-turn edits plain decoding had prefilled the earlier turns
+    while writing them and a speculative system had not, and a second repeat ran every system from a warm
+    cache (BENCHMARKS.md, "A cold prefix cache for every system in every timed run")."""
+    forget_shared(llm)
+    engine = getattr(llm, "engine", None)
+    if engine is not None:
+        clear_prefix_cache(engine)
+
+
 def median_spread(xs: list[float]) -> dict:
     """Median, min and max of repeated timings, and how many there were."""
     import statistics

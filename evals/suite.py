@@ -40,7 +40,7 @@ from specserve.evals.datasets import (
     load_dataset,
 )
 from specserve.evals import llamacpp_peer
-from specserve.evals.common import forget_shared, model_label, set_threads, sync
+from specserve.evals.common import model_label, set_threads, start_cold, sync
 from specserve.evals.peers import LLAMA_CPP_PEERS, parse_peers, resolve_peer_draft
 from specserve.evals.structured import check_output, constraint_kwargs
 from specserve.evals.report import write_json, write_report
@@ -254,7 +254,7 @@ def run_eval(cfg: EvalConfig) -> dict:
             if name in peers:
                 seconds, outs = peers[name].run(ids, max_tokens, cfg.temperature, cfg.seed + 100_003 * repeat + idx[0])
                 return seconds, outs, None
-            forget_shared(llms[name])
+            start_cold(llms[name])
             sync(plain.device)
             t0 = time.perf_counter()
             outs = llms[name].generate(ids, params_for(idx, repeat, max_tokens))

@@ -79,6 +79,30 @@ def test_multi_turn_prompts_and_sampling(llama_dir, tmp_path):
     assert res["drafters"]["ngram"]["tau"] >= 1
 
 
+def test_every_timed_run_prefills_its_prompts_cold(llama_dir, tmp_path, monkeypatch):
+    """No system skips a prompt's prefill from its prefix cache: not plain decoding, which wrote the earlier turns
+    itself, and no system in a second repeat (each would otherwise time a different amount of work)."""
+    calls = []
+    generate = LLM.generate
+
+    def recording(self, prompts, params=None, **kwargs):
+        outs = generate(self, prompts, params, **kwargs)
+        calls.append([o.num_cached_tokens for o in outs])
+        return outs
+
+    monkeypatch.setattr(LLM, "generate", recording)
+    data = write_dataset(tmp_path / "mt.jsonl")
+    res = run_eval(EvalConfig(drafters=["ngram"], dataset=str(data), out=str(tmp_path / "o"), model=str(llama_dir),
+                              max_tokens=24, repeats=2, device="cpu", progress=False))
+    timed = calls[-2 * 4 * 2:]  # the last calls: 2 repeats x 4 prompts (one a group) x 2 systems
+    assert max(p["prompt_tokens"] for p in res["prompts"]) > 32  # turn 2 spans whole cache blocks
+    assert all(n == 0 for call in timed for n in call)
+    # ... where a second run of the same prompt would have hit the cache (it is on by default)
+    llm, prompt = LLM(llama_dir, drafter=None, device="cpu"), list(range(3, 63))
+    first, second = (llm.generate([prompt], SamplingParams(max_tokens=2))[0] for _ in range(2))
+    assert first.num_cached_tokens == 0 and second.num_cached_tokens > 0
+
+
 def test_interrupt_keeps_finished_results_and_exits_130(llama_dir, dataset, tmp_path, monkeypatch, capsys):
     from specserve.cli import main
     from specserve.evals.summary import RunData
