@@ -19,7 +19,8 @@ configuration once, in an order rotated by one each round, so none always goes f
 MIN_CELL_PROMPTS prompts in consecutive batches of the cell's batch size (one short request is too little
 to time).
 
-Aggregate tokens/s = new tokens of the batch / wall time of the `generate` call (prefill included);
+Aggregate tokens/s = new tokens of the batch / wall time of the `generate` call (prefill included: every
+configuration's run starts from a cold prefix cache, `common.start_cold`);
 per-request tokens/s = a request's new tokens / its end-to-end time, p50 over the batch, median over
 rounds. "Best static" is the static setting (default included) with the highest median aggregate
 tokens/s in the cell. Noise: the larger of the spread of plain decoding's aggregate tokens/s over the
