@@ -5,8 +5,9 @@ after a top-level `def` line (`specserve.evals.datasets.heldout_prompts`); with 
 about the standard library's held-out modules in the target's chat template (`heldout_chat_prompts`: the
 split `train feature-data` never trains on). For each repeat, plain decoding and every drafter run the
 same prompts one at a time (batch 1, greedy, EOS ignored), interleaved, after a warm-up, each run from a
-cold prefix cache (`common.start_cold`: every prompt's prefill is timed); outputs must be identical. ``--peer llama.cpp`` / ``llama.cpp-prompt-lookup`` run llama.cpp on the same GGUF file (plain, and
-with its own prompt-lookup speculative decoding) in the same loop, with the kernels' thread count.
+cold prefix cache (`common.start_cold`: every prompt's prefill is timed); outputs must be identical.
+``--peer llama.cpp`` / ``llama.cpp-prompt-lookup`` run llama.cpp on the same GGUF file (plain, and with its
+own prompt-lookup speculative decoding) in the same loop, with the kernels' thread count.
 
 **Roofline.** One more pass, after the timed ones, runs each system with a `KernelClock`: the seconds
 spent inside model forwards — the target's and the drafter's own models or heads — at the shapes the

@@ -28,7 +28,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from specserve.evals.common import forget_shared, machine, parse_batch_sizes, set_threads, write_json
+from specserve.evals.common import machine, parse_batch_sizes, set_threads, start_cold, write_json
 
 GOALS_MS = {1: 0.3, 32: 1.5}  # the speculation-efficiency issue's goals (draft model, EAGLE, n-gram)
 PHASES = ("schedule", "draft", "batch", "accept", "commit", "emit", "observe")
@@ -210,7 +210,7 @@ def measure(drafter: str | None, batch: int, max_tokens: int, repeats: int, prom
     clock = PhaseClock(llm.engine)
 
     def run() -> list[list[int]]:
-        forget_shared(llm)
+        start_cold(llm)
         return [o.token_ids for o in llm.generate(batch_prompts, params)]
 
     t0 = time.perf_counter()

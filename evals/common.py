@@ -90,14 +90,6 @@ def check_positive(args, *names: str) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
 
 
-def forget_shared(llm) -> None:
-    """Before a timed run: the drafter forgets what it learned from earlier requests (the suffix
-    drafter's index of finished outputs), so a prompt measured again is not drafted from its own answer."""
-    drafter = getattr(getattr(llm, "engine", None), "drafter", None)
-    if drafter is not None:
-        drafter.forget_shared()
-
-
 def clear_prefix_cache(engine) -> None:
     """Empty `engine`'s prefix cache (where caching is on), so the next prompt prefills cold."""
     if engine.prefix_cache is not None:
@@ -105,16 +97,18 @@ def clear_prefix_cache(engine) -> None:
 
 
 def start_cold(llm) -> None:
-    """Before a timed run that is compared with other systems: nothing from earlier requests carries over —
-    the drafter's index of finished outputs (`forget_shared`) and the prefix cache, so every system prefills
-    every prompt, as llama.cpp's peer does (`reset()`). With the cache kept, a system whose cache already
-    held a prompt skipped its prefill: on multi-turn edits plain decoding had prefilled the earlier turns
-    while writing them and a speculative system had not, and a second repeat ran every system from a warm
-    cache (BENCHMARKS.md, "A cold prefix cache for every system in every timed run")."""
-    forget_shared(llm)
+    """Before a timed run: nothing from earlier requests carries over. The drafter forgets what it learned
+    from them (the suffix drafter's index of finished outputs), so a prompt measured again is not drafted
+    from its own answer; the prefix cache is emptied, so every system prefills every prompt, as llama.cpp's
+    peer does (`reset()`). With the cache kept, plain decoding had prefilled multi-turn prompts while
+    writing their earlier turns and a speculative system had not, and a second repeat timed no prefill at
+    all (BENCHMARKS.md, "A cold prefix cache for every system in every timed run")."""
     engine = getattr(llm, "engine", None)
-    if engine is not None:
-        clear_prefix_cache(engine)
+    if engine is None:
+        return
+    if engine.drafter is not None:
+        engine.drafter.forget_shared()
+    clear_prefix_cache(engine)
 
 
 def median_spread(xs: list[float]) -> dict:

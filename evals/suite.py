@@ -6,8 +6,8 @@ up, then, for each repeat, for each prompt group (batch-size prompts of one cate
 decoding, every drafter and every peer on that group, one after another — interleaved, so drift on a
 shared machine hits them alike. Every system generates exactly --max-tokens tokens per prompt (EOS
 ignored), and every timed run starts cold (`common.start_cold`): each prompt's prefill is timed, by
-every system, in every repeat. A peer that cannot run here (llama.cpp without llama-cpp-python or its converter) is
-skipped with one line and listed under skipped_peers. results.json is rewritten as groups finish,
+every system, in every repeat. A peer that cannot run here (llama.cpp without llama-cpp-python or its
+converter) is skipped with one line and listed under skipped_peers. results.json is rewritten as groups finish,
 so an interrupted run keeps what it finished; report.md and the plots are written at the end (and
 on Ctrl-C).
 

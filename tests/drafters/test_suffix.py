@@ -128,10 +128,14 @@ def test_a_copied_passage_drafts_a_chain_as_deep_as_depth():
     passage = list(range(10, 22))
     ctx = [1] + passage + [2] + passage[:4]
     chain = passage[4:] + [2, 10]
-    assert as_lists(drafter(max_match=4, spec_factor=1, depth=10).propose([request(ctx)], [24])[0]) == (chain, list(range(-1, 9)))
-    assert as_lists(drafter(max_match=4, spec_factor=1, depth=5).propose([request(ctx)], [24])[0])[0] == chain[:5]
+
+    def tree(**options):
+        return as_lists(drafter(spec_factor=1, **options).propose([request(ctx)], [24])[0])
+
+    assert tree(max_match=4, depth=10) == (chain, list(range(-1, 9)))
+    assert tree(max_match=4, depth=5)[0] == chain[:5]
     # a match shorter than max_match (4 of 5: the passage's earlier copy follows 1, not 2): spec_factor x 4 nodes
-    assert as_lists(drafter(max_match=5, spec_factor=1, depth=10).propose([request(ctx)], [24])[0])[0] == chain[:4]
+    assert tree(max_match=5, depth=10)[0] == chain[:4]
 
 
 def test_no_match_and_zero_budget_give_the_empty_tree():
