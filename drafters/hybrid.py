@@ -8,8 +8,10 @@ accepted tokens — SuffixDecoding's hybrid rule, which keeps a strong match fro
 does not need. The trees are merged into one trie (a token path proposed by several parts is one node,
 its children the union of theirs), each node is valued, and the best ``budget`` nodes are kept.
 
-Values. A part's tree carries ``scores``, its guess at log P(node accepted) (cumulative along the path;
-none for n-gram: a fixed per-level guess). From them each node gets the part's *conditional* guess
+Values. A part's tree carries ``scores``, its guess at log P(node accepted) (cumulative along the path).
+A tree without them (n-gram's; Medusa's sampled trees, whose scores must not depend on the draws) is
+scored by its shape, as the adaptive policy scores such a tree (`fallback_scores`: a level down, and each
+earlier sibling, cost a factor e). From the scores each node gets the part's *conditional* guess
 ``c = P(accepted | parent accepted) = exp(score - parent's score)``. Parts are calibrated against what
 the verifier accepts: a per-part factor ``f = (accepted + 1) / (guessed + 1)`` (decayed sums over the
 children of accepted nodes, the nodes whose outcome is observed whatever the engine cut), so the
@@ -42,14 +44,12 @@ import torch
 
 from specserve.drafters.base import (CommitInfo, DraftRequest, Drafter, TargetInfo, check_int_option, create_drafter,
                                      parse_drafter_spec, register)
-from specserve.speculation.node_values import path_products
+from specserve.speculation.node_values import fallback_scores, path_products
 from specserve.verify import DraftTree, VerifyResult
 
 # The costly parts draft for a request when the cheap parts' tree expects fewer accepted tokens than this:
 # SuffixDecoding's hybrid rule (use the suffix tree when its match is strong, else the model drafter).
 DEFAULT_FALLBACK_BELOW = 2.0
-# A part without scores (n-gram): its guess that a node is accepted given its parent was.
-UNSCORED_GUESS = 0.5
 # Calibration memory: sums decay by this per observed node (about the last 500 observations count).
 CALIBRATION_DECAY = 0.998
 MIN_VALUE = 1e-9
@@ -322,11 +322,17 @@ class HybridDrafter(Drafter):
 
 
 def _conditional_guesses(tree: DraftTree) -> np.ndarray:
-    """float[N]: a part's guess that each node is accepted given its parent was, from its scores."""
-    if tree.scores is None:
-        return np.full(tree.num_nodes, UNSCORED_GUESS)
-    scores = tree.scores.float().cpu().numpy().astype(np.float64)
+    """float[N]: a part's guess that each node is accepted given its parent was, from its scores, or from its
+    shape where it has none. A flat guess for every node of a scoreless tree (0.5, before) made a sampled
+    request's Medusa draws tie with one another in the merged tree, so the policy's value model pooled the
+    first draw (a one-node tree accepted 0.39 of the time at temperature 1 on the default model) with its later
+    siblings and priced every draw alike (BENCHMARKS.md, "Temperature 1: the hybrid ranks a sampled request's
+    draws")."""
     parents = tree.parents.numpy()
+    if tree.scores is None:
+        scores = fallback_scores(parents).astype(np.float64)
+    else:
+        scores = tree.scores.float().cpu().numpy().astype(np.float64)
     parent_scores = np.where(parents >= 0, scores[np.maximum(parents, 0)], 0.0)
     return np.clip(np.exp(scores - parent_scores), MIN_VALUE, 1.0)
 

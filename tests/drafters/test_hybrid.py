@@ -133,6 +133,25 @@ def test_sampled_requests_put_the_sampling_parts_draws_first_and_deterministic_o
     assert 4 not in scores
 
 
+def test_a_scoreless_sampled_tree_is_valued_by_its_shape():
+    """A sampling part whose trees carry no scores (Medusa's sampled trees: scores may not depend on the draws) is
+    valued by the tree's shape, as the adaptive policy values such a tree: its first draw above its second, a child
+    below its parent. A flat guess for every node made the draws tie, so the policy could not tell the first draw
+    (the likely one) from the later ones and, at temperature 1, rarely drafted at all."""
+    h = _hybrid()
+    _, b = h.parts  # b samples
+    q_ids = torch.tensor([[3, 4, 6], [4, 6, -1], [5, -1, -1]])
+    q_probs = torch.tensor([[0.5, 0.3, 0.2], [0.6, 0.4, 0.0], [1.0, 0.0, 0.0]])
+    b.trees["r"] = _tree([3, 4, 5], [-1, -1, 0], q=(q_ids, q_probs))  # the root's two draws and the first's child
+    (tree,) = h.propose([_req(temperature=1.0)], [8])
+    assert tree.tokens.tolist() == [3, 4, 5] and tree.parents.tolist() == [-1, -1, 0]
+    first, second, child = np.exp(tree.scores.numpy().astype(np.float64))
+    # at calibration factor 1: a first child e^-1 of its parent, a second sibling e^-2 (`fallback_scores`)
+    assert first == pytest.approx(np.exp(-1), rel=1e-5)
+    assert second == pytest.approx(np.exp(-2), rel=1e-5)
+    assert child == pytest.approx(np.exp(-1) * first, rel=1e-5)
+
+
 def test_parts_are_calibrated_against_what_is_accepted():
     h = _hybrid()
     a, b = h.parts
