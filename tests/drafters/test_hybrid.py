@@ -137,7 +137,7 @@ def test_a_scoreless_sampled_tree_is_valued_by_its_shape():
     """A sampling part whose trees carry no scores (Medusa's sampled trees: scores may not depend on the draws) is
     valued by the tree's shape, as the adaptive policy values such a tree: its first draw above its second, a child
     below its parent. A flat guess for every node made the draws tie, so the policy could not tell the first draw
-    (the likely one) from the later ones and, at temperature 1, rarely drafted at all."""
+    (the likely one) from the later ones and priced every draw alike."""
     h = _hybrid()
     _, b = h.parts  # b samples
     q_ids = torch.tensor([[3, 4, 6], [4, 6, -1], [5, -1, -1]])
