@@ -44,7 +44,7 @@ import torch
 
 from specserve.drafters.base import (CommitInfo, DraftRequest, Drafter, TargetInfo, check_int_option, create_drafter,
                                      parse_drafter_spec, register)
-from specserve.speculation.node_values import fallback_scores, path_products
+from specserve.speculation.node_values import fallback_scores, own_terms, path_products
 from specserve.verify import DraftTree, VerifyResult
 
 # The costly parts draft for a request when the cheap parts' tree expects fewer accepted tokens than this:
@@ -329,10 +329,6 @@ def _conditional_guesses(tree: DraftTree) -> np.ndarray:
     siblings and priced every draw alike (BENCHMARKS.md, "Temperature 1: the hybrid ranks a sampled request's
     draws")."""
     parents = tree.parents.numpy()
-    if tree.scores is None:
-        scores = fallback_scores(parents).astype(np.float64)
-    else:
-        scores = tree.scores.float().cpu().numpy().astype(np.float64)
-    parent_scores = np.where(parents >= 0, scores[np.maximum(parents, 0)], 0.0)
-    return np.clip(np.exp(scores - parent_scores), MIN_VALUE, 1.0)
+    scores = fallback_scores(parents) if tree.scores is None else tree.scores.float().cpu().numpy()
+    return np.clip(np.exp(own_terms(scores.astype(np.float64), parents)), MIN_VALUE, 1.0)
 
