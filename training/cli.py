@@ -48,6 +48,10 @@ def add_train_parser(sub, parser_class):
                                                     "and soft labels an EAGLE-3 head trains on, captured once")
     add_feature_data_args(features)
     _corpus_args(features)
+    features.add_argument("--device", default="auto", help="auto | cpu | cuda: where the target answers (auto: a GPU "
+                                                          "when there is one)")
+    features.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16: the target's torch layers off the "
+                                                        "CPU kernels (default: the engine's, bfloat16 on a GPU)")
     features.add_argument("--threads", type=int, default=None, help="CPU threads for the kernels (default: all cores)")
     features.add_argument("--max-minutes", type=float, default=None, help="wall-clock budget; stops after a whole shard")
     features.add_argument("--resume", action="store_true", help="continue the data in --out (written shards are kept)")

@@ -321,13 +321,15 @@ class _StoredFeatures:
         b, t = tokens.shape
         draft = self.to_draft[top_ids.clamp(max=len(self.to_draft) - 1)]
         draft = torch.where(top_ids < len(self.to_draft), draft, torch.full_like(draft, -1))
-        weights = torch.where(draft >= 0, top_logp.exp(), torch.zeros(()))
-        p = torch.zeros(b, t, self.draft_size + 1)
-        p.scatter_add_(-1, torch.where(draft >= 0, draft, self.draft_size), weights)
+        weights = torch.where(draft >= 0, top_logp.float().exp(), torch.zeros(()))
+        # p [b, t, draft vocabulary] is built where it is used: it is ~draft-vocabulary / k times the stored
+        # labels' size (half a GB for 64 sequences of 500 rows), too much to fill on the CPU and copy each step.
+        p = torch.zeros(b, t, self.draft_size + 1, device=device)
+        p.scatter_add_(-1, torch.where(draft >= 0, draft, self.draft_size).to(device), weights.to(device))
         p = p[..., :-1]
         p = p / p.sum(-1, keepdim=True).clamp_min(1e-12)
         return {"tokens": tokens.to(device), "mask": mask.to(device), "argmax": top_ids[..., 0].to(device),
-                "layers": [feats[:, :, i].to(device) for i in range(feats.shape[2])], "p": p.to(device)}
+                "layers": [feats[:, :, i].to(device) for i in range(feats.shape[2])], "p": p}
 
 
 def _unrolled(head, batch: dict, steps: int):

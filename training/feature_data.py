@@ -83,15 +83,22 @@ def make_feature_data(
     corpus: list[str] | None = None,
     heldout_fraction: float = 0.05,
     threads: int | None = None,
+    device: str = "auto",
+    dtype: str | None = None,
     max_minutes: float | None = None,
     resume: bool = False,
     force: bool = False,
 ) -> dict:
-    """Generate (or complete, with ``resume``) the feature data of ``model`` (None: the default model)."""
+    """Generate (or complete, with ``resume``) the feature data of ``model`` (None: the default model).
+
+    ``device``: where the target answers — the CPU kernels, or a GPU (``cuda``; ``auto`` takes one when there
+    is one), same command and same data layout either way. ``dtype``: the torch layers' (None: the engine's,
+    bfloat16 on a GPU; float32 keeps a GPU's features nearer the CPU kernels' that serve the head)."""
     import torch  # noqa: F401  (heavy imports stay out of the CLI's start-up)
     from tqdm import tqdm
 
     from specserve import LLM
+    from specserve.device import resolve_device
     from specserve.drafters.eagle_head import default_feature_layers
     from specserve.loading import open_checkpoint, resolve_model
     from specserve.training.chat_prompts import chat_prompts
@@ -105,9 +112,13 @@ def make_feature_data(
     # (the engine refuses layers outside the model with one line)
     layers = tuple(feature_layers or default_feature_layers(
         "eagle3", open_checkpoint(resolve_model(model)).config.num_layers))
-    llm = LLM(model, drafter=None, max_num_seqs=settings.batch_size, threads=threads,
+    on_gpu = resolve_device(device).type == "cuda"
+    # A GPU prefills a whole batch's prompts in a few steps (the CPU default, 128 tokens a step, would take one
+    # step per 128 prompt tokens); 16,384 rows keep the prefill's full-vocabulary logits near 3 GB.
+    prefill_tokens = min(16384, settings.batch_size * settings.max_prompt_tokens) if on_gpu else 128
+    llm = LLM(model, drafter=None, device=device, dtype=dtype, max_num_seqs=settings.batch_size, threads=threads,
               max_model_len=settings.max_prompt_tokens + settings.new_tokens, speculation="static",
-              capture_layers=layers)
+              capture_layers=layers, max_prefill_tokens=prefill_tokens)
     if llm.tokenizer is None or not getattr(llm.tokenizer, "chat_template", None):
         raise ValueError(f"{llm.model_dir!r} has no chat template: feature data is built from chat prompts")
     cfg = llm.model.config
@@ -165,6 +176,7 @@ def make_feature_data(
     stats["generated_tokens_per_s"] = round(stats["new_tokens"] / seconds, 1)
     stats["rows_per_s"] = round(stats["tokens"] / seconds, 1)
     stats["threads"] = threads
+    stats["device"] = str(llm.device)
     write_json(out_dir / MANIFEST, manifest)
     llm.close()
     print(f"feature data: {manifest['counts']['train']['sequences']} train / {manifest['counts']['heldout']['sequences']} "
@@ -391,8 +403,8 @@ def cmd_feature_data(args) -> int:
                                greedy_fraction=args.greedy_fraction, temperature=args.temperature, topk=args.topk,
                                batch_size=args.gen_batch_size, seed=args.data_seed, every_kind=args.every_kind)
     manifest = make_feature_data(args.model, args.out, settings, feature_layers=layers, corpus=args.corpus,
-                                 heldout_fraction=args.heldout_fraction, threads=args.threads,
-                                 max_minutes=args.max_minutes, resume=args.resume, force=args.force)
+                                 heldout_fraction=args.heldout_fraction, threads=args.threads, device=args.device,
+                                 dtype=args.dtype,                                 max_minutes=args.max_minutes, resume=args.resume, force=args.force)
     print(json.dumps({"out": args.out, "complete": manifest["complete"], "counts": manifest["counts"],
                       "stats": manifest["stats"]}))
     return 0
