@@ -81,6 +81,34 @@ def test_captured_features_and_labels_are_the_targets_own(target, feature_dir):
             torch.testing.assert_close(got, want.topk(8, -1).values, atol=1e-4, rtol=0)
 
 
+def test_the_torch_layers_a_gpu_runs_capture_the_same_data(target, feature_dir, tmp_path, monkeypatch):
+    """A GPU answers through the torch layers (`--device cuda`), not the CPU kernels: the same command with an
+    attention backend named takes that path here, and its data (`--dtype float32`) equals the kernels' — the same
+    answers, features and top-k. A bad --device or --dtype is one line and exit status 2."""
+    import specserve
+    from specserve.training.feature_data import load_features
+
+    made, real = [], specserve.LLM
+
+    def torch_layers(*args, **kwargs):
+        made.append(kwargs)
+        return real(*args, **{**kwargs, "attention": "sdpa"})
+
+    monkeypatch.setattr(specserve, "LLM", torch_layers)
+    args = ["train", "feature-data", "--model", str(target[1]), "--num-prompts", "6", "--heldout-prompts", "2",
+            "--new-tokens", "12", "--gen-batch-size", "3", "--topk", "8", "--feature-layers", ",".join(map(str, LAYERS)),
+            "--heldout-fraction", "0.4", "--threads", "1", "--max-prompt-tokens", "480", *corpus_args()]
+    assert main([*args, "--out", str(tmp_path / "torch"), "--device", "cpu", "--dtype", "float32"]) == 0
+    assert made[0]["device"] == "cpu" and made[0]["dtype"] == "float32"
+    for split in ("train", "heldout"):
+        (kernels, _), (torch_path, _) = load_features(feature_dir, split), load_features(tmp_path / "torch", split)
+        assert torch.equal(kernels.tokens, torch_path.tokens) and torch.equal(kernels.offsets, torch_path.offsets)
+        torch.testing.assert_close(torch_path.features.float(), kernels.features.float(), atol=4e-3, rtol=4e-3)
+        assert torch.equal(kernels.topk_ids[:, 0], torch_path.topk_ids[:, 0])
+    assert main([*args, "--out", str(tmp_path / "bad1"), "--device", "tpu"]) == 2
+    assert main([*args, "--out", str(tmp_path / "bad2"), "--dtype", "fp8"]) == 2
+
+
 def test_chat_prompts_follow_the_corpus_split(feature_dir):
     """Held-out prompts come from held-out modules only; the kinds are those documented."""
     from specserve.training.chat_prompts import KINDS, chat_prompts
@@ -184,6 +212,14 @@ def test_an_eagle3_head_trains_on_captured_features_and_serves_losslessly(target
 
     other_hf = build_model(tmp_path / "other", "llama", hidden_size=64, layers=4, init_std=0.1, seed=1)
     other = write_gguf(other_hf, tmp_path / "other.gguf", "F32")
+    with pytest.raises(ValueError, match="made for another target.*file_sha256"):
+        LLM(str(other), drafter=f"eagle:{head}", threads=1)
+    # The file names its tokenizer: a head recording the same file loads even where the tokenizer fingerprint it
+    # recorded differs (another transformers version converts the file's tokenizer to other JSON).
+    config["target"]["tokenizer"] = "0" * 64
+    (head / "eagle_config.json").write_text(json.dumps(config))
+    assert [o.token_ids for o in LLM(str(target[1]), drafter=f"eagle:{head}", speculation="static",
+                                     threads=1).generate(prompts, params)] == plain
     with pytest.raises(ValueError, match="made for another target.*file_sha256"):
         LLM(str(other), drafter=f"eagle:{head}", threads=1)
     # Training on data captured from another file is refused too.
