@@ -404,7 +404,7 @@ def cmd_feature_data(args) -> int:
                                batch_size=args.gen_batch_size, seed=args.data_seed, every_kind=args.every_kind)
     manifest = make_feature_data(args.model, args.out, settings, feature_layers=layers, corpus=args.corpus,
                                  heldout_fraction=args.heldout_fraction, threads=args.threads, device=args.device,
-                                 dtype=args.dtype,                                 max_minutes=args.max_minutes, resume=args.resume, force=args.force)
+                                 dtype=args.dtype, max_minutes=args.max_minutes, resume=args.resume, force=args.force)
     print(json.dumps({"out": args.out, "complete": manifest["complete"], "counts": manifest["counts"],
                       "stats": manifest["stats"]}))
     return 0
